@@ -1,0 +1,29 @@
+# The two commands: `make demo` and `make test`. Both create .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
+TORCH_CPU ?= torch==2.13.0
+DEMO_DIR ?= demo_output
+NPROC ?= 2
+
+.PHONY: install test demo clean
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_CPU)" || \
+		$(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PIP) install -q -r requirements-dev.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q tests
+
+demo: install
+	$(PY) demo.py --output-dir $(DEMO_DIR) --nproc-per-node $(NPROC)
+
+clean:
+	rm -rf $(DEMO_DIR) .pytest_cache

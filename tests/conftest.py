@@ -1,0 +1,50 @@
+"""Session fixtures: tiny real tokenizers and random models built on disk once.
+
+Every test loads them through ``from_pretrained``, as users load Qwen or Llama.
+Run the suite with ``make test`` (or ``.venv/bin/python -m pytest -q tests``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tiny_model import TEMPLATES, build_tiny_model  # noqa: E402
+
+TEMPLATE_NAMES = sorted(TEMPLATES)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """One folder per chat template: tokenizer plus a matching random causal LM."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {name: build_tiny_model(name, root / name) for name in TEMPLATE_NAMES}
+
+
+@pytest.fixture(scope="session")
+def chatml_model(tiny_models) -> Path:
+    return tiny_models["chatml"]
+
+
+@pytest.fixture(scope="session")
+def llama3_model(tiny_models) -> Path:
+    return tiny_models["llama3"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_state():
+    """Leave no process group or changed default dtype behind a test."""
+    import torch
+
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

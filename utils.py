@@ -1,0 +1,259 @@
+"""Shared plumbing: the label sentinel, config-to-CLI generation, logging,
+seeding, and the device/distributed edge of the toolkit.
+
+Everything that touches ``torch.cuda`` or ``torch.distributed`` setup lives
+here so the rest of the code stays device-agnostic: ``init_distributed()``
+picks cuda+nccl when a GPU is present and cpu+gloo otherwise, and also works
+as a plain single process without torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import random
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+
+IGNORE_INDEX = -100
+"""Label value that contributes no loss (the Hugging Face / PyTorch convention)."""
+
+logger = logging.getLogger("mini_trainer")
+
+ConfigT = TypeVar("ConfigT")
+
+
+# ----------------------------------------------------------------------------
+# Config dataclass -> argparse
+
+
+def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any) -> Any:
+    """A dataclass field whose help text becomes the CLI flag's help."""
+    metadata = {"help": help}
+    if "choices" in kwargs:
+        metadata["choices"] = kwargs.pop("choices")
+    if "default_factory" in kwargs:
+        return dataclasses.field(default_factory=kwargs.pop("default_factory"), metadata=metadata, **kwargs)
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def build_arg_parser(config_cls: type, *, description: str | None = None) -> argparse.ArgumentParser:
+    """Generate an argparse parser from a config dataclass.
+
+    Field ``foo_bar`` becomes ``--foo-bar``; booleans get ``--foo``/``--no-foo``;
+    ``Literal`` types become choices; tuples become ``nargs``. Fields without a
+    default are required.
+    """
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        if not field.init:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        tp, _ = _unwrap_optional(hints[field.name])
+        kwargs: dict[str, Any] = {"help": field.metadata.get("help", ""), "dest": field.name}
+        if field.default is not dataclasses.MISSING:
+            kwargs["default"] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            kwargs["default"] = field.default_factory()
+        else:
+            kwargs["required"] = True
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(tp) is Literal:
+            kwargs["choices"] = list(typing.get_args(tp))
+            kwargs["type"] = type(kwargs["choices"][0])
+        elif typing.get_origin(tp) is tuple:
+            args = typing.get_args(tp)
+            kwargs["nargs"] = len(args)
+            kwargs["type"] = args[0]
+        else:
+            kwargs["type"] = tp
+            if "choices" in field.metadata:
+                kwargs["choices"] = field.metadata["choices"]
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def parse_config(config_cls: type[ConfigT], argv: list[str] | None = None, *, description: str | None = None) -> ConfigT:
+    """Parse ``argv`` into ``config_cls``; a ``ValueError`` from validation exits with usage."""
+    parser = build_arg_parser(config_cls, description=description)
+    namespace = parser.parse_args(argv)
+    values = vars(namespace)
+    hints = typing.get_type_hints(config_cls)
+    for name, value in values.items():
+        if isinstance(value, list) and typing.get_origin(_unwrap_optional(hints[name])[0]) is tuple:
+            values[name] = tuple(value)
+    try:
+        return config_cls(**values)
+    except ValueError as err:
+        parser.error(str(err))
+        raise  # unreachable: parser.error exits
+
+
+def collect_errors(errors: list[str]) -> None:
+    """Raise one ValueError listing every validation problem, if any."""
+    if errors:
+        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+# ----------------------------------------------------------------------------
+# Logging
+
+
+def setup_logging(level: str = "INFO", *, rank: int = 0) -> None:
+    """Configure the toolkit's logger; ranks other than 0 only show warnings and above."""
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown logging level {level!r}")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(numeric if rank == 0 else max(numeric, logging.WARNING))
+    logger.propagate = False
+
+
+def log_rank_0(msg: str, *args: Any, level: int = logging.INFO) -> None:
+    """Log on rank 0 only (other ranks' logger level already filters INFO)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.log(level, msg, *args)
+
+
+# ----------------------------------------------------------------------------
+# Seeding
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) from the one config seed."""
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------
+# Devices and distributed
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: Any  # torch.device; typed loosely so this module imports without torch
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def device_type() -> str:
+    """'cuda' when a GPU is visible, else 'cpu'."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
+    """Join the torchrun job (or become a one-process job without torchrun).
+
+    The backend comes from torch's own device->backend map: nccl for cuda,
+    gloo for cpu.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dtype = device_type()
+    if dtype == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            # Plain `python train.py`: a one-process group keeps one code path.
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = dist.Backend.default_device_backend_map[dtype]
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=device if dtype == "cuda" else None,
+        )
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def cleanup() -> None:
+    """Leave the process group, pairing with ``init_distributed``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def synchronize() -> None:
+    """Wait for queued device work (a no-op on CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_gb() -> float:
+    """Peak GPU memory allocated since the last reset; on CPU, this process's peak RSS."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
