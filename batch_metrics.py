@@ -1,0 +1,79 @@
+"""Per-step metrics: one JSON object per optimizer step, appended to a JSONL file.
+
+``step_record`` is pure (numbers in, dict out) so its arithmetic is tested
+without a model; ``MetricsWriter`` only appends and flushes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Whole-job counts for one optimizer step (already summed over ranks)."""
+
+    loss_sum: float                      # summed token cross-entropy over the optimizer batch
+    backward_loss_sum: float             # what backward() saw, summed over minibatches and ranks
+    batch_num_loss_counted_tokens: int   # the loss denominator
+    num_loss_counted_tokens: int         # loss tokens actually processed (equals the denominator)
+    num_samples: int
+    num_total_tokens: int
+    num_dropped_samples: int
+    num_minibatches: int                 # gradient-accumulation steps per rank
+
+
+def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, world_size: int,
+                time_per_batch: float, total_samples_accumulated: int, samples_seen: int, epoch: int,
+                peak_memory_usage_gb: float, skipped: bool = False) -> dict:
+    """The metrics line of one optimizer step (the original mini_trainer's keys, plus a few).
+
+    ``loss`` is the exact per-token mean over the whole optimizer batch.
+    """
+    denominator = max(counts.batch_num_loss_counted_tokens, 1)
+    loss = counts.loss_sum / denominator
+    return {
+        "step": step,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "loss": loss,
+        # backward() saw loss_sum * world_size / denominator on each rank; undoing the
+        # world-size factor gives back `loss`, a cheap end-to-end check of the scaling.
+        "avg_loss_backward": counts.backward_loss_sum / world_size,
+        "num_samples": counts.num_samples,
+        "num_loss_counted_tokens": counts.num_loss_counted_tokens,
+        "batch_num_loss_counted_tokens": counts.batch_num_loss_counted_tokens,
+        "num_total_tokens": counts.num_total_tokens,
+        "num_dropped_samples": counts.num_dropped_samples,
+        "grad_accum": counts.num_minibatches,
+        "avg_time_per_minibatch": time_per_batch / max(counts.num_minibatches, 1),
+        "time_per_batch": time_per_batch,
+        "tokens_per_second": counts.num_total_tokens / time_per_batch,
+        "tokens_per_second_per_gpu": counts.num_total_tokens / time_per_batch / world_size,
+        "samples_per_second": counts.num_samples / time_per_batch,
+        "total_samples_accumulated": total_samples_accumulated,
+        "samples_seen": samples_seen,
+        "epoch": epoch,
+        "skipped": skipped,
+        "peak_memory_usage_GB": peak_memory_usage_gb,
+        "timestamp": time.time(),
+    }
+
+
+class MetricsWriter:
+    """Append-and-flush JSONL writer (rank 0 only)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,94 @@
+"""Hugging Face exports: ``<output-dir>/hf_format/samples_<N>/``.
+
+Each export is a folder that ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` load as is: bf16 safetensors sharded at
+5 GB (``model-0000x-of-0000y.safetensors`` plus ``model.safetensors.index.json``
+when there is more than one shard), ``config.json``, ``generation_config.json``
+and the tokenizer files. It is written into ``samples_<N>.tmp`` and renamed
+only when complete, so a crash mid-save never leaves a folder that looks
+finished.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+
+from loss import CausalLMWithLoss
+from setup_model_fsdp import gather_full_state_dict
+
+MAX_SHARD_SIZE = "5GB"
+
+
+def hf_checkpoint_dir(output_dir: str | Path, num_samples: int) -> Path:
+    return Path(output_dir) / "hf_format" / f"samples_{int(num_samples)}"
+
+
+def _tied_output_key(model: torch.nn.Module) -> str | None:
+    """State-dict key of the LM head weight when it is tied to the input embedding."""
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(text_config, "tie_word_embeddings", False):
+        return None
+    head = model.get_output_embeddings()
+    for name, module in model.named_modules():
+        if module is head:
+            return f"{name}.weight"
+    return None
+
+
+def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num_samples: int, tokenizer,
+                       generation_config, rank: int) -> Path:
+    """Gather the full model (collective: every rank calls this) and write it from rank 0.
+
+    Args:
+        wrapper: the FSDP-sharded training module.
+        output_dir: the run's output folder.
+        num_samples: samples consumed so far; names the folder.
+        tokenizer: saved beside the weights.
+        generation_config: the model's original generation config (or None).
+        rank: this process's rank; only rank 0 writes.
+
+    Returns:
+        The final folder path.
+    """
+    state = gather_full_state_dict(wrapper)
+    final = hf_checkpoint_dir(output_dir, num_samples)
+    if rank == 0:
+        model = wrapper.model
+        tied_key = _tied_output_key(model)
+        state = {
+            name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
+            for name, tensor in state.items()
+            if name != tied_key
+        }
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                                   max_shard_size=MAX_SHARD_SIZE)
+        for filename, names in split.filename_to_tensors.items():
+            save_file({name: state[name] for name in names}, tmp / filename, metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        config = copy.deepcopy(model.config)
+        config.use_cache = True  # training turned the KV cache off; inference wants it back
+        config.dtype = torch.bfloat16
+        config.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()
+    return final

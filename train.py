@@ -1,0 +1,420 @@
+"""Fine-tune a Hugging Face causal LM with FSDP2 on padding-free packed minibatches.
+
+Single node (8 GPUs):
+
+    torchrun --nnodes=1 --nproc-per-node=8 train.py \\
+        --output-dir ./output --data-path ./data/chat_tkns \\
+        --model-name-or-path Qwen/Qwen2.5-1.5B-Instruct \\
+        --min-samples-per-checkpoint 2000 --num-warmup-steps 20 \\
+        --max-tokens-per-gpu 128000 --batch-size 128 --use-liger-kernels \\
+        --seed 8888 --learning-rate 6e-6
+
+CPU (two gloo processes, the tiny model ``python tiny_model.py`` builds):
+
+    torchrun --nproc-per-node=2 train.py --output-dir /tmp/out --data-path /tmp/data \\
+        --model-name-or-path /tmp/tiny --min-samples-per-checkpoint 64 \\
+        --batch-size 16 --max-tokens-per-gpu 512 --max-steps 4
+
+Each optimizer step takes ``--batch-size`` samples from an infinite seeded
+stream, packs them into minibatches of at most ``--max-tokens-per-gpu`` tokens
+per rank (gradient accumulation follows), and optimises the exact per-token
+mean cross-entropy over the whole batch. Python API: ``train(TrainConfig(...))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from utils import (
+    DistInfo,
+    cleanup,
+    collect_errors,
+    config_field,
+    init_distributed,
+    log_rank_0,
+    logger,
+    parse_config,
+    peak_memory_gb,
+    reset_peak_memory,
+    seed_everything,
+    setup_logging,
+    synchronize,
+)
+
+SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass
+class TrainConfig:
+    """Every parameter of a training run; the CLI is generated from these fields."""
+
+    output_dir: str = config_field(help="folder for metrics, training_params.json and checkpoints")
+    min_samples_per_checkpoint: int = config_field(
+        help="samples between Hugging Face checkpoints (hf_format/samples_N); one is always written at the end")
+    model_name_or_path: str = config_field("Qwen/Qwen2.5-1.5B-Instruct",
+                                           help="Hugging Face model id or local folder")
+    data_path: str = config_field("test.jsonl", help="tokenized jsonl file or process_data.py output folder")
+    batch_size: int = config_field(1024, help="samples per optimizer step, whole job")
+    max_tokens_per_gpu: int = config_field(10000, help="token budget of one packed minibatch on one rank")
+    learning_rate: float = config_field(5e-6, help="peak learning rate")
+    num_warmup_steps: int = config_field(10, help="linear warmup steps from 0")
+    lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
+                                     help="transformers.get_scheduler name; decaying schedules need a stop condition")
+    seed: int = config_field(42, help="seeds Python, NumPy, torch and the data order on every rank")
+    use_liger_kernels: bool = config_field(False, help="Liger fused linear cross-entropy (CUDA)")
+    logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
+    max_steps: int | None = config_field(None, help="stop after this many optimizer steps")
+    max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
+    num_epochs: float | None = config_field(None, help="stop after this many passes over the data")
+    fsdp_sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = config_field(
+        "FULL_SHARD", help="FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP-like), "
+                           "HYBRID_SHARD (shard within a node, replicate across nodes)")
+    cpu_offload: bool = config_field(False, help="keep sharded params, grads and optimizer state in host memory")
+    attn_implementation: str = config_field(
+        "auto", help="auto (flash_attention_2 if flash_attn imports on CUDA, else sdpa), sdpa, eager, "
+                     "flash_attention_2, flash_attention_3")
+    weight_decay: float = config_field(0.0, help="AdamW weight decay")
+    adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
+    max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
+    activation_checkpointing: bool = config_field(True, help="recompute each decoder block in backward")
+    balance: Literal["tokens", "attention"] = config_field(
+        "tokens", help="packing balance cost: token counts, or tokens plus attention's quadratic term")
+    num_data_workers: int = config_field(1, help="DataLoader worker processes per rank (0 = in-process)")
+
+    def __post_init__(self) -> None:
+        self.logging_level = self.logging_level.upper()
+        errors = []
+        for name in ("min_samples_per_checkpoint", "batch_size", "max_tokens_per_gpu"):
+            if getattr(self, name) <= 0:
+                errors.append(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("max_steps", "max_samples", "num_epochs"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.learning_rate < 0 or self.num_warmup_steps < 0:
+            errors.append("--learning-rate and --num-warmup-steps must be non-negative")
+        if self.logging_level not in LOG_LEVELS:
+            errors.append(f"--logging-level {self.logging_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL and not self.has_stop_condition:
+            errors.append(f"--lr-scheduler {self.lr_scheduler} decays over a known number of steps: give "
+                          "--max-steps, --max-samples or --num-epochs (sampling is infinite otherwise)")
+        if self.num_data_workers < 0:
+            errors.append("--num-data-workers must be >= 0")
+        collect_errors(errors)
+
+    @property
+    def has_stop_condition(self) -> bool:
+        return any(v is not None for v in (self.max_steps, self.max_samples, self.num_epochs))
+
+
+@dataclass
+class TrainState:
+    """Counters that advance every step."""
+
+    step: int = 0
+    samples_seen: int = 0          # stream position: samples consumed, dropped ones included
+    samples_trained: int = 0       # real samples that contributed to an update
+    last_checkpoint_samples: int = 0
+
+
+def train(config: TrainConfig) -> Path | None:
+    """Run training as one rank of a torchrun job (or alone). Returns the last HF checkpoint."""
+    dist_info = init_distributed()
+    setup_logging(config.logging_level, rank=dist_info.rank)
+    try:
+        return _train(config, dist_info)
+    finally:
+        cleanup()
+
+
+def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
+    from transformers import AutoTokenizer
+
+    import sampler
+    from checkpoint import save_hf_checkpoint
+    from setup_model_fsdp import setup_model
+
+    seed_everything(config.seed)
+    _fail_together(dist_info, _preflight(config) if dist_info.is_main else None)
+    dataset = _load_dataset_rank0_first(config, dist_info)
+    total_steps = _total_steps(config, len(dataset))
+
+    model, resolved = setup_model(
+        model_name_or_path=config.model_name_or_path, dist_info=dist_info,
+        attn_implementation=config.attn_implementation, sharding_strategy=config.fsdp_sharding_strategy,
+        cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
+        use_liger_kernels=config.use_liger_kernels,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path) if dist_info.is_main else None
+    generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
+                                  weight_decay=config.weight_decay)
+    scheduler = _build_scheduler(config, optimizer, total_steps)
+    _announce(config, dist_info, resolved, len(dataset), total_steps)
+    if dist_info.is_main:
+        _write_training_params(config, dist_info, resolved)
+
+    loader = sampler.make_batch_loader(
+        dataset, batch_size=config.batch_size, max_tokens_per_rank=config.max_tokens_per_gpu,
+        rank=dist_info.rank, world_size=dist_info.world_size, seed=config.seed,
+        num_workers=config.num_data_workers, balance=config.balance,
+    )
+    from batch_metrics import MetricsWriter
+
+    metrics = MetricsWriter(Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl") \
+        if dist_info.is_main else None
+    progress = tqdm(total=total_steps, desc="train", disable=not dist_info.is_main, dynamic_ncols=True)
+    state = TrainState()
+    last_checkpoint: Path | None = None
+    model.train()
+    for batch in loader:
+        reset_peak_memory()
+        start = time.perf_counter()
+        # --- one optimizer step -------------------------------------------------
+        # Sum-reduced CE over this rank's minibatches, divided by the whole batch's
+        # loss-token count (known before any forward). FSDP averages gradients over
+        # ranks, so multiplying by world_size turns that average back into the sum
+        # the exact per-token mean needs.
+        scale = dist_info.world_size / max(batch.batch_num_loss_counted_tokens, 1)
+        loss_sum = torch.zeros((), device=dist_info.device)
+        backward_sum = torch.zeros((), device=dist_info.device)
+        local_loss_tokens = 0
+        for minibatch in batch.minibatches:
+            mb_loss = model(**_model_inputs(minibatch, resolved.attn_implementation, dist_info.device))
+            scaled = mb_loss * scale
+            scaled.backward()
+            loss_sum += mb_loss.detach()
+            backward_sum += scaled.detach()
+            local_loss_tokens += minibatch.num_loss_counted_tokens
+        grad_norm = _clip_grad_norm(model, config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # -------------------------------------------------------------------------
+        state.step += 1
+        state.samples_seen = batch.end_position
+        state.samples_trained += batch.num_samples
+        counts = _reduce_step_counts(loss_sum, backward_sum, local_loss_tokens, batch, dist_info)
+        synchronize()
+        record = _step_metrics(config, dist_info, state, batch, counts, grad_norm, scheduler,
+                               time.perf_counter() - start)
+        if metrics is not None:
+            metrics.write(record)
+        progress.update(1)
+        progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:.0f}",
+                             samples=state.samples_seen)
+        logger.debug("step %d: %s", state.step, record)
+
+        done = _stop_reason(config, state, len(dataset))
+        if done or state.samples_seen - state.last_checkpoint_samples >= config.min_samples_per_checkpoint:
+            last_checkpoint = save_hf_checkpoint(
+                model, output_dir=config.output_dir, num_samples=state.samples_seen, tokenizer=tokenizer,
+                generation_config=generation_config, rank=dist_info.rank)
+            state.last_checkpoint_samples = state.samples_seen
+            log_rank_0("saved Hugging Face checkpoint %s", last_checkpoint)
+        if done:
+            log_rank_0("stopping: %s", done)
+            break
+    progress.close()
+    if metrics is not None:
+        metrics.close()
+    return last_checkpoint
+
+
+# ----------------------------------------------------------------------------
+# Helpers of the loop, in the order the loop uses them.
+
+
+def _preflight(config: TrainConfig) -> str | None:
+    """Cheap checks on rank 0 before any heavy work; returns one error line or None."""
+    from transformers import AutoConfig
+
+    if not Path(config.data_path).exists():
+        return f"--data-path {config.data_path}: no such file or folder"
+    try:
+        AutoConfig.from_pretrained(config.model_name_or_path)
+    except (OSError, ValueError) as err:
+        return f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
+    output = Path(config.output_dir)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".write_probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        return f"--output-dir {config.output_dir}: not writable ({err.strerror or err})"
+    return None
+
+
+def _fail_together(dist_info: DistInfo, error: str | None) -> None:
+    """Broadcast rank 0's verdict so every rank exits non-zero instead of hanging."""
+    payload = [error]
+    dist.broadcast_object_list(payload, src=0)
+    if payload[0] is not None:
+        if dist_info.is_main:
+            logger.error(payload[0])
+        raise SystemExit(1)
+
+
+def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo):
+    """Rank 0 loads (and caches) first; the others then reuse its cache. Errors exit every rank."""
+    import sampler
+
+    dataset, error = None, None
+    if dist_info.is_main:
+        try:
+            dataset = sampler.load_tokenized_dataset(config.data_path)
+            if int(dataset.lengths.min(initial=config.max_tokens_per_gpu + 1)) > config.max_tokens_per_gpu:
+                error = (f"--max-tokens-per-gpu {config.max_tokens_per_gpu} is below every sample of "
+                         f"{config.data_path} (shortest: {int(dataset.lengths.min())} tokens)")
+        except ValueError as err:
+            error = str(err)
+    _fail_together(dist_info, error)
+    if not dist_info.is_main:
+        dataset = sampler.load_tokenized_dataset(config.data_path)
+    return dataset
+
+
+def _total_steps(config: TrainConfig, num_dataset_samples: int) -> int | None:
+    """Optimizer steps until the first stop condition, or None for infinite sampling."""
+    candidates = []
+    if config.max_steps is not None:
+        candidates.append(config.max_steps)
+    if config.max_samples is not None:
+        candidates.append(math.ceil(config.max_samples / config.batch_size))
+    if config.num_epochs is not None:
+        candidates.append(math.ceil(config.num_epochs * num_dataset_samples / config.batch_size))
+    return min(candidates) if candidates else None
+
+
+def _build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int | None):
+    from transformers import get_scheduler
+
+    return get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.num_warmup_steps,
+                         num_training_steps=total_steps)
+
+
+def _original_generation_config(model_name_or_path: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_name_or_path)
+    except OSError:
+        return None
+
+
+def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_samples: int,
+              total_steps: int | None) -> None:
+    """Print each resolved decision once, with its reason."""
+    log_rank_0("world size %d on %s (%s backend)", dist_info.world_size, dist_info.device.type,
+               dist.get_backend())
+    log_rank_0("model %s: %d x %s sharded with %s, mesh %s, compute dtype %s, attention %s, "
+               "activation checkpointing %s", config.model_name_or_path, resolved.num_blocks,
+               resolved.block_class, config.fsdp_sharding_strategy, resolved.mesh_shape,
+               str(resolved.param_dtype).removeprefix("torch."), resolved.attn_implementation,
+               "on" if config.activation_checkpointing else "off")
+    log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
+               "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
+               config.batch_size, config.max_tokens_per_gpu)
+    log_rank_0("schedule %s, warmup %d, %s", config.lr_scheduler, config.num_warmup_steps,
+               f"{total_steps} steps" if total_steps else "infinite sampling (no stop condition)")
+
+
+def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved) -> None:
+    import transformers
+
+    params = dataclasses.asdict(config)
+    params.update(world_size=dist_info.world_size, device=dist_info.device.type,
+                  attn_implementation_resolved=resolved.attn_implementation,
+                  torch_version=torch.__version__, transformers_version=transformers.__version__)
+    path = Path(config.output_dir) / "training_params.json"
+    path.write_text(json.dumps(params, indent=2, sort_keys=True))
+
+
+def _model_inputs(minibatch, attn_implementation: str, device: torch.device) -> dict:
+    inputs = {
+        "input_ids": minibatch.input_ids.to(device, non_blocking=True),
+        "position_ids": minibatch.position_ids.to(device, non_blocking=True),
+        "labels": minibatch.labels.to(device, non_blocking=True),
+    }
+    if attn_implementation.startswith("flash"):
+        # Explicit boundaries: flash-attn's varlen kernel then never infers them from position_ids.
+        cu_seqlens = minibatch.cu_seqlens.to(device, non_blocking=True)
+        inputs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                      max_length_q=minibatch.max_seqlen, max_length_k=minibatch.max_seqlen)
+    return inputs
+
+
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Total gradient norm over all shards (clipped when ``max_norm`` > 0)."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
+
+
+def _reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local_loss_tokens: int, batch,
+                        dist_info: DistInfo):
+    """One all-reduce of this step's sums; the step's single device-to-host sync."""
+    from batch_metrics import StepCounts
+
+    packed = torch.stack([loss_sum.float(), backward_sum.float(),
+                          torch.tensor(float(local_loss_tokens), device=loss_sum.device)])
+    dist.all_reduce(packed)
+    loss_total, backward_total, loss_tokens = packed.tolist()  # CPU-GPU sync point
+    return StepCounts(loss_sum=loss_total, backward_loss_sum=backward_total,
+                      batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
+                      num_loss_counted_tokens=int(round(loss_tokens)), num_samples=batch.num_samples,
+                      num_total_tokens=batch.num_total_tokens, num_dropped_samples=batch.num_dropped_samples,
+                      num_minibatches=len(batch.minibatches))
+
+
+def _step_metrics(config: TrainConfig, dist_info: DistInfo, state: TrainState, batch, counts, grad_norm,
+                  scheduler, elapsed: float) -> dict:
+    from batch_metrics import step_record
+
+    if counts.num_dropped_samples:
+        logger.warning("step %d: dropped %d samples longer than --max-tokens-per-gpu %d", state.step,
+                       counts.num_dropped_samples, config.max_tokens_per_gpu)
+    return step_record(step=state.step, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
+                       counts=counts, world_size=dist_info.world_size, time_per_batch=elapsed,
+                       total_samples_accumulated=state.samples_trained, samples_seen=state.samples_seen,
+                       epoch=batch.epoch, peak_memory_usage_gb=peak_memory_gb())
+
+
+def _stop_reason(config: TrainConfig, state: TrainState, num_dataset_samples: int) -> str | None:
+    if config.max_steps is not None and state.step >= config.max_steps:
+        return f"reached --max-steps {config.max_steps}"
+    if config.max_samples is not None and state.samples_seen >= config.max_samples:
+        return f"reached --max-samples {config.max_samples}"
+    if config.num_epochs is not None and state.samples_seen >= config.num_epochs * num_dataset_samples:
+        return f"reached --num-epochs {config.num_epochs}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(TrainConfig, argv, description=__doc__.split("\n\n")[0])
+    train(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
