@@ -22,6 +22,7 @@ import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
+from full_state import complete_checkpoints
 from loss import CausalLMWithLoss
 from setup_model_fsdp import gather_full_state_dict
 
@@ -45,7 +46,7 @@ def _tied_output_key(model: torch.nn.Module) -> str | None:
 
 
 def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num_samples: int, tokenizer,
-                       generation_config, rank: int) -> Path:
+                       generation_config, rank: int, keep_last_n: int | None = None) -> Path:
     """Gather the full model (collective: every rank calls this) and write it from rank 0.
 
     Args:
@@ -55,6 +56,7 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
         tokenizer: saved beside the weights.
         generation_config: the model's original generation config (or None).
         rank: this process's rank; only rank 0 writes.
+        keep_last_n: once the new export is complete, delete all but the newest N.
 
     Returns:
         The final folder path.
@@ -90,5 +92,8 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        if keep_last_n:
+            for old in complete_checkpoints(final.parent)[:-keep_last_n]:
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
+
+import sampler
+from batch_metrics import MetricsWriter, StepCounts, step_record
+from checkpoint import save_hf_checkpoint
+from full_state import save_full_state
+from setup_model_fsdp import setup_model
 
 from utils import (
     DistInfo,
@@ -97,6 +104,13 @@ class TrainConfig:
     balance: Literal["tokens", "attention"] = config_field(
         "tokens", help="packing balance cost: token counts, or tokens plus attention's quadratic term")
     num_data_workers: int = config_field(1, help="DataLoader worker processes per rank (0 = in-process)")
+    resume: bool = config_field(True, help="continue from the newest complete full-state checkpoint in "
+                                           "--output-dir (--no-resume starts fresh)")
+    resume_from: str | None = config_field(None, help="resume from this full_state/samples_N folder")
+    keep_last_n_checkpoints: int | None = config_field(
+        None, help="keep only the newest N full-state and Hugging Face checkpoints (default: keep all)")
+    max_bad_steps: int = config_field(5, help="abort after this many consecutive steps with a non-finite "
+                                              "loss or gradient norm (each one is skipped)")
 
     def __post_init__(self) -> None:
         self.logging_level = self.logging_level.upper()
@@ -117,6 +131,12 @@ class TrainConfig:
                           "--max-steps, --max-samples or --num-epochs (sampling is infinite otherwise)")
         if self.num_data_workers < 0:
             errors.append("--num-data-workers must be >= 0")
+        if self.resume_from and not self.resume:
+            errors.append("--resume-from and --no-resume contradict each other")
+        if self.keep_last_n_checkpoints is not None and self.keep_last_n_checkpoints < 1:
+            errors.append("--keep-last-n-checkpoints must be at least 1")
+        if self.max_bad_steps < 1:
+            errors.append("--max-bad-steps must be at least 1")
         collect_errors(errors)
 
     @property
@@ -132,6 +152,7 @@ class TrainState:
     samples_seen: int = 0          # stream position: samples consumed, dropped ones included
     samples_trained: int = 0       # real samples that contributed to an update
     last_checkpoint_samples: int = 0
+    num_bad_steps: int = 0         # consecutive skipped (non-finite) steps
 
 
 def train(config: TrainConfig) -> Path | None:
@@ -147,9 +168,7 @@ def train(config: TrainConfig) -> Path | None:
 def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     from transformers import AutoTokenizer
 
-    import sampler
-    from checkpoint import save_hf_checkpoint
-    from setup_model_fsdp import setup_model
+    from full_state import fingerprint, truncate_metrics
 
     seed_everything(config.seed)
     _fail_together(dist_info, _preflight(config) if dist_info.is_main else None)
@@ -168,21 +187,44 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
                                   weight_decay=config.weight_decay)
     scheduler = _build_scheduler(config, optimizer, total_steps)
+    model_fingerprint = fingerprint(model.model.config, dataset)
+    state = _resume(config, model, optimizer, scheduler, model_fingerprint, dist_info)
     _announce(config, dist_info, resolved, len(dataset), total_steps)
+    metrics_path = Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl"
     if dist_info.is_main:
         _write_training_params(config, dist_info, resolved)
+        truncate_metrics(metrics_path, state.step)
+    metrics = MetricsWriter(metrics_path) if dist_info.is_main else None
 
+    def save(*, hf_export: bool) -> Path | None:
+        """Full state always (resume needs it); the Hugging Face export on the regular cadence."""
+        exported = None
+        if hf_export:
+            exported = save_hf_checkpoint(
+                model, output_dir=config.output_dir, num_samples=state.samples_seen, tokenizer=tokenizer,
+                generation_config=generation_config, rank=dist_info.rank,
+                keep_last_n=config.keep_last_n_checkpoints)
+            log_rank_0("saved Hugging Face checkpoint %s", exported)
+        saved = save_full_state(
+            model, optimizer, scheduler, output_dir=config.output_dir, num_samples=state.samples_seen,
+            trainer_state=dataclasses.asdict(state), model_fingerprint=model_fingerprint,
+            dist_info=dist_info, keep_last_n=config.keep_last_n_checkpoints)
+        log_rank_0("saved full training state %s", saved)
+        state.last_checkpoint_samples = state.samples_seen
+        return exported
+
+    done = _stop_reason(config, state, len(dataset))
+    if done:
+        log_rank_0("nothing to do: %s already", done)
+        return None
     loader = sampler.make_batch_loader(
         dataset, batch_size=config.batch_size, max_tokens_per_rank=config.max_tokens_per_gpu,
         rank=dist_info.rank, world_size=dist_info.world_size, seed=config.seed,
-        num_workers=config.num_data_workers, balance=config.balance,
+        start_position=state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
     )
-    from batch_metrics import MetricsWriter
-
-    metrics = MetricsWriter(Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl") \
-        if dist_info.is_main else None
-    progress = tqdm(total=total_steps, desc="train", disable=not dist_info.is_main, dynamic_ncols=True)
-    state = TrainState()
+    preemption = PreemptionFlag()
+    progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not dist_info.is_main,
+                    dynamic_ncols=True)
     last_checkpoint: Path | None = None
     model.train()
     for batch in loader:
@@ -199,23 +241,31 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         local_loss_tokens = 0
         for minibatch in batch.minibatches:
             mb_loss = model(**_model_inputs(minibatch, resolved.attn_implementation, dist_info.device))
+            mb_loss = _test_inject_nan(mb_loss, state.step + 1, dist_info.rank)
             scaled = mb_loss * scale
             scaled.backward()
             loss_sum += mb_loss.detach()
             backward_sum += scaled.detach()
             local_loss_tokens += minibatch.num_loss_counted_tokens
+        # The norm is reduced over every shard, so all ranks see the same value and
+        # take the same skip decision without another collective.
         grad_norm = _clip_grad_norm(model, config.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
+        finite = bool(torch.isfinite(grad_norm))  # CPU-GPU sync point, once per step
+        if finite:
+            optimizer.step()
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # -------------------------------------------------------------------------
         state.step += 1
         state.samples_seen = batch.end_position
-        state.samples_trained += batch.num_samples
-        counts = _reduce_step_counts(loss_sum, backward_sum, local_loss_tokens, batch, dist_info)
+        state.samples_trained += batch.num_samples if finite else 0
+        state.num_bad_steps = 0 if finite else state.num_bad_steps + 1
+        _test_send_signal(state.step, dist_info.rank)
+        counts, preempted = _reduce_step_counts(loss_sum, backward_sum, local_loss_tokens, batch, dist_info,
+                                                preemption.requested)
         synchronize()
         record = _step_metrics(config, dist_info, state, batch, counts, grad_norm, scheduler,
-                               time.perf_counter() - start)
+                               time.perf_counter() - start, skipped=not finite)
         if metrics is not None:
             metrics.write(record)
         progress.update(1)
@@ -223,20 +273,78 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                              samples=state.samples_seen)
         logger.debug("step %d: %s", state.step, record)
 
+        if not finite:
+            logger.warning("step %d: non-finite loss or gradient norm (%s); update skipped (%d in a row)",
+                           state.step, float(grad_norm), state.num_bad_steps)
+            if state.num_bad_steps >= config.max_bad_steps:
+                logger.error("aborting: %d consecutive steps with non-finite loss or gradients "
+                             "(--max-bad-steps %d); lower the learning rate or inspect the data around "
+                             "samples %d..%d", state.num_bad_steps, config.max_bad_steps,
+                             batch.start_position, batch.end_position)
+                raise SystemExit(1)
+        if preempted:
+            log_rank_0("preemption signal received: saving full state at step %d and exiting", state.step)
+            save(hf_export=False)
+            break
         done = _stop_reason(config, state, len(dataset))
         if done or state.samples_seen - state.last_checkpoint_samples >= config.min_samples_per_checkpoint:
-            last_checkpoint = save_hf_checkpoint(
-                model, output_dir=config.output_dir, num_samples=state.samples_seen, tokenizer=tokenizer,
-                generation_config=generation_config, rank=dist_info.rank)
-            state.last_checkpoint_samples = state.samples_seen
-            log_rank_0("saved Hugging Face checkpoint %s", last_checkpoint)
+            last_checkpoint = save(hf_export=True) or last_checkpoint
         if done:
             log_rank_0("stopping: %s", done)
             break
     progress.close()
+    preemption.restore()
     if metrics is not None:
         metrics.close()
     return last_checkpoint
+
+
+def _resume(config: TrainConfig, model, optimizer, scheduler, model_fingerprint: dict,
+            dist_info: DistInfo) -> TrainState:
+    """Continue from the newest complete full-state checkpoint (or ``--resume-from``), else start fresh."""
+    from full_state import complete_checkpoints, full_state_root, load_full_state
+
+    if not config.resume:
+        log_rank_0("--no-resume: starting fresh")
+        return TrainState()
+    if config.resume_from:
+        candidates = [Path(config.resume_from)]
+    else:
+        candidates = complete_checkpoints(full_state_root(config.output_dir))
+        if not candidates:
+            return TrainState()
+    try:
+        restored = load_full_state(candidates, model, optimizer, scheduler, model_fingerprint=model_fingerprint,
+                                   dist_info=dist_info)
+    except ValueError as err:
+        if dist_info.is_main:
+            logger.error("cannot resume: %s", err)
+        raise SystemExit(1) from err
+    fields = {f.name for f in dataclasses.fields(TrainState)}
+    state = TrainState(**{k: v for k, v in restored.items() if k in fields})
+    log_rank_0("resumed from %s: step %d, %d samples consumed (epoch %d), lr %.3g, written by %d ranks, "
+               "now %d", restored["path"], state.step, state.samples_seen,
+               state.samples_seen // max(int(restored["fingerprint"]["num_data_samples"]), 1),
+               scheduler.get_last_lr()[0], restored["world_size"], dist_info.world_size)
+    return state
+
+
+class PreemptionFlag:
+    """SIGTERM/SIGUSR1 (SLURM's warning before a kill) ask for a checkpoint at the end of the step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        logger.warning("received %s: will checkpoint and exit after this step", signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 # ----------------------------------------------------------------------------
@@ -276,8 +384,6 @@ def _fail_together(dist_info: DistInfo, error: str | None) -> None:
 
 def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo):
     """Rank 0 loads (and caches) first; the others then reuse its cache. Errors exit every rank."""
-    import sampler
-
     dataset, error = None, None
     if dist_info.is_main:
         try:
@@ -373,32 +479,42 @@ def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def _reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local_loss_tokens: int, batch,
-                        dist_info: DistInfo):
-    """One all-reduce of this step's sums; the step's single device-to-host sync."""
-    from batch_metrics import StepCounts
-
-    packed = torch.stack([loss_sum.float(), backward_sum.float(),
-                          torch.tensor(float(local_loss_tokens), device=loss_sum.device)])
+                        dist_info: DistInfo, preempt_requested: bool) -> tuple[StepCounts, bool]:
+    """One all-reduce of this step's sums and of the preemption flags (any rank's signal stops all)."""
+    extras = torch.tensor([float(local_loss_tokens), float(preempt_requested)], device=loss_sum.device)
+    packed = torch.cat([loss_sum.float().reshape(1), backward_sum.float().reshape(1), extras])
     dist.all_reduce(packed)
-    loss_total, backward_total, loss_tokens = packed.tolist()  # CPU-GPU sync point
-    return StepCounts(loss_sum=loss_total, backward_loss_sum=backward_total,
+    loss_total, backward_total, loss_tokens, preempts = packed.tolist()  # CPU-GPU sync point
+    counts = StepCounts(loss_sum=loss_total, backward_loss_sum=backward_total,
                       batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
                       num_loss_counted_tokens=int(round(loss_tokens)), num_samples=batch.num_samples,
                       num_total_tokens=batch.num_total_tokens, num_dropped_samples=batch.num_dropped_samples,
                       num_minibatches=len(batch.minibatches))
+    return counts, preempts > 0
 
 
 def _step_metrics(config: TrainConfig, dist_info: DistInfo, state: TrainState, batch, counts, grad_norm,
-                  scheduler, elapsed: float) -> dict:
-    from batch_metrics import step_record
-
+                  scheduler, elapsed: float, *, skipped: bool) -> dict:
     if counts.num_dropped_samples:
         logger.warning("step %d: dropped %d samples longer than --max-tokens-per-gpu %d", state.step,
                        counts.num_dropped_samples, config.max_tokens_per_gpu)
     return step_record(step=state.step, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
                        counts=counts, world_size=dist_info.world_size, time_per_batch=elapsed,
                        total_samples_accumulated=state.samples_trained, samples_seen=state.samples_seen,
-                       epoch=batch.epoch, peak_memory_usage_gb=peak_memory_gb())
+                       epoch=batch.epoch, peak_memory_usage_gb=peak_memory_gb(), skipped=skipped)
+
+
+def _test_inject_nan(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    """Test-only fault injection: MINI_TRAINER_TEST_NAN="STEP:RANK" poisons that rank's loss."""
+    if os.environ.get("MINI_TRAINER_TEST_NAN") == f"{step}:{rank}":
+        return loss * float("nan")
+    return loss
+
+
+def _test_send_signal(step: int, rank: int) -> None:
+    """Test-only: MINI_TRAINER_TEST_SIGTERM="STEP:RANK" makes that rank SIGTERM itself after the step."""
+    if os.environ.get("MINI_TRAINER_TEST_SIGTERM") == f"{step}:{rank}":
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _stop_reason(config: TrainConfig, state: TrainState, num_dataset_samples: int) -> str | None:

@@ -1,0 +1,204 @@
+"""Full training state for exact resume: ``<output-dir>/full_state/samples_<N>/``.
+
+Layout of one checkpoint folder::
+
+    full_state/samples_480/
+        .metadata, __0_0.distcp, __1_0.distcp, ...   torch.distributed.checkpoint: sharded model
+                                                     and AdamW state, one file per rank, no gather
+        rng_rank0.pt, rng_rank1.pt, ...             Python/NumPy/torch RNG states of every rank
+        trainer_state.json                          step and sample counters, sampler position,
+                                                    LR scheduler, metrics-file position, and a
+                                                    fingerprint of the model and data
+
+A checkpoint is written into ``samples_<N>.tmp`` and renamed once every rank
+has finished, so a crash or kill mid-save leaves the previous one intact. DCP
+reshards on load, so a run may resume on a different number of ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from utils import DistInfo, logger
+
+TRAINER_STATE = "trainer_state.json"
+FORMAT_VERSION = 1
+
+
+def full_state_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "full_state"
+
+
+def fingerprint(model_config, dataset) -> dict:
+    """What must not change between a checkpoint and its resume: model shape and data."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return {
+        "model_type": model_config.model_type,
+        "vocab_size": text_config.vocab_size,
+        "hidden_size": text_config.hidden_size,
+        "num_hidden_layers": text_config.num_hidden_layers,
+        "num_data_samples": len(dataset),
+        "data_lengths_sha1": hashlib.sha1(np.ascontiguousarray(dataset.lengths, dtype=np.int64)).hexdigest(),
+    }
+
+
+def agree(ok: bool, device: torch.device) -> bool:
+    """True only if every rank says ok (one tiny all-reduce), so ranks fail together, never hang."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_samples: int,
+                    trainer_state: dict, model_fingerprint: dict, dist_info: DistInfo,
+                    keep_last_n: int | None) -> Path:
+    """Write the sharded training state (collective: every rank calls this).
+
+    Raises:
+        SystemExit: on every rank when any rank failed to write (disk full,
+            unwritable folder); the previous checkpoint is untouched.
+    """
+    root = full_state_root(output_dir)
+    final = root / f"samples_{int(num_samples)}"
+    tmp = final.with_name(final.name + ".tmp")
+    error = None
+    try:
+        if dist_info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    except OSError as err:
+        error = f"cannot create {tmp}: {err.strerror or err}"
+    if not agree(error is None, dist_info.device):
+        _abort_save(error, final, dist_info)
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")
+        if dist_info.is_main:
+            state = {**trainer_state, "format_version": FORMAT_VERSION, "world_size": dist_info.world_size,
+                     "scheduler": scheduler.state_dict(), "fingerprint": model_fingerprint}
+            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
+    except (OSError, dcp.CheckpointException, RuntimeError) as err:
+        error = f"writing {tmp} failed: {err}"
+    if not agree(error is None, dist_info.device):
+        _abort_save(error, final, dist_info)
+    if dist_info.is_main:
+        _test_hook("MINI_TRAINER_TEST_KILL_DURING_SAVE", num_samples)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep_last_n:
+            for old in complete_checkpoints(root)[:-keep_last_n]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    _test_hook("MINI_TRAINER_TEST_KILL_AFTER_SAVE", num_samples)
+    return final
+
+
+def _abort_save(error: str | None, final: Path, dist_info: DistInfo) -> None:
+    if error is not None:
+        logger.error("full-state checkpoint %s could not be saved: %s. Earlier checkpoints are intact; "
+                     "free space or fix permissions, then re-run the same command to resume.", final, error)
+    raise SystemExit(1)
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Finished checkpoint folders, oldest first (``.tmp`` leftovers are not listed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        name = path.name
+        if path.is_dir() and name.startswith("samples_") and name.removeprefix("samples_").isdigit():
+            found.append((int(name.removeprefix("samples_")), path))
+    return [path for _, path in sorted(found)]
+
+
+def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, model_fingerprint: dict,
+                    dist_info: DistInfo) -> dict:
+    """Restore from the newest loadable candidate; corrupt ones are skipped with a warning.
+
+    Returns:
+        The restored ``trainer_state`` dict (counters, sampler position, ...).
+
+    Raises:
+        ValueError: the checkpoint belongs to another model or dataset, or none loads.
+    """
+    for path in reversed(candidates):
+        state_file = path / TRAINER_STATE
+        if not state_file.is_file() or not (path / ".metadata").is_file():
+            logger.warning("skipping incomplete checkpoint %s (no %s or .metadata)", path, TRAINER_STATE)
+            continue
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            logger.warning("skipping corrupt checkpoint %s: %s", path, err)
+            continue
+        mismatch = {k: (state["fingerprint"].get(k), v) for k, v in model_fingerprint.items()
+                    if state["fingerprint"].get(k) != v}
+        if mismatch:
+            details = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in mismatch.items())
+            raise ValueError(f"{path} was written for another model or dataset ({details}); "
+                             "use --no-resume or another --output-dir")
+        try:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        except (OSError, dcp.CheckpointException, RuntimeError, pickle.UnpicklingError) as err:
+            logger.warning("skipping unreadable checkpoint %s: %s", path, str(err).splitlines()[0])
+            continue
+        scheduler.load_state_dict(state["scheduler"])
+        rng_file = path / f"rng_rank{dist_info.rank}.pt"
+        if state["world_size"] == dist_info.world_size and rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            logger.info("world size changed (%d -> %d): RNG streams re-seeded rather than restored",
+                        state["world_size"], dist_info.world_size)
+        state["path"] = str(path)
+        return state
+    raise ValueError(f"no loadable full-state checkpoint among {[str(p) for p in candidates]}")
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop metric lines logged after the checkpoint we resume from, so no step appears twice."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip()
+            and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _test_hook(name: str, num_samples: int) -> None:
+    """Test-only fault injection: SIGKILL this process at a chosen point (env var = sample count)."""
+    if os.environ.get(name) == str(int(num_samples)):
+        logging.getLogger("mini_trainer").warning("%s: killing this process now", name)
+        os.kill(os.getpid(), 9)
