@@ -1,0 +1,148 @@
+"""Runs that survive: exact resume after SIGKILL, kill during save, SIGTERM, world-size change, NaN steps.
+
+    .venv/bin/python -m pytest -q tests/test_resume.py
+
+Every run is a real ``torchrun`` of train.py with 2 gloo CPU processes on the
+tiny local model; faults are injected with test-only environment hooks that
+SIGKILL or signal the real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from e2e import read_metrics, torchrun, write_tokenized_jsonl
+from full_state import complete_checkpoints
+
+BATCH = 12
+STEPS = 8
+CHECKPOINT_EVERY = 4 * BATCH  # full state after step 4 and step 8
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory, chatml_model) -> Path:
+    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    return write_tokenized_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", num_samples=60,
+                                 vocab_size=vocab, seed=3)
+
+
+def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),
+            "--batch-size", str(BATCH), "--max-tokens-per-gpu", "96", "--seed", "11",
+            "--learning-rate", "1e-3", "--num-warmup-steps", "2", "--lr-scheduler", "cosine",
+            "--max-steps", str(STEPS), "--min-samples-per-checkpoint", str(CHECKPOINT_EVERY),
+            "--num-data-workers", "0", *extra]
+
+
+def _ok(result) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    newest = complete_checkpoints(out / "hf_format")[-1]
+    return load_file(newest / "model.safetensors")
+
+
+def _assert_same_steps(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        for key in ("loss", "lr", "grad_norm"):
+            assert math.isclose(ra[key], rb[key], rel_tol=1e-6, abs_tol=1e-12), (ra["step"], key, ra[key], rb[key])
+        for key in ("num_samples", "samples_seen", "total_samples_accumulated", "batch_num_loss_counted_tokens"):
+            assert ra[key] == rb[key], (ra["step"], key)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, chatml_model, data_path) -> Path:
+    out = tmp_path_factory.mktemp("run_a")
+    _ok(torchrun(_args(chatml_model, data_path, out)))
+    return out
+
+
+def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(tmp_path, chatml_model, data_path, uninterrupted):
+    out = tmp_path / "run_b"
+    killed = torchrun(_args(chatml_model, data_path, out),
+                      env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(CHECKPOINT_EVERY)})
+    assert killed.returncode != 0
+    assert [p.name for p in complete_checkpoints(out / "full_state")] == [f"samples_{CHECKPOINT_EVERY}"]
+    resumed = torchrun(_args(chatml_model, data_path, out))
+    _ok(resumed)
+    assert f"resumed from {out / 'full_state' / f'samples_{CHECKPOINT_EVERY}'}" in resumed.stderr
+    _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
+    a, b = _final_weights(uninterrupted), _final_weights(out)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, chatml_model, data_path, uninterrupted):
+    out = tmp_path / "run_c"
+    result = torchrun(_args(chatml_model, data_path, out),
+                      env={"MINI_TRAINER_TEST_KILL_DURING_SAVE": str(2 * CHECKPOINT_EVERY)})
+    assert result.returncode != 0
+    root = out / "full_state"
+    assert [p.name for p in complete_checkpoints(root)] == [f"samples_{CHECKPOINT_EVERY}"]
+    assert (root / f"samples_{2 * CHECKPOINT_EVERY}.tmp").exists(), "the interrupted save stays a .tmp"
+    _ok(torchrun(_args(chatml_model, data_path, out)))
+    _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
+
+
+def test_sigterm_checkpoints_and_exits_zero_then_continues(tmp_path, chatml_model, data_path, uninterrupted):
+    out = tmp_path / "run_d"
+    _ok(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": "3:1"}))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert [p.name for p in complete_checkpoints(out / "full_state")] == [f"samples_{3 * BATCH}"]
+    _ok(torchrun(_args(chatml_model, data_path, out)))
+    _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_world_size_change_continues_the_same_stream(tmp_path, chatml_model, data_path, uninterrupted, nproc):
+    out = tmp_path / f"run_ws{nproc}"
+    killed = torchrun(_args(chatml_model, data_path, out),
+                      env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(CHECKPOINT_EVERY)})
+    assert killed.returncode != 0
+    _ok(torchrun(_args(chatml_model, data_path, out), nproc=nproc))
+    resumed, reference = read_metrics(out), read_metrics(uninterrupted)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    step5, ref5 = resumed[4], reference[4]
+    assert step5["samples_seen"] == ref5["samples_seen"]
+    assert step5["batch_num_loss_counted_tokens"] == ref5["batch_num_loss_counted_tokens"]
+    assert math.isclose(step5["loss"], ref5["loss"], rel_tol=1e-5)
+
+
+def test_nan_on_one_rank_is_skipped_by_all(tmp_path, chatml_model, data_path):
+    out = tmp_path / "run_nan"
+    _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "4"), env={"MINI_TRAINER_TEST_NAN": "2:1"}))
+    records = read_metrics(out)
+    assert [r["skipped"] for r in records] == [False, True, False, False]
+    assert records[1]["total_samples_accumulated"] == records[0]["total_samples_accumulated"]
+    assert all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 1)
+
+
+def test_too_many_bad_steps_abort_clearly(tmp_path, chatml_model, data_path):
+    out = tmp_path / "run_bad"
+    result = torchrun(_args(chatml_model, data_path, out, "--max-bad-steps", "1"),
+                      env={"MINI_TRAINER_TEST_NAN": "1:0"})
+    assert result.returncode != 0
+    assert "consecutive steps with non-finite" in result.stdout + result.stderr
+
+
+def test_keep_last_n_and_mismatched_data_refused(tmp_path, chatml_model, data_path, uninterrupted):
+    out = tmp_path / "run_keep"
+    _ok(torchrun(_args(chatml_model, data_path, out, "--min-samples-per-checkpoint", str(BATCH),
+                       "--max-steps", "3", "--keep-last-n-checkpoints", "2")))
+    assert [p.name for p in complete_checkpoints(out / "full_state")] == ["samples_24", "samples_36"]
+    assert [p.name for p in complete_checkpoints(out / "hf_format")] == ["samples_24", "samples_36"]
+    other = write_tokenized_jsonl(tmp_path / "other.jsonl", num_samples=30, vocab_size=100, seed=9)
+    result = torchrun(_args(chatml_model, other, out))
+    assert result.returncode != 0
+    assert "another model or dataset" in result.stdout + result.stderr
+    state = json.loads((complete_checkpoints(out / "full_state")[-1] / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["samples_seen"] == 36
