@@ -188,7 +188,10 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                                   weight_decay=config.weight_decay)
     scheduler = _build_scheduler(config, optimizer, total_steps)
     model_fingerprint = fingerprint(model.model.config, dataset)
+    began = time.perf_counter()
     state = _resume(config, model, optimizer, scheduler, model_fingerprint, dist_info)
+    if state.step:
+        log_rank_0("resume took %.2fs", time.perf_counter() - began)
     _announce(config, dist_info, resolved, len(dataset), total_steps)
     metrics_path = Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl"
     if dist_info.is_main:
@@ -200,16 +203,20 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         """Full state always (resume needs it); the Hugging Face export on the regular cadence."""
         exported = None
         if hf_export:
+            began = time.perf_counter()
             exported = save_hf_checkpoint(
                 model, output_dir=config.output_dir, num_samples=state.samples_seen, tokenizer=tokenizer,
                 generation_config=generation_config, rank=dist_info.rank,
                 keep_last_n=config.keep_last_n_checkpoints)
-            log_rank_0("saved Hugging Face checkpoint %s", exported)
+            log_rank_0("saved Hugging Face checkpoint %s in %.2fs (%.1f MB)", exported,
+                       time.perf_counter() - began, _folder_mb(exported))
+        began = time.perf_counter()
         saved = save_full_state(
             model, optimizer, scheduler, output_dir=config.output_dir, num_samples=state.samples_seen,
             trainer_state=dataclasses.asdict(state), model_fingerprint=model_fingerprint,
             dist_info=dist_info, keep_last_n=config.keep_last_n_checkpoints)
-        log_rank_0("saved full training state %s", saved)
+        log_rank_0("saved full training state %s in %.2fs (%.1f MB)", saved, time.perf_counter() - began,
+                   _folder_mb(saved))
         state.last_checkpoint_samples = state.samples_seen
         return exported
 
@@ -502,6 +509,10 @@ def _step_metrics(config: TrainConfig, dist_info: DistInfo, state: TrainState, b
                        counts=counts, world_size=dist_info.world_size, time_per_batch=elapsed,
                        total_samples_accumulated=state.samples_trained, samples_seen=state.samples_seen,
                        epoch=batch.epoch, peak_memory_usage_gb=peak_memory_gb(), skipped=skipped)
+
+
+def _folder_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20
 
 
 def _test_inject_nan(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
