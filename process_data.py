@@ -1,0 +1,450 @@
+"""Tokenize a chat JSONL file into training rows with loss masks.
+
+    TOKENIZERS_PARALLELISM=false python process_data.py \\
+        --input-file data/chat.jsonl --output-dir data/chat_tkns \\
+        --model-name-or-path Qwen/Qwen2.5-1.5B-Instruct \\
+        --max-sample-num-tokens 128000 --num-proc 4
+
+CPU only, no torchrun: tokenization runs in ``--num-proc`` worker processes.
+``--output-file data/chat_tkns.jsonl`` (the older form) writes one file instead.
+
+Input: one JSON object per line with ``messages``, a list of
+``{"role", "content"}`` (roles system, user, assistant, tool), or a single
+``{"role": "pretrain", "content": ...}`` message. Other top-level fields
+(an ``id``, a source tag) are copied to the output row unchanged.
+
+Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
+``F.summary.json``, ``F.rejected.jsonl``):
+  D/data.jsonl      ``input_ids``, ``labels`` (-100 = masked, unshifted),
+                    ``len``, ``num_loss_counted_tokens`` + the row's other fields
+  D/rejected.jsonl  ``{"line": N, "reason": ..., "detail": ...}`` per unusable line
+  D/summary.json    counts by outcome and reason, length statistics,
+                    tokenizer and arguments; written last
+
+How replies are found and masked: see ``chat_masking.py``. Output files are
+written under temporary names and renamed when complete; ``--num-proc N``
+gives byte-identical output for every N.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chat_masking import ChatEncoder, Sample, SampleError, parse_row
+from utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
+
+
+def _default_num_proc() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass
+class ProcessDataConfig:
+    input_file: str = config_field(help="input JSONL, one {\"messages\": [...]} object per line")
+    model_name_or_path: str = config_field(help="Hugging Face tokenizer with a chat template (local folder or hub id)")
+    output_dir: str | None = config_field(None, help="output folder: data.jsonl, summary.json, rejected.jsonl")
+    output_file: str | None = config_field(None, help="single output JSONL (older form); the summary and "
+                                                      "rejected files go beside it")
+    max_sample_num_tokens: int = config_field(2147483647, help="longer samples are rejected (and counted)")
+    num_proc: int = config_field(default_factory=_default_num_proc, help="worker processes (default: CPUs)")
+    string_for_printing_masks: str = config_field("<|mAsK|>", help="shown in place of masked label tokens "
+                                                                    "in the printed examples")
+    strict: bool = config_field(False, help="stop with file:line: reason at the first unusable line")
+    overwrite: bool = config_field(False, help="replace existing output files")
+    num_printed_samples: int = config_field(2, help="random samples printed at the end to eyeball masking")
+    seed: int = config_field(42, help="seed for choosing the printed samples")
+    chunk_size: int = config_field(256, help="lines per worker task (output is the same for any value)")
+    logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+    def __post_init__(self):
+        errors = []
+        if (self.output_dir is None) == (self.output_file is None):
+            errors.append("give exactly one of --output-dir and --output-file")
+        if self.output_file is not None and not self.output_file.endswith(".jsonl"):
+            errors.append(f"--output-file must end in .jsonl, got {self.output_file!r}")
+        if self.max_sample_num_tokens < 1:
+            errors.append(f"--max-sample-num-tokens must be >= 1, got {self.max_sample_num_tokens}")
+        if self.num_proc < 1:
+            errors.append(f"--num-proc must be >= 1, got {self.num_proc}")
+        if self.chunk_size < 1:
+            errors.append(f"--chunk-size must be >= 1, got {self.chunk_size}")
+        if self.num_printed_samples < 0:
+            errors.append(f"--num-printed-samples must be >= 0, got {self.num_printed_samples}")
+        if not self.string_for_printing_masks:
+            errors.append("--string-for-printing-masks must not be empty")
+        collect_errors(errors)
+
+
+@dataclass(frozen=True)
+class OutputPaths:
+    data: Path
+    summary: Path
+    rejected: Path
+
+    @classmethod
+    def from_config(cls, config: ProcessDataConfig) -> OutputPaths:
+        if config.output_dir is not None:
+            root = Path(config.output_dir)
+            return cls(root / "data.jsonl", root / "summary.json", root / "rejected.jsonl")
+        data = Path(config.output_file)
+        stem = data.name[: -len(".jsonl")]
+        return cls(data, data.with_name(stem + ".summary.json"), data.with_name(stem + ".rejected.jsonl"))
+
+    def all(self) -> tuple[Path, ...]:
+        return self.data, self.rejected, self.summary
+
+
+@dataclass
+class ChunkResult:
+    """What a worker returns for one chunk of lines; the main process only writes and counts."""
+
+    data: bytes
+    rejected: bytes
+    row_bytes: list[int]
+    lengths: list[int]
+    num_loss_counted_tokens: list[int]
+    num_pretrain: int
+    reasons: Counter
+    first_rejection: tuple[int, str] | None  # (line, "reason: detail")
+
+
+# ----------------------------------------------------------------------------
+# Workers
+
+
+_ENCODER: ChatEncoder | None = None  # one per worker process, set by _init_worker (the Pool initializer pattern)
+
+
+def _init_worker(model_name_or_path: str, max_sample_num_tokens: int, single_threaded: bool) -> None:
+    global _ENCODER
+    if single_threaded:
+        # N worker processes already use the cores; Rust threads inside each would oversubscribe.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _ENCODER = ChatEncoder(load_tokenizer(model_name_or_path), max_sample_num_tokens=max_sample_num_tokens)
+
+
+def _process_chunk(first_line: int, lines: list[bytes]) -> ChunkResult:
+    assert _ENCODER is not None, "worker not initialised"
+    return encode_chunk(_ENCODER, first_line, lines)
+
+
+def encode_chunk(encoder: ChatEncoder, first_line: int, lines: list[bytes]) -> ChunkResult:
+    """Encode lines ``first_line, first_line + 1, ...`` (1-based) into output bytes and counts."""
+    data, rejected, row_bytes, lengths, num_loss = [], [], [], [], []
+    reasons: Counter = Counter()
+    first_rejection = None
+    num_pretrain = 0
+    for offset, result in enumerate(encoder.encode_rows(lines)):
+        if isinstance(result, SampleError):
+            line_no = first_line + offset
+            reasons[result.reason] += 1
+            rejected.append(json.dumps({"line": line_no, "reason": result.reason, "detail": result.detail},
+                                       ensure_ascii=False) + "\n")
+            if first_rejection is None:
+                first_rejection = (line_no, f"{result.reason}: {result.detail}")
+            continue
+        encoded = result.to_json_line(encoder.id_strings)
+        data.append(encoded)
+        row_bytes.append(len(encoded))
+        lengths.append(len(result.input_ids))
+        num_loss.append(result.num_loss_counted_tokens)
+        num_pretrain += result.is_pretrain
+    return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss,
+                       num_pretrain, reasons, first_rejection)
+
+
+# ----------------------------------------------------------------------------
+# Main process
+
+
+def load_tokenizer(model_name_or_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_name_or_path)
+
+
+def _read_chunks(path: Path, chunk_size: int):
+    """Yield ``(first_line, lines)``; the file is streamed, never held whole."""
+    with open(path, "rb") as f:
+        lines: list[bytes] = []
+        first_line = 1
+        for line_no, line in enumerate(f, 1):
+            lines.append(line)
+            if len(lines) == chunk_size:
+                yield first_line, lines
+                lines, first_line = [], line_no + 1
+        if lines:
+            yield first_line, lines
+
+
+def _count_lines(path: Path) -> int:
+    """Lines in the file (a final line without a newline counts), reading 1 MiB blocks."""
+    num_lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            num_lines += block.count(b"\n")
+            last = block[-1:]
+    return num_lines + (last != b"\n")
+
+
+def check_run(config: ProcessDataConfig, paths: OutputPaths):
+    """Whole-run problems, before any heavy work: raise ValueError with one clear line.
+
+    Returns:
+        The loaded tokenizer.
+    """
+    input_file = Path(config.input_file)
+    if not input_file.is_file():
+        raise ValueError(f"input file {input_file} does not exist")
+    if not any(line.strip() for line in _first_lines(input_file)):
+        raise ValueError(f"input file {input_file} is empty")
+    if not config.overwrite:
+        for path in paths.all():
+            if path.exists() and path.stat().st_size > 0:
+                raise ValueError(f"output {path} exists and is not empty; pass --overwrite to replace it")
+    if config.output_dir is not None and Path(config.output_dir).exists() and not Path(config.output_dir).is_dir():
+        raise ValueError(f"--output-dir {config.output_dir} exists and is not a folder")
+    try:
+        tokenizer = load_tokenizer(config.model_name_or_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load tokenizer {config.model_name_or_path!r}: {err}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"tokenizer {config.model_name_or_path!r} has no fast (Rust) backend; offsets are needed")
+    if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {config.model_name_or_path!r} has no eos_token (the end-of-turn token)")
+    if not tokenizer.chat_template:
+        with open(input_file, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                try:
+                    messages, _ = parse_row(line)
+                except SampleError:
+                    continue
+                if messages[0]["role"] != "pretrain":
+                    raise ValueError(f"tokenizer {config.model_name_or_path!r} has no chat template, but "
+                                     f"{input_file}:{line_no} is a conversation")
+    return tokenizer
+
+
+def _first_lines(path: Path):
+    """Lines up to the first non-blank one, for the empty-input check."""
+    with open(path, "rb") as f:
+        for line in f:
+            yield line
+            if line.strip():
+                return
+
+
+def process_data(config: ProcessDataConfig) -> dict[str, Any]:
+    """Tokenize ``config.input_file`` and write the output files.
+
+    Args:
+        config: the run's settings.
+
+    Returns:
+        The summary (also written to the summary JSON).
+
+    Raises:
+        ValueError: a whole-run problem, or with ``strict`` the first unusable line as ``file:line: reason``.
+    """
+    start = time.perf_counter()
+    paths = OutputPaths.from_config(config)
+    tokenizer = check_run(config, paths)
+    encoder = ChatEncoder(tokenizer, max_sample_num_tokens=config.max_sample_num_tokens)
+    num_lines = _count_lines(Path(config.input_file))
+    num_proc = min(config.num_proc, max(1, -(-num_lines // config.chunk_size)))
+    logger.info("tokenizer %s (%s, %d tokens, eos %r); masking by %s", config.model_name_or_path,
+                type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token, encoder.masking_method)
+    logger.info("%d lines from %s, %d worker process(es)%s", num_lines, config.input_file, num_proc,
+                "" if num_proc == config.num_proc else f" (--num-proc {config.num_proc}: fewer chunks than that)")
+
+    paths.data.parent.mkdir(parents=True, exist_ok=True)
+    if config.overwrite:
+        # The summary marks a complete dataset: drop the old one before touching anything else.
+        paths.summary.unlink(missing_ok=True)
+    tmp = {path: path.with_name(f".{path.name}.tmp-{os.getpid()}") for path in (paths.data, paths.rejected)}
+    totals = _Totals()
+    try:
+        # closing(): on --strict's early exit the worker pool is shut down at once, not at garbage collection.
+        with open(tmp[paths.data], "wb") as data_f, open(tmp[paths.rejected], "wb") as rejected_f, \
+                contextlib.closing(_run_chunks(config, encoder, num_proc, num_lines)) as chunks:
+            for chunk in chunks:
+                if config.strict and chunk.first_rejection is not None:
+                    line_no, reason = chunk.first_rejection
+                    raise ValueError(f"{config.input_file}:{line_no}: {reason}")
+                data_f.write(chunk.data)
+                rejected_f.write(chunk.rejected)
+                totals.add(chunk)
+        for path, tmp_path in tmp.items():
+            os.replace(tmp_path, path)
+    finally:
+        for tmp_path in tmp.values():
+            tmp_path.unlink(missing_ok=True)
+
+    elapsed = time.perf_counter() - start
+    summary = _summary(config, tokenizer, encoder, paths, totals, num_lines, elapsed)
+    tmp_summary = paths.summary.with_name(f".{paths.summary.name}.tmp-{os.getpid()}")
+    tmp_summary.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp_summary, paths.summary)
+    _log_summary(summary)
+    _print_samples(config, tokenizer, paths.data, totals)
+    return summary
+
+
+def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, num_proc: int, num_lines: int):
+    """Yield ChunkResults in input order, with a progress bar and a bounded number of chunks in flight."""
+    from tqdm import tqdm
+
+    chunks = _read_chunks(Path(config.input_file), config.chunk_size)
+    with tqdm(total=num_lines, unit="line", desc="tokenizing", mininterval=1.0, file=sys.stderr) as progress:
+        if num_proc == 1:
+            for first_line, lines in chunks:
+                yield encode_chunk(encoder, first_line, lines)
+                progress.update(len(lines))
+            return
+        # fork: workers inherit the imported modules instead of importing transformers again.
+        context = multiprocessing.get_context("fork")
+        with context.Pool(num_proc, initializer=_init_worker,
+                          initargs=(config.model_name_or_path, config.max_sample_num_tokens, True)) as pool:
+            in_flight: deque = deque()
+            for first_line, lines in chunks:
+                in_flight.append((len(lines), pool.apply_async(_process_chunk, (first_line, lines))))
+                # Back-pressure: at most 2 chunks per worker are read ahead, so memory stays flat.
+                if len(in_flight) >= 2 * num_proc:
+                    num, result = in_flight.popleft()
+                    yield result.get()
+                    progress.update(num)
+            while in_flight:
+                num, result = in_flight.popleft()
+                yield result.get()
+                progress.update(num)
+
+
+class _Totals:
+    """Running counts over chunks; per-row numbers kept in compact arrays (8 bytes a row)."""
+
+    def __init__(self):
+        self.lengths = array.array("q")
+        self.num_loss = array.array("q")
+        self.row_offsets = array.array("q", [0])
+        self.reasons: Counter = Counter()
+        self.num_pretrain = 0
+
+    def add(self, chunk: ChunkResult) -> None:
+        self.lengths.extend(chunk.lengths)
+        self.num_loss.extend(chunk.num_loss_counted_tokens)
+        for size in chunk.row_bytes:
+            self.row_offsets.append(self.row_offsets[-1] + size)
+        self.reasons.update(chunk.reasons)
+        self.num_pretrain += chunk.num_pretrain
+
+
+def _stats(values: array.array) -> dict[str, float]:
+    import numpy as np
+
+    if not values:
+        return {}
+    arr = np.frombuffer(values, dtype=np.int64)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"min": int(arr.min()), "mean": round(float(arr.mean()), 2), "p50": float(p50), "p90": float(p90),
+            "p99": float(p99), "max": int(arr.max()), "sum": int(arr.sum())}
+
+
+def _summary(config, tokenizer, encoder, paths, totals, num_lines, elapsed) -> dict[str, Any]:
+    import tokenizers
+    import transformers
+
+    num_written = len(totals.lengths)
+    template = encoder.chat_template or ""
+    return {
+        "num_lines": num_lines,
+        "num_written": num_written,
+        "num_chat": num_written - totals.num_pretrain,
+        "num_pretrain": totals.num_pretrain,
+        "num_rejected": sum(totals.reasons.values()),
+        "rejected_by_reason": dict(sorted(totals.reasons.items())),
+        "num_tokens": int(sum(totals.lengths)),
+        "num_loss_counted_tokens": int(sum(totals.num_loss)),
+        "len": _stats(totals.lengths),
+        "num_loss_counted_tokens_per_sample": _stats(totals.num_loss),
+        "outputs": {"data": str(paths.data), "rejected": str(paths.rejected), "summary": str(paths.summary)},
+        "tokenizer": {
+            "name_or_path": config.model_name_or_path,
+            "class": type(tokenizer).__name__,
+            "num_tokens": len(tokenizer),
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+            "masking": encoder.masking_method,
+        },
+        "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
+        "config": dataclasses.asdict(config),
+        "elapsed_s": round(elapsed, 3),
+        "lines_per_s": round(num_lines / elapsed, 1) if elapsed > 0 else None,
+    }
+
+
+def _log_summary(summary: dict[str, Any]) -> None:
+    logger.info("wrote %d samples (%d chat, %d pretrain, %d tokens, %d loss-counted) to %s in %.1fs (%.0f lines/s)",
+                summary["num_written"], summary["num_chat"], summary["num_pretrain"], summary["num_tokens"],
+                summary["num_loss_counted_tokens"], summary["outputs"]["data"], summary["elapsed_s"],
+                summary["lines_per_s"] or 0)
+    if summary["len"]:
+        logger.info("len: p50 %.0f, p90 %.0f, p99 %.0f, max %d", summary["len"]["p50"], summary["len"]["p90"],
+                    summary["len"]["p99"], summary["len"]["max"])
+    if summary["num_rejected"]:
+        logger.warning("rejected %d line(s), listed in %s: %s", summary["num_rejected"], summary["outputs"]["rejected"],
+                       ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items()))
+
+
+def render_labels(tokenizer, input_ids: list[int], labels: list[int], mask_string: str) -> str:
+    """Decode ``labels`` with each masked run shown as ``mask_string``."""
+    pieces, run, masked = [], [], None
+    for token_id, label in zip(input_ids, labels):
+        is_masked = label == IGNORE_INDEX
+        if run and is_masked != masked:
+            pieces.append(mask_string if masked else tokenizer.decode(run))
+            run = []
+        masked = is_masked
+        run.append(token_id)
+    if run:
+        pieces.append(mask_string if masked else tokenizer.decode(run))
+    return "".join(pieces)
+
+
+def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals: _Totals) -> None:
+    num_written = len(totals.lengths)
+    rows = sorted(random.Random(config.seed).sample(range(num_written), min(num_written, config.num_printed_samples)))
+    with open(data_path, "rb") as f:
+        for index in rows:
+            f.seek(totals.row_offsets[index])
+            row = json.loads(f.readline())
+            logger.info("sample %d input:\n%s", index, tokenizer.decode(row["input_ids"]))
+            logger.info("sample %d labels:\n%s", index,
+                        render_labels(tokenizer, row["input_ids"], row["labels"], config.string_for_printing_masks))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    config = parse_config(ProcessDataConfig, argv, description=__doc__.split("\n")[0])
+    setup_logging(config.logging_level)
+    logger.info("arguments: %s", json.dumps(dataclasses.asdict(config)))
+    try:
+        return process_data(config)
+    except ValueError as err:
+        raise SystemExit(f"process_data.py: error: {err}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,449 @@
+"""Tests for process_data.py and chat_masking.py: exact labels per template, a
+property test over random conversations, every bad-input case, whole-run
+errors, --strict, determinism across --num-proc, and the CLI.
+
+    .venv/bin/python -m pytest -q tests/test_process_data.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chat_masking import ChatEncoder, Sample, SampleError, labels_from_token_spans, parse_row
+from process_data import ProcessDataConfig, main, process_data, render_labels
+from utils import IGNORE_INDEX
+
+ROOT = Path(__file__).resolve().parent.parent
+EOS = {"chatml": "<|im_end|>", "qwen25": "<|im_end|>", "qwen3": "<|im_end|>", "llama3": "<|eot_id|>",
+       "mistral": "</s>"}
+
+
+@pytest.fixture(scope="session")
+def tokenizers(tiny_models):
+    from transformers import AutoTokenizer
+
+    return {name: AutoTokenizer.from_pretrained(path) for name, path in tiny_models.items()}
+
+
+@pytest.fixture(scope="session")
+def encoders(tokenizers):
+    return {name: ChatEncoder(tok, max_sample_num_tokens=1 << 30) for name, tok in tokenizers.items()}
+
+
+def encode(encoder: ChatEncoder, messages: list[dict]) -> Sample:
+    (result,) = encoder.encode_rows([json.dumps({"messages": messages}).encode()])
+    if isinstance(result, SampleError):
+        raise result
+    return result
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run(tmp_path: Path, model: Path, rows: list, **overrides) -> tuple[list[dict], list[dict], dict]:
+    input_file = write_jsonl(tmp_path / "in.jsonl", rows)
+    config = ProcessDataConfig(input_file=str(input_file), model_name_or_path=str(model),
+                               output_dir=str(tmp_path / "out"), num_proc=1, **overrides)
+    summary = process_data(config)
+    out = tmp_path / "out"
+    return read_jsonl(out / "data.jsonl"), read_jsonl(out / "rejected.jsonl"), summary
+
+
+# ----------------------------------------------------------------------------
+# Exact labels: each template's rendering written out by hand as (text, learned) segments
+
+
+def expected_segments(template: str, messages: list[dict]) -> list[tuple[str, bool]]:
+    eos = EOS[template]
+    if template in ("chatml", "qwen25", "qwen3"):
+        segments = []
+        if template == "qwen25" and messages[0]["role"] != "system":
+            segments.append(("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", False))
+        for m in messages:
+            learned = m["role"] == "assistant"
+            header = f"<|im_start|>{m['role']}\n"
+            if learned and template == "qwen3":
+                header += "<think>\n\n</think>\n\n"
+            segments += [(header, False), (m["content"], learned), (eos, learned), ("\n", False)]
+        return segments
+    if template == "llama3":
+        segments = [("<|begin_of_text|>", False)]
+        for m in messages:
+            learned = m["role"] == "assistant"
+            segments += [(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False),
+                         (m["content"].strip(), learned), (eos, learned)]
+        return segments
+    assert template == "mistral"
+    system = messages[0]["content"] if messages[0]["role"] == "system" else None
+    segments = [("<s>", False)]
+    for i, m in enumerate(messages[1:] if system else messages):
+        if m["role"] == "user":
+            prefix = f"{system}\n\n" if system and i == 0 else ""
+            segments.append((f"[INST] {prefix}{m['content']} [/INST]", False))
+        else:
+            segments += [(m["content"], True), (eos, True)]
+    return segments
+
+
+CONVERSATIONS = {
+    "single_turn": [{"role": "user", "content": "Hello there"},
+                    {"role": "assistant", "content": "Hi! How can I help you today?"}],
+    "multi_turn_system": [{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": "What is two plus two?"},
+                          {"role": "assistant", "content": "Four."},
+                          {"role": "user", "content": "And the quick brown fox?"},
+                          {"role": "assistant", "content": "It jumps over the lazy dog."}],
+    "unicode": [{"role": "user", "content": "Ünïcödé, 中文?"},
+                {"role": "assistant", "content": "Ja: 中文 und Emoji 🙂 sind Bytes."}],
+}
+
+
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("template", sorted(EOS))
+def test_exact_labels(tokenizers, encoders, template, conversation):
+    messages = CONVERSATIONS[conversation]
+    tok = tokenizers[template]
+    segments = expected_segments(template, messages)
+    assert "".join(text for text, _ in segments) == tok.apply_chat_template(messages, tokenize=False)
+    expected_ids, expected_labels = [], []
+    for text, learned in segments:
+        ids = tok.encode(text, add_special_tokens=False)
+        expected_ids += ids
+        expected_labels += ids if learned else [IGNORE_INDEX] * len(ids)
+    sample = encode(encoders[template], messages)
+    assert sample.input_ids == list(tok.apply_chat_template(messages, tokenize=True)["input_ids"])
+    assert sample.input_ids == expected_ids, "segments must tokenize like the whole text"
+    assert sample.labels == expected_labels
+    assert sample.num_loss_counted_tokens == sum(label != IGNORE_INDEX for label in expected_labels)
+
+
+def test_every_turn_end_is_learned_with_injected_system_prompt(tokenizers, encoders):
+    """qwen25 injects a system prompt; the original tool then masked non-final end tokens."""
+    messages = CONVERSATIONS["multi_turn_system"][1:]
+    sample = encode(encoders["qwen25"], messages)
+    eos_id = tokenizers["qwen25"].eos_token_id
+    eos_positions = [i for i, t in enumerate(sample.input_ids) if t == eos_id]
+    learned = [i for i in eos_positions if sample.labels[i] == eos_id]
+    assert len(eos_positions) == 5 and len(learned) == 2  # system, user, assistant, user, assistant
+
+
+@pytest.mark.parametrize("template", sorted(EOS))
+def test_pretrain_is_content_plus_eos_all_learned(tokenizers, encoders, template):
+    tok = tokenizers[template]
+    content = "The quick brown fox 🙂 jumps."
+    sample = encode(encoders[template], [{"role": "pretrain", "content": content}])
+    expected = tok.encode(content, add_special_tokens=False) + [tok.eos_token_id]
+    assert sample.input_ids == expected and sample.labels == expected and sample.is_pretrain
+
+
+def test_tool_results_stay_masked(tokenizers, encoders):
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Calling the tool."},
+                {"role": "tool", "content": "sunny, 21 C"}, {"role": "assistant", "content": "It is sunny."}]
+    sample = encode(encoders["chatml"], messages)
+    learned = [t for t, label in zip(sample.input_ids, sample.labels) if label != IGNORE_INDEX]
+    tok = tokenizers["chatml"]
+    assert tok.decode(learned) == "Calling the tool.<|im_end|>It is sunny.<|im_end|>"
+
+
+def test_straddling_token_at_reply_start_is_masked(tmp_path):
+    """Header '\\n' + reply's leading spaces can merge into one BPE token: it stays masked."""
+    from tiny_model import build_tokenizer
+
+    # A corpus of indented code makes '\\n' + 3 spaces one token, whatever order BPE breaks ties in.
+    tok = build_tokenizer("chatml", tmp_path / "tok", corpus=["def f(a, b):\n    return a + b\n"] * 8)
+    messages = [{"role": "user", "content": "code?"}, {"role": "assistant", "content": "    return a + b\n"}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    reply_start = text.index("    return")
+    encoding = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    straddlers = [i for i, (s, e) in enumerate(encoding["offset_mapping"]) if s < reply_start < e]
+    assert straddlers, "the vocabulary should merge the newline with the following spaces"
+    sample = encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), messages)
+    assert all(sample.labels[i] == IGNORE_INDEX for i in straddlers)
+    learned = tok.decode([t for t, label in zip(sample.input_ids, sample.labels) if label != IGNORE_INDEX])
+    expected = messages[1]["content"] + "<|im_end|>"
+    assert learned != expected and expected.endswith(learned)
+    assert expected[: len(expected) - len(learned)].isspace()
+
+
+# ----------------------------------------------------------------------------
+# Other templates: generation markers, non-incremental rendering
+
+
+def _tokenizer_with_template(tok, template: str, path: Path):
+    from transformers import AutoTokenizer
+
+    tok.save_pretrained(path)
+    (path / "chat_template.jinja").write_text(template)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_generation_markers_are_used(tokenizers, tmp_path):
+    marked = ("{%- for message in messages %}{%- if message['role'] == 'assistant' %}"
+              "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] }}{% endgeneration %}"
+              "{{- '<|im_end|>\\n' }}{%- else %}"
+              "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+              "{%- endif %}{%- endfor %}")
+    tok = _tokenizer_with_template(tokenizers["chatml"], marked, tmp_path / "marked")
+    encoder = ChatEncoder(tok, max_sample_num_tokens=1 << 30)
+    assert encoder.masking_method == "generation_markers"
+    messages = CONVERSATIONS["multi_turn_system"]
+    plain = encode(ChatEncoder(tokenizers["chatml"], max_sample_num_tokens=1 << 30), messages)
+    assert encode(encoder, messages).labels == plain.labels
+
+
+def test_template_rendering_old_turns_differently(tokenizers, tmp_path):
+    """Like Qwen3: a <think> block only in the last assistant turn, so prefixes are not
+    prefixes of the full render; the reply-through-EOS text is found in the full render."""
+    qwen3_like = ("{%- for message in messages %}{%- if message['role'] == 'assistant' and loop.last %}"
+                  "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message['content'] + '<|im_end|>\\n' }}"
+                  "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+                  "{%- endif %}{%- endfor %}"
+                  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    tok = _tokenizer_with_template(tokenizers["chatml"], qwen3_like, tmp_path / "qwen3like")
+    sample = encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["multi_turn_system"])
+    learned = tok.decode([t for t, label in zip(sample.input_ids, sample.labels) if label != IGNORE_INDEX])
+    assert learned == "Four.<|im_end|>It jumps over the lazy dog.<|im_end|>"
+    assert sample.input_ids == list(tok.apply_chat_template(CONVERSATIONS["multi_turn_system"])["input_ids"])
+
+
+def test_non_incremental_template_is_rejected_not_guessed(tokenizers, tmp_path):
+    counting = ("{{- messages | length }} messages\\n"
+                "{%- for message in messages %}{{- message['role'] + ': ' + message['content'] + '<|im_end|>' }}"
+                "{%- endfor %}")
+    tok = _tokenizer_with_template(tokenizers["chatml"], counting, tmp_path / "counting")
+    with pytest.raises(SampleError) as err:
+        encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["single_turn"])
+    assert err.value.reason == "template_not_incremental"
+
+
+# ----------------------------------------------------------------------------
+# Property: learned tokens are exactly the replies plus their EOS
+
+
+TEXT = st.text(alphabet=st.sampled_from(list("abcdefghij XYZ0123456789.,!?'\"()\n\t-_äöü中文🙂")), min_size=1, max_size=40)
+REPLY = TEXT.filter(lambda s: s.strip())
+
+
+@st.composite
+def conversations(draw, template: str):
+    messages = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(TEXT)})
+    for _ in range(draw(st.integers(1, 4))):
+        if template != "mistral" and draw(st.integers(0, 5)) == 0:
+            messages.append({"role": "tool", "content": draw(TEXT)})
+        messages.append({"role": "user", "content": draw(TEXT)})
+        messages.append({"role": "assistant", "content": draw(REPLY)})
+    return messages
+
+
+@pytest.mark.parametrize("template", sorted(EOS))
+def test_property_learned_text_is_replies_plus_eos(tokenizers, encoders, template):
+    tok, encoder = tokenizers[template], encoders[template]
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(conversations(template))
+    def check(messages):
+        sample = encode(encoder, messages)
+        assert sample.input_ids == list(tok.apply_chat_template(messages, tokenize=True)["input_ids"])
+        runs, run = [], []
+        for token, label in zip(sample.input_ids, sample.labels):
+            if label != IGNORE_INDEX:
+                assert label == token
+                run.append(token)
+            elif run:
+                runs.append(run)
+                run = []
+        if run:
+            runs.append(run)
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert len(runs) == len(replies)
+        for run, reply in zip(runs, replies):
+            rendered = (reply.strip() if template == "llama3" else reply) + EOS[template]
+            learned = tok.decode(run, clean_up_tokenization_spaces=False)
+            # Only a reply's leading whitespace can be lost, to a token shared with the header.
+            assert rendered.endswith(learned) and not rendered[: len(rendered) - len(learned)].strip()
+
+    check()
+
+
+# ----------------------------------------------------------------------------
+# Bad input
+
+
+GOOD = {"id": "good", "messages": CONVERSATIONS["single_turn"]}
+BAD_LINES = [
+    ('{"messages": [', "invalid_json"),
+    ("[1, 2]", "not_an_object"),
+    ({"id": 3}, "missing_messages"),
+    ({"messages": "hi"}, "messages_not_a_list"),
+    ({"messages": []}, "empty_messages"),
+    ({"messages": ["hi"]}, "message_not_an_object"),
+    ({"messages": [{"role": "User", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown_role"),
+    ({"messages": [{"role": "user"}, {"role": "assistant", "content": "y"}]}, "missing_content"),
+    ({"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]}, "non_string_content"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " \n "}]},
+     "empty_assistant_reply"),
+    ({"messages": [{"role": "pretrain", "content": "  "}]}, "empty_pretrain"),
+    ({"messages": [{"role": "pretrain", "content": "x"}, {"role": "user", "content": "y"}]},
+     "pretrain_mixed_with_chat"),
+    ({"messages": [{"role": "user", "content": "no reply"}]}, "no_loss_tokens"),
+    ({"labels": [1], "messages": CONVERSATIONS["single_turn"]}, "reserved_field"),
+    ("", "blank_line"),
+]
+
+
+def test_every_bad_line_is_counted_and_listed(tiny_models, tokenizers, tmp_path):
+    max_len = len(tokenizers["chatml"].apply_chat_template(GOOD["messages"])["input_ids"])
+    long = {"id": "long", "messages": [GOOD["messages"][0], {"role": "assistant", "content": "Hi there! " * 10}]}
+    rows = [GOOD] + [line for line, _ in BAD_LINES] + [long]
+    data, rejected, summary = run(tmp_path, tiny_models["chatml"], rows, max_sample_num_tokens=max_len)
+    assert [row["id"] for row in data] == ["good"]
+    expected = [{"line": i + 2, "reason": reason} for i, (_, reason) in enumerate(BAD_LINES)]
+    expected.append({"line": len(rows), "reason": "too_long"})
+    assert [{"line": r["line"], "reason": r["reason"]} for r in rejected] == expected
+    assert all(r["detail"] for r in rejected)
+    assert summary["num_written"] == 1 and summary["num_rejected"] == len(BAD_LINES) + 1
+    assert summary["rejected_by_reason"]["too_long"] == 1 and summary["num_lines"] == len(rows)
+
+
+def test_template_refusal_does_not_stop_the_run(tiny_models, tmp_path):
+    not_alternating = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                    {"role": "assistant", "content": "c"}]}
+    data, rejected, _ = run(tmp_path, tiny_models["mistral"], [not_alternating, GOOD])
+    assert [row["id"] for row in data] == ["good"]
+    assert rejected[0]["line"] == 1 and rejected[0]["reason"] == "template_error"
+    assert "alternate" in rejected[0]["detail"]
+
+
+def test_output_row_carries_fields_and_counts(tiny_models, tmp_path):
+    row = {"id": 7, "source": {"name": "unit", "tags": ["a"]}, "messages": CONVERSATIONS["single_turn"]}
+    (out,), _, summary = run(tmp_path, tiny_models["llama3"], [row])
+    assert list(out) == ["input_ids", "labels", "len", "num_loss_counted_tokens", "id", "source"]
+    assert out["id"] == 7 and out["source"] == row["source"]
+    assert out["len"] == len(out["input_ids"]) == len(out["labels"])
+    assert out["num_loss_counted_tokens"] == sum(label != IGNORE_INDEX for label in out["labels"])
+    assert summary["tokenizer"]["masking"] == "incremental_rendering"
+    assert summary["config"]["model_name_or_path"] == str(tiny_models["llama3"])
+
+
+def test_strict_stops_at_first_bad_line(tiny_models, tmp_path):
+    input_file = write_jsonl(tmp_path / "in.jsonl", [GOOD, GOOD, "nope", {"messages": []}])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as err:
+        main(["--input-file", str(input_file), "--output-dir", str(out), "--model-name-or-path",
+              str(tiny_models["chatml"]), "--num-proc", "1", "--strict"])
+    assert str(err.value).endswith(f"{input_file}:3: invalid_json: Expecting value: line 1 column 1 (char 0)")
+    assert not (out / "data.jsonl").exists() and not (out / "summary.json").exists()
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("problem", ["missing", "empty", "output_exists", "no_template", "two_outputs"])
+def test_whole_run_problems(tiny_models, tokenizers, tmp_path, problem):
+    input_file = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    model = tiny_models["chatml"]
+    argv = ["--output-dir", str(tmp_path / "out"), "--num-proc", "1"]
+    if problem == "missing":
+        input_file = tmp_path / "absent.jsonl"
+        message = "does not exist"
+    elif problem == "empty":
+        input_file.write_text("\n  \n")
+        message = "is empty"
+    elif problem == "output_exists":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "data.jsonl").write_text("old\n")
+        message = "pass --overwrite"
+    elif problem == "no_template":
+        model = tmp_path / "no_template"
+        tokenizers["chatml"].save_pretrained(model)
+        (model / "chat_template.jinja").unlink()
+        message = "has no chat template, but"
+    else:
+        argv += ["--output-file", str(tmp_path / "x.jsonl")]
+        message = "exactly one of --output-dir and --output-file"
+    with pytest.raises(SystemExit) as err:
+        main(["--input-file", str(input_file), "--model-name-or-path", str(model), *argv])
+    assert err.value.code != 0
+    if problem == "two_outputs":
+        return  # argparse printed the usage error
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pretrain_only_needs_no_template(tokenizers, tmp_path):
+    model = tmp_path / "no_template"
+    tokenizers["llama3"].save_pretrained(model)
+    (model / "chat_template.jinja").unlink()
+    data, rejected, _ = run(tmp_path, model, [{"messages": [{"role": "pretrain", "content": "Plain text."}]}])
+    assert len(data) == 1 and not rejected and data[0]["labels"] == data[0]["input_ids"]
+
+
+def test_overwrite_replaces_output(tiny_models, tmp_path):
+    run(tmp_path, tiny_models["chatml"], [GOOD])
+    data, _, _ = run(tmp_path, tiny_models["chatml"], [GOOD, GOOD], overwrite=True)
+    assert len(data) == 2
+
+
+# ----------------------------------------------------------------------------
+# Helpers, determinism, CLI
+
+
+def test_labels_from_token_spans_and_printing(tokenizers):
+    assert labels_from_token_spans([5, 6, 7, 8], [(1, 3)]) == [IGNORE_INDEX, 6, 7, IGNORE_INDEX]
+    tok = tokenizers["chatml"]
+    ids = tok.encode("ab<|im_end|>", add_special_tokens=False)
+    labels = [IGNORE_INDEX] + ids[1:]
+    assert render_labels(tok, ids, labels, "<M>") == "<M>" + tok.decode(ids[1:])
+    assert parse_row(b'{"messages": [{"role": "user", "content": "x", "name": null}]}')[0] == [
+        {"role": "user", "content": "x"}]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "process_data.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_num_proc_2_is_byte_identical_to_1_and_cli_round_trip(tiny_models, tmp_path):
+    rows = []
+    for i in range(150):
+        name = sorted(CONVERSATIONS)[i % len(CONVERSATIONS)]
+        rows.append({"id": i, "messages": CONVERSATIONS[name]})
+        if i % 17 == 0:
+            rows.append(BAD_LINES[i % len(BAD_LINES)][0])
+        if i % 23 == 0:
+            rows.append({"id": f"p{i}", "messages": [{"role": "pretrain", "content": f"Document number {i}."}]})
+    input_file = write_jsonl(tmp_path / "in.jsonl", rows)
+    outputs = {}
+    for num_proc in (1, 2):
+        out = tmp_path / f"out{num_proc}"
+        result = _cli("--input-file", str(input_file), "--output-dir", str(out), "--model-name-or-path",
+                      str(tiny_models["qwen3"]), "--num-proc", str(num_proc), "--chunk-size", "16")
+        assert result.returncode == 0, result.stderr
+        assert "<|mAsK|>" in result.stderr  # the printed samples
+        assert sorted(p.name for p in out.iterdir()) == ["data.jsonl", "rejected.jsonl", "summary.json"]
+        outputs[num_proc] = [(out / name).read_bytes() for name in ("data.jsonl", "rejected.jsonl")]
+    assert outputs[1] == outputs[2]
+    assert outputs[1][0].count(b"\n") == 150 + 7
+
+    single = tmp_path / "single" / "tokens.jsonl"
+    result = _cli("--input-file", str(input_file), "--output-file", str(single), "--model-name-or-path",
+                  str(tiny_models["qwen3"]), "--num-proc", "2", "--string-for-printing-masks", "[M]")
+    assert result.returncode == 0, result.stderr
+    assert "[M]" in result.stderr
+    assert sorted(p.name for p in single.parent.iterdir()) == [
+        "tokens.jsonl", "tokens.rejected.jsonl", "tokens.summary.json"]
+    assert single.read_bytes() == outputs[1][0]
