@@ -1,0 +1,378 @@
+"""The demo's pieces at test size: Python API launch, plots, trackers, SLURM script, demo data, inspect_data.
+
+    .venv/bin/python -m pytest -q tests/test_demo_pieces.py
+
+``run_training`` starts a real 2-process CPU torchrun of the tiny model for 2
+steps; its output feeds the plot, checkpoint-reload and generation tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from e2e import ROOT, read_metrics, write_tokenized_jsonl
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------
+# api.run_training: a real torchrun launch
+
+
+@pytest.fixture(scope="module")
+def api_run(tmp_path_factory, chatml_model) -> Path:
+    from transformers import AutoConfig
+
+    from api import TorchrunArgs, TrainConfig, run_training
+
+    root = tmp_path_factory.mktemp("api_run")
+    vocab = AutoConfig.from_pretrained(chatml_model).vocab_size
+    data = write_tokenized_jsonl(root / "data.jsonl", num_samples=24, vocab_size=vocab, seed=3)
+    out = root / "out"
+    config = TrainConfig(output_dir=str(out), data_path=str(data), model_name_or_path=str(chatml_model),
+                         min_samples_per_checkpoint=1000, batch_size=8, max_tokens_per_gpu=64, max_steps=2,
+                         learning_rate=1e-3, num_warmup_steps=0, num_data_workers=0)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        env.setenv("TOKENIZERS_PARALLELISM", "false")
+        run_training(TorchrunArgs(nproc_per_node=2), config)
+    return out
+
+
+def test_run_training_launches_a_real_two_process_run(api_run):
+    records = read_metrics(api_run)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    params = json.loads((api_run / "training_params.json").read_text())
+    assert params["world_size"] == 2 and params["max_steps"] == 2 and params["batch_size"] == 8
+
+
+def test_run_training_raises_when_torchrun_fails(tmp_path, monkeypatch):
+    import api
+
+    failing = tmp_path / "failing.py"
+    failing.write_text("raise SystemExit(3)\n")
+    monkeypatch.setattr(api, "TRAIN_SCRIPT", failing)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    config = api.TrainConfig(output_dir=str(tmp_path / "out"), min_samples_per_checkpoint=10)
+    with pytest.raises(subprocess.CalledProcessError):
+        api.run_training(api.TorchrunArgs(nproc_per_node=1), config)
+
+
+def test_reloaded_checkpoint_generates(api_run):
+    from demo import generate_reply, latest_checkpoint
+
+    checkpoint = latest_checkpoint(api_run)
+    assert checkpoint.name == "samples_16"
+    reply = generate_reply(checkpoint, "Hello there", max_new_tokens=8, seed=0)
+    assert isinstance(reply, str)
+
+
+def test_latest_checkpoint_is_numeric_not_lexicographic(tmp_path):
+    from demo import latest_checkpoint
+
+    for n in (9, 10, 100):
+        (tmp_path / "hf_format" / f"samples_{n}").mkdir(parents=True)
+    assert latest_checkpoint(tmp_path).name == "samples_100"
+    with pytest.raises(ValueError, match="no checkpoint"):
+        latest_checkpoint(tmp_path / "empty")
+
+
+# ----------------------------------------------------------------------------
+# plot_metrics
+
+
+def test_plots_are_valid_pngs(api_run, tmp_path):
+    import matplotlib.image
+
+    from plot_metrics import plot_metrics
+
+    paths = plot_metrics(api_run, out_dir=tmp_path)
+    assert sorted(p.name for p in paths) == ["loss.png", "metrics_by_samples.png", "metrics_by_step.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        height, width, channels = matplotlib.image.imread(path).shape
+        assert height >= 400 and width >= 600 and channels in (3, 4)
+
+
+def test_plot_cli_and_errors(api_run, tmp_path, monkeypatch, capsys):
+    import plot_metrics
+
+    plot_metrics.main([str(api_run), "--out-dir", str(tmp_path / "cli")])
+    assert len(capsys.readouterr().out.split()) == 3
+    with pytest.raises(SystemExit, match="no training_metrics"):
+        plot_metrics.main([str(tmp_path)])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        plot_metrics.plot_metrics(api_run)
+
+
+def test_smoothing_is_a_bias_corrected_ema():
+    from plot_metrics import smooth
+
+    values = np.array([4.0, 2.0, np.nan, 1.0])
+    out = smooth(values, 0.5)
+    assert out[0] == 4.0  # bias correction: the first point is not pulled towards 0
+    assert out[1] == pytest.approx((0.25 * 4 + 0.5 * 2) / 0.75)
+    assert out[2] == out[1]  # a missing value holds the average
+    np.testing.assert_allclose(smooth(np.ones(5), 0.9), np.ones(5))
+
+
+# ----------------------------------------------------------------------------
+# trackers
+
+
+def _record() -> dict:
+    from batch_metrics import StepCounts, step_record
+
+    counts = StepCounts(loss_sum=30.0, backward_loss_sum=20.0, batch_num_loss_counted_tokens=10,
+                        num_loss_counted_tokens=10, num_samples=4, num_total_tokens=40, num_dropped_samples=0,
+                        num_minibatches=2)
+    return step_record(step=3, lr=1e-4, grad_norm=0.5, counts=counts, world_size=2, time_per_batch=0.1,
+                       total_samples_accumulated=12, samples_seen=12, epoch=0, peak_memory_usage_gb=1.5)
+
+
+def test_tracker_is_null_unless_requested_on_rank_0(monkeypatch):
+    from trackers import NullTracker, make_tracker
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # rank 1 must not even import it
+    assert isinstance(make_tracker(wandb_project=None, tensorboard_dir=None, run_config={}, rank=0), NullTracker)
+    tracker = make_tracker(wandb_project="p", tensorboard_dir="/tmp/tb", run_config={}, rank=1)
+    assert isinstance(tracker, NullTracker)
+    tracker.log(_record())
+    tracker.close()
+
+
+@pytest.mark.parametrize("which", ["wandb", "tensorboard"])
+def test_missing_tracker_package_names_it(monkeypatch, tmp_path, which):
+    from trackers import make_tracker
+
+    monkeypatch.setitem(sys.modules, which, None)
+    if which == "tensorboard":
+        monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    kwargs = {"wandb_project": "p" if which == "wandb" else None,
+              "tensorboard_dir": str(tmp_path) if which == "tensorboard" else None}
+    with pytest.raises(ImportError, match=f"pip install {which}"):
+        make_tracker(**kwargs, run_config={}, rank=0)
+
+
+def test_wandb_tracker_mirrors_the_jsonl_record(monkeypatch):
+    """wandb is a network boundary: a stand-in module records what the tracker sends."""
+    from trackers import make_tracker
+
+    calls = []
+    run = types.SimpleNamespace(log=lambda data, step: calls.append(("log", data, step)),
+                                finish=lambda: calls.append(("finish",)))
+    fake = types.ModuleType("wandb")
+    fake.init = lambda project, config: calls.append(("init", project, config)) or run
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+
+    record = _record()
+    tracker = make_tracker(wandb_project="demo", tensorboard_dir=None, run_config={"lr": 1e-4}, rank=0)
+    tracker.log(record)
+    tracker.close()
+    assert calls[0] == ("init", "demo", {"lr": 1e-4})
+    _, logged, step = calls[1]
+    assert step == record["step"]
+    assert logged == {k: float(v) for k, v in record.items() if k != "step"}
+    assert calls[2] == ("finish",)
+
+
+# ----------------------------------------------------------------------------
+# api: flags from the config dataclass
+
+
+def _non_default_config():
+    from train import TrainConfig
+
+    return TrainConfig(output_dir="/tmp/o", min_samples_per_checkpoint=7, model_name_or_path="m",
+                       data_path="d", batch_size=3, max_tokens_per_gpu=99, learning_rate=1.2345678901234e-5,
+                       num_warmup_steps=0, lr_scheduler="cosine", seed=5, use_liger_kernels=True,
+                       logging_level="debug", max_steps=11, max_samples=1000, num_epochs=1.5,
+                       fsdp_sharding_strategy="HYBRID_SHARD", cpu_offload=True, attn_implementation="eager",
+                       weight_decay=0.1, adam_betas=(0.8, 0.999), max_grad_norm=0.0,
+                       activation_checkpointing=False, balance="attention", num_data_workers=0)
+
+
+@pytest.mark.parametrize("which", ["defaults", "non_defaults"])
+def test_config_flags_round_trip_through_train_parser(which):
+    from api import config_to_argv
+    from train import TrainConfig
+    from utils import build_arg_parser, parse_config
+
+    config = TrainConfig(output_dir="o", min_samples_per_checkpoint=1) if which == "defaults" \
+        else _non_default_config()
+    argv = config_to_argv(config)
+    assert parse_config(TrainConfig, argv) == config
+    namespace = vars(build_arg_parser(TrainConfig).parse_args(argv))
+    for field in dataclasses.fields(TrainConfig):
+        value = getattr(config, field.name)
+        assert namespace[field.name] == (list(value) if isinstance(value, tuple) else value), field.name
+
+
+def test_config_to_argv_spells_bools_tuples_and_none():
+    from api import config_to_argv
+    from train import TrainConfig
+
+    argv = config_to_argv(TrainConfig(output_dir="o", min_samples_per_checkpoint=1, adam_betas=(0.5, 0.6),
+                                      cpu_offload=False, use_liger_kernels=True))
+    assert "--no-cpu-offload" in argv and "--use-liger-kernels" in argv
+    i = argv.index("--adam-betas")
+    assert argv[i + 1: i + 3] == ["0.5", "0.6"]
+    assert "--max-steps" not in argv  # None is omitted
+
+
+def test_torchrun_args_parse_with_torchruns_own_parser():
+    from torch.distributed.run import get_args_parser
+
+    from api import TorchrunArgs, torchrun_command
+    from train import TrainConfig
+
+    parser = get_args_parser()
+    single = parser.parse_args([*TorchrunArgs(nproc_per_node=4).to_argv(), "train.py"])
+    assert single.standalone and single.nproc_per_node == "4"
+    multi = parser.parse_args([*TorchrunArgs(nnodes=2, nproc_per_node=8, rdzv_endpoint="node1:29400",
+                                             rdzv_id="job7").to_argv(), "train.py"])
+    assert (multi.nnodes, multi.rdzv_backend, multi.rdzv_endpoint, multi.rdzv_id) == ("2", "c10d", "node1:29400",
+                                                                                       "job7")
+    static = parser.parse_args([*TorchrunArgs(nnodes=2, node_rank=1, master_addr="10.0.0.1").to_argv(), "x.py"])
+    assert (static.node_rank, static.master_addr, static.master_port) == (1, "10.0.0.1", 29500)
+    command = torchrun_command(TorchrunArgs(), TrainConfig(output_dir="o", min_samples_per_checkpoint=1))
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and command[6].endswith("train.py")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"nnodes": 2}, "rdzv_endpoint or master_addr"),
+    ({"nnodes": 2, "rdzv_endpoint": "a:1", "master_addr": "b"}, "not both"),
+    ({"nnodes": 2, "master_addr": "b"}, "node_rank"),
+    ({"nproc_per_node": 0}, ">= 1"),
+])
+def test_torchrun_args_validation(kwargs, match):
+    from api import TorchrunArgs
+
+    with pytest.raises(ValueError, match=match):
+        TorchrunArgs(**kwargs)
+
+
+def test_api_reexports_process_data():
+    import api
+    import process_data
+
+    assert api.process_data is process_data.process_data and api.ProcessDataConfig is process_data.ProcessDataConfig
+
+
+# ----------------------------------------------------------------------------
+# slurm_multi_node.sbatch
+
+
+def test_sbatch_script_parses_and_builds_torchrun_from_slurm():
+    script = ROOT / "slurm_multi_node.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --requeue" in text
+    assert "#SBATCH --signal=B:USR1@" in text and "trap on_usr1 USR1" in text
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    launch = text[text.index("srun "):text.index("SRUN_PID=$!")]
+    for piece in ('--nnodes="$SLURM_JOB_NUM_NODES"', '--nproc-per-node="$GPUS_PER_NODE"', "--rdzv-backend=c10d",
+                  '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
+                  "--min-samples-per-checkpoint", "--ntasks-per-node=1", '--output-dir "$OUTPUT_DIR"'):
+        assert piece in launch, piece
+    assert "NCCL_TIMEOUT_MINUTES" in text
+
+
+def test_sbatch_train_flags_exist_in_train_parser():
+    from train import TrainConfig
+    from utils import build_arg_parser
+
+    text = (ROOT / "slurm_multi_node.sbatch").read_text()
+    launch = text[text.index('"$SLURM_SUBMIT_DIR/train.py"'):text.index("SRUN_PID=$!")]
+    flags = {token for token in launch.split() if token.startswith("--")}
+    assert "--min-samples-per-checkpoint" in flags
+    known = set(build_arg_parser(TrainConfig)._option_string_actions)
+    assert flags <= known, flags - known
+
+
+# ----------------------------------------------------------------------------
+# The shipped demo dataset
+
+
+def _demo_rows() -> list[dict]:
+    return [json.loads(line) for line in (ROOT / "data" / "demo_chat.jsonl").read_text().splitlines()]
+
+
+def test_demo_dataset_is_valid_and_varied():
+    from chat_masking import parse_row
+
+    path = ROOT / "data" / "demo_chat.jsonl"
+    assert path.stat().st_size < 1_000_000
+    lines = path.read_bytes().splitlines()
+    for line in lines:
+        messages, extra = parse_row(line)  # raises SampleError on any malformed row
+        assert messages and "id" in extra
+    rows = _demo_rows()
+    assert len({r["id"] for r in rows}) == len(rows)
+    chats = [r for r in rows if r["messages"][0]["role"] != "pretrain"]
+    pretrain = [r for r in rows if r["messages"][0]["role"] == "pretrain"]
+    assert len(chats) >= 300 and len(pretrain) >= 30
+    assert sum(r["messages"][0]["role"] == "system" for r in chats) >= 50
+    multi_turn = [r for r in chats if sum(m["role"] == "assistant" for m in r["messages"]) >= 2]
+    assert len(multi_turn) >= len(chats) // 2
+    assert len({r["messages"][-1]["content"] for r in chats}) >= 100
+
+
+def test_demo_dataset_is_the_generator_output():
+    sys.path.insert(0, str(ROOT / "data"))
+    try:
+        from make_demo_data import build_rows
+    finally:
+        sys.path.remove(str(ROOT / "data"))
+    assert build_rows(0, num_conversations=360) == _demo_rows()
+
+
+def test_demo_dataset_tokenizes_without_rejections(tmp_path):
+    from demo import DemoConfig, build_demo_model
+    from process_data import ProcessDataConfig, process_data
+
+    model = build_demo_model(tmp_path / "model", DemoConfig(vocab_size=512, hidden_size=32, num_layers=1))
+    summary = process_data(ProcessDataConfig(input_file=str(ROOT / "data" / "demo_chat.jsonl"),
+                                             output_dir=str(tmp_path / "data"), model_name_or_path=str(model),
+                                             num_proc=1, num_printed_samples=0))
+    assert summary["num_rejected"] == 0 and summary["num_written"] == len(_demo_rows())
+    assert 0 < summary["num_loss_counted_tokens"] < summary["num_tokens"]
+
+
+# ----------------------------------------------------------------------------
+# inspect_data
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_inspect_data_reports_the_trainers_plan(tmp_path, capsys, world_size):
+    from inspect_data import main
+
+    data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=30, vocab_size=100, seed=2, max_len=48)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    lengths = np.array([r["len"] for r in rows])
+    budget, batch = 40, 8
+    report = main(["--data-path", str(data), "--batch-size", str(batch), "--max-tokens-per-gpu", str(budget),
+                   "--world-size", str(world_size), "--num-steps", "4"])
+    out = capsys.readouterr().out
+    assert "length histogram" in out and "packing plan" in out
+    assert report["num_over_budget"] == int((lengths > budget).sum())
+    assert sum(count for _, _, count in report["histogram"]) == len(rows)
+    loss_tokens = sum(sum(label != -100 for label in r["labels"][1:]) for r in rows)
+    assert report["loss_token_share"] == pytest.approx(loss_tokens / lengths.sum())
+    for step in report["steps"]:
+        assert step.num_samples + step.num_dropped == batch
+        assert step.max_rank_tokens <= budget
+        assert step.num_minibatches >= math.ceil(step.num_tokens / (world_size * budget))
+        assert 0 < step.utilization <= 1 and 0 < step.balance <= 1
