@@ -24,6 +24,7 @@ mean cross-entropy over the whole batch. Python API: ``train(TrainConfig(...))``
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -45,6 +46,7 @@ from batch_metrics import MetricsWriter, StepCounts, step_record
 from checkpoint import save_hf_checkpoint
 from full_state import save_full_state
 from setup_model_fsdp import setup_model
+from trackers import make_tracker
 
 from utils import (
     DistInfo,
@@ -109,6 +111,10 @@ class TrainConfig:
     resume_from: str | None = config_field(None, help="resume from this full_state/samples_N folder")
     keep_last_n_checkpoints: int | None = config_field(
         None, help="keep only the newest N full-state and Hugging Face checkpoints (default: keep all)")
+    wandb_project: str | None = config_field(None, help="also log every metrics line to this Weights & Biases "
+                                                         "project (pip install wandb)")
+    tensorboard_dir: str | None = config_field(None, help="also log every metrics line to TensorBoard in this "
+                                                          "folder (pip install tensorboard)")
     max_bad_steps: int = config_field(5, help="abort after this many consecutive steps with a non-finite "
                                               "loss or gradient norm (each one is skipped)")
 
@@ -198,6 +204,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         _write_training_params(config, dist_info, resolved)
         truncate_metrics(metrics_path, state.step)
     metrics = MetricsWriter(metrics_path) if dist_info.is_main else None
+    tracker = make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
+                           run_config=dataclasses.asdict(config), rank=dist_info.rank)
 
     def save(*, hf_export: bool) -> Path | None:
         """Full state always (resume needs it); the Hugging Face export on the regular cadence."""
@@ -275,6 +283,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                                time.perf_counter() - start, skipped=not finite)
         if metrics is not None:
             metrics.write(record)
+        tracker.log(record)
         progress.update(1)
         progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:.0f}",
                              samples=state.samples_seen)
@@ -303,6 +312,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     preemption.restore()
     if metrics is not None:
         metrics.close()
+    tracker.close()
     return last_checkpoint
 
 
@@ -368,6 +378,10 @@ def _preflight(config: TrainConfig) -> str | None:
         AutoConfig.from_pretrained(config.model_name_or_path)
     except (OSError, ValueError) as err:
         return f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
+    for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
+                                 ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
+        if value is not None and importlib.util.find_spec(package) is None:
+            return f"{flag} needs the {package} package: pip install {package}"
     output = Path(config.output_dir)
     try:
         output.mkdir(parents=True, exist_ok=True)

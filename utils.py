@@ -178,13 +178,15 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
     """Join the torchrun job (or become a one-process job without torchrun).
 
     The backend comes from torch's own device->backend map: nccl for cuda,
-    gloo for cpu.
+    gloo for cpu. ``MINI_TRAINER_DIST_TIMEOUT_MINUTES`` overrides the
+    collective timeout (torch reads no variable for it; the SLURM script sets it).
     """
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    timeout_minutes = float(os.environ.get("MINI_TRAINER_DIST_TIMEOUT_MINUTES", timeout_minutes))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
