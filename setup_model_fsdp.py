@@ -28,11 +28,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from attention import (FLASH_BACKENDS, TORCH_VARLEN, flash_attn_unavailable_reason, register_attention_backends,
+                       torch_varlen_unavailable_reason)
 from loss import CausalLMWithLoss
 from utils import DistInfo, log_rank_0
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "torch_varlen", "reference_varlen")
 
 
 @dataclass(frozen=True)
@@ -47,28 +49,81 @@ class ModelSetup:
 
 
 def resolve_attn_implementation(requested: str, device_type: str) -> str:
-    """'auto' -> flash_attention_2 when flash_attn imports on CUDA, else sdpa.
+    """Pick the attention backend for padding-free packed rows, and say why.
 
-    Every returned backend honours packed ``position_ids`` without an
-    attention mask (sdpa/eager through transformers' packed-sequence mask,
-    flash through explicit ``cu_seqlens``); anything else is refused.
+    'auto' -> ``flash_attention_2`` when ``flash_attn`` imports on CUDA, else
+    ``torch_varlen`` (PyTorch's own varlen flash kernel, torch >= 2.10) on
+    CUDA, else ``sdpa`` (CPU, tests). Every returned backend honours packed
+    boundaries without padding: sdpa/eager through transformers'
+    block-diagonal mask built from ``position_ids`` (O(T^2) memory), flash
+    and varlen backends through explicit ``cu_seqlens``. Any other name is
+    refused; a GPU-only backend asked for on CPU falls back to sdpa with a
+    warning.
     """
+    register_attention_backends()
+    gpu_only = FLASH_BACKENDS + (TORCH_VARLEN,)
     if requested == "auto":
-        if device_type == "cuda":
-            try:
-                import flash_attn  # noqa: F401
-
-                return "flash_attention_2"
-            except ImportError:
-                log_rank_0("flash_attn is not installed: using sdpa for packed attention", level=logging.WARNING)
+        if device_type != "cuda":
+            return "sdpa"
+        if flash_attn_unavailable_reason("flash_attention_2") is None:
+            log_rank_0("attention: flash_attention_2 (flash_attn imports)")
+            return "flash_attention_2"
+        reason = torch_varlen_unavailable_reason()
+        if reason is None:
+            log_rank_0("attention: torch_varlen (flash_attn is not installed; PyTorch's varlen flash kernel)")
+            return TORCH_VARLEN
+        log_rank_0(f"attention: sdpa with a block-diagonal mask, slow for long rows: flash_attn is not "
+                   f"installed and {reason}", level=logging.WARNING)
         return "sdpa"
     if requested not in PACKED_ATTENTION:
-        raise ValueError(f"--attn-implementation {requested!r} cannot honour packed sequence boundaries; "
-                         f"choose one of auto, {', '.join(PACKED_ATTENTION)}")
-    if requested.startswith("flash") and device_type != "cuda":
-        log_rank_0(f"{requested} needs a GPU: using sdpa on CPU", level=logging.WARNING)
+        raise ValueError(f"--attn-implementation {requested!r} cannot honour packed sequence boundaries "
+                         f"without padding; choose one of auto, {', '.join(PACKED_ATTENTION)}")
+    if requested in gpu_only and device_type != "cuda":
+        log_rank_0(f"--attn-implementation {requested} needs a GPU: using sdpa on {device_type}",
+                   level=logging.WARNING)
         return "sdpa"
+    missing = flash_attn_unavailable_reason(requested) if requested in FLASH_BACKENDS else None
+    if requested == TORCH_VARLEN:
+        missing = torch_varlen_unavailable_reason()
+    if missing is not None:
+        raise ValueError(f"--attn-implementation {requested}: {missing}. Use --attn-implementation auto, or "
+                         "install the CUDA extras (pip install -r requirements-cuda.txt)")
     return requested
+
+
+def apply_liger_kernels(model: nn.Module, *, device_type: str) -> bool:
+    """Swap in Liger's RMSNorm, RoPE and SwiGLU kernels where the architecture has them.
+
+    Call on the bare Hugging Face model before activation checkpointing and
+    ``fully_shard`` (it rebinds module forwards; parameters are untouched, so
+    a meta-device model is fine). The loss is not touched here: the fused
+    linear cross-entropy lives in ``loss.CausalLMWithLoss``, so the sum-reduced
+    normalisation is unchanged. Liger's RoPE patch replaces the
+    ``apply_rotary_pos_emb`` of the model's transformers module for the whole
+    process (Liger's own mechanism).
+
+    Returns:
+        True when kernels were applied; False (with a warning) on CPU or for an
+        architecture Liger does not cover.
+    """
+    if device_type != "cuda":
+        log_rank_0("--use-liger-kernels needs a GPU (Triton kernels): keeping the PyTorch RMSNorm/RoPE/SwiGLU",
+                   level=logging.WARNING)
+        return False
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as err:
+        raise ImportError("--use-liger-kernels needs liger-kernel: pip install -r requirements-cuda.txt") from err
+    model_type = model.config.model_type
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        log_rank_0(f"Liger has no kernels for model type {model_type!r}: keeping its PyTorch RMSNorm/RoPE/SwiGLU "
+                   "(the fused linear cross-entropy still applies)", level=logging.WARNING)
+        return False
+    _apply_liger_kernel_to_instance(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    log_rank_0(f"Liger RMSNorm, RoPE and SwiGLU applied to {model_type}")
+    return True
 
 
 def find_decoder_blocks(model: nn.Module) -> list[nn.Module]:
