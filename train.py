@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -70,6 +72,11 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def _token_budget(text: str) -> int | str:
+    """CLI parser of --max-tokens-per-gpu: a positive integer or 'auto'."""
+    return "auto" if str(text).lower() == "auto" else int(text)
+
+
 @dataclass
 class TrainConfig:
     """Every parameter of a training run; the CLI is generated from these fields."""
@@ -81,7 +88,10 @@ class TrainConfig:
                                            help="Hugging Face model id or local folder")
     data_path: str = config_field("test.jsonl", help="tokenized jsonl file or process_data.py output folder")
     batch_size: int = config_field(1024, help="samples per optimizer step, whole job")
-    max_tokens_per_gpu: int = config_field(10000, help="token budget of one packed minibatch on one rank")
+    max_tokens_per_gpu: int | Literal["auto"] = config_field(
+        10000, parse=_token_budget,
+        help="token budget of one packed minibatch on one rank; 'auto' probes the largest that fits "
+             "on this GPU (with a 10%% safety margin)")
     learning_rate: float = config_field(5e-6, help="peak learning rate")
     num_warmup_steps: int = config_field(10, help="linear warmup steps from 0")
     lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
@@ -121,7 +131,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.logging_level = self.logging_level.upper()
         errors = []
-        for name in ("min_samples_per_checkpoint", "batch_size", "max_tokens_per_gpu"):
+        if self.max_tokens_per_gpu != "auto" and not (isinstance(self.max_tokens_per_gpu, int)
+                                                       and self.max_tokens_per_gpu > 0):
+            errors.append(f"--max-tokens-per-gpu must be a positive integer or 'auto', got {self.max_tokens_per_gpu!r}")
+        for name in ("min_samples_per_checkpoint", "batch_size"):
             if getattr(self, name) <= 0:
                 errors.append(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("max_steps", "max_samples", "num_epochs"):
@@ -188,6 +201,9 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         use_liger_kernels=config.use_liger_kernels,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
     )
+    max_tokens = config.max_tokens_per_gpu
+    if max_tokens == "auto":
+        max_tokens = _probe_token_budget(model, dataset, resolved.attn_implementation, dist_info)
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path) if dist_info.is_main else None
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
@@ -198,10 +214,10 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     state = _resume(config, model, optimizer, scheduler, model_fingerprint, dist_info)
     if state.step:
         log_rank_0("resume took %.2fs", time.perf_counter() - began)
-    _announce(config, dist_info, resolved, len(dataset), total_steps)
+    _announce(config, dist_info, resolved, len(dataset), total_steps, max_tokens)
     metrics_path = Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl"
     if dist_info.is_main:
-        _write_training_params(config, dist_info, resolved)
+        _write_training_params(config, dist_info, resolved, max_tokens)
         truncate_metrics(metrics_path, state.step)
     metrics = MetricsWriter(metrics_path) if dist_info.is_main else None
     tracker = make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
@@ -233,7 +249,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         log_rank_0("nothing to do: %s already", done)
         return None
     loader = sampler.make_batch_loader(
-        dataset, batch_size=config.batch_size, max_tokens_per_rank=config.max_tokens_per_gpu,
+        dataset, batch_size=config.batch_size, max_tokens_per_rank=max_tokens,
         rank=dist_info.rank, world_size=dist_info.world_size, seed=config.seed,
         start_position=state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
     )
@@ -279,8 +295,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         counts, preempted = _reduce_step_counts(loss_sum, backward_sum, local_loss_tokens, batch, dist_info,
                                                 preemption.requested)
         synchronize()
-        record = _step_metrics(config, dist_info, state, batch, counts, grad_norm, scheduler,
-                               time.perf_counter() - start, skipped=not finite)
+        record = _step_metrics(dist_info, state, batch, counts, grad_norm, scheduler,
+                               time.perf_counter() - start, skipped=not finite, max_tokens=max_tokens)
         if metrics is not None:
             metrics.write(record)
         tracker.log(record)
@@ -409,7 +425,8 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo):
     if dist_info.is_main:
         try:
             dataset = sampler.load_tokenized_dataset(config.data_path)
-            if int(dataset.lengths.min(initial=config.max_tokens_per_gpu + 1)) > config.max_tokens_per_gpu:
+            budget = config.max_tokens_per_gpu
+            if budget != "auto" and int(dataset.lengths.min(initial=budget + 1)) > budget:
                 error = (f"--max-tokens-per-gpu {config.max_tokens_per_gpu} is below every sample of "
                          f"{config.data_path} (shortest: {int(dataset.lengths.min())} tokens)")
         except ValueError as err:
@@ -439,6 +456,35 @@ def _build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, tota
                          num_training_steps=total_steps)
 
 
+def _probe_token_budget(model, dataset, attn_implementation: str, dist_info: DistInfo) -> int:
+    """``--max-tokens-per-gpu auto``: bisect the largest packed row of the longest samples that trains here.
+
+    Every rank builds the same trial rows, so collectives and allocations match
+    and the ranks agree on each verdict.
+    """
+    from autotune import probe_max_tokens_per_gpu
+    from full_state import agree
+
+    longest_first = np.argsort(dataset.lengths, kind="stable")[::-1]
+    # AdamW's two fp32 moments do not exist yet during the probe: hold their memory aside.
+    local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+
+    def try_step(num_tokens: int) -> None:
+        samples, remaining = [], num_tokens
+        for index in itertools.cycle(longest_first):
+            input_ids, labels = dataset.sample(int(index))
+            samples.append((input_ids[:remaining], labels[:remaining]))
+            remaining -= len(samples[-1][0])
+            if remaining <= 0:
+                break
+        minibatch = sampler.collate_minibatch(samples)
+        model(**_model_inputs(minibatch, attn_implementation, dist_info.device)).backward()
+        model.zero_grad(set_to_none=True)
+
+    return probe_max_tokens_per_gpu(try_step, device_type=dist_info.device.type, reserve_bytes=8 * local_params,
+                                    agree=lambda ok: agree(ok, dist_info.device))
+
+
 def _original_generation_config(model_name_or_path: str):
     from transformers import GenerationConfig
 
@@ -449,7 +495,7 @@ def _original_generation_config(model_name_or_path: str):
 
 
 def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_samples: int,
-              total_steps: int | None) -> None:
+              total_steps: int | None, max_tokens: int) -> None:
     """Print each resolved decision once, with its reason."""
     log_rank_0("world size %d on %s (%s backend)", dist_info.world_size, dist_info.device.type,
                dist.get_backend())
@@ -460,17 +506,18 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_sa
                "on" if config.activation_checkpointing else "off")
     log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
                "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
-               config.batch_size, config.max_tokens_per_gpu)
+               config.batch_size, max_tokens)
     log_rank_0("schedule %s, warmup %d, %s", config.lr_scheduler, config.num_warmup_steps,
                f"{total_steps} steps" if total_steps else "infinite sampling (no stop condition)")
 
 
-def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved) -> None:
+def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, max_tokens: int) -> None:
     import transformers
 
     params = dataclasses.asdict(config)
     params.update(world_size=dist_info.world_size, device=dist_info.device.type,
                   attn_implementation_resolved=resolved.attn_implementation,
+                  max_tokens_per_gpu_resolved=max_tokens,
                   torch_version=torch.__version__, transformers_version=transformers.__version__)
     path = Path(config.output_dir) / "training_params.json"
     path.write_text(json.dumps(params, indent=2, sort_keys=True))
@@ -514,11 +561,11 @@ def _reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, loca
     return counts, preempts > 0
 
 
-def _step_metrics(config: TrainConfig, dist_info: DistInfo, state: TrainState, batch, counts, grad_norm,
-                  scheduler, elapsed: float, *, skipped: bool) -> dict:
+def _step_metrics(dist_info: DistInfo, state: TrainState, batch, counts, grad_norm, scheduler, elapsed: float,
+                  *, skipped: bool, max_tokens: int) -> dict:
     if counts.num_dropped_samples:
         logger.warning("step %d: dropped %d samples longer than --max-tokens-per-gpu %d", state.step,
-                       counts.num_dropped_samples, config.max_tokens_per_gpu)
+                       counts.num_dropped_samples, max_tokens)
     return step_record(step=state.step, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
                        counts=counts, world_size=dist_info.world_size, time_per_batch=elapsed,
                        total_samples_accumulated=state.samples_trained, samples_seen=state.samples_seen,

@@ -34,10 +34,15 @@ ConfigT = TypeVar("ConfigT")
 
 
 def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any) -> Any:
-    """A dataclass field whose help text becomes the CLI flag's help."""
+    """A dataclass field whose help text becomes the CLI flag's help.
+
+    ``choices=`` restricts the CLI values; ``parse=`` is the CLI's string -> value
+    function for fields whose type argparse cannot infer (e.g. ``int | Literal["auto"]``).
+    """
     metadata = {"help": help}
-    if "choices" in kwargs:
-        metadata["choices"] = kwargs.pop("choices")
+    for key in ("choices", "parse"):
+        if key in kwargs:
+            metadata[key] = kwargs.pop(key)
     if "default_factory" in kwargs:
         return dataclasses.field(default_factory=kwargs.pop("default_factory"), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
@@ -75,7 +80,9 @@ def build_arg_parser(config_cls: type, *, description: str | None = None) -> arg
             kwargs["default"] = field.default_factory()
         else:
             kwargs["required"] = True
-        if tp is bool:
+        if "parse" in field.metadata:
+            kwargs["type"] = field.metadata["parse"]
+        elif tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(tp) is Literal:
             kwargs["choices"] = list(typing.get_args(tp))
