@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import pickle
-import random
 import shutil
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from utils import DistInfo, logger
+from utils import DistInfo, logger, rng_state, set_rng_state
 
 TRAINER_STATE = "trainer_state.json"
 FORMAT_VERSION = 1
@@ -86,7 +85,7 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
     try:
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        torch.save(_rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")
+        torch.save(rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")
         if dist_info.is_main:
             state = {**trainer_state, "format_version": FORMAT_VERSION, "world_size": dist_info.world_size,
                      "scheduler": scheduler.state_dict(), "fingerprint": model_fingerprint}
@@ -164,7 +163,7 @@ def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, mode
         scheduler.load_state_dict(state["scheduler"])
         rng_file = path / f"rng_rank{dist_info.rank}.pt"
         if state["world_size"] == dist_info.world_size and rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             logger.info("world size changed (%d -> %d): RNG streams re-seeded rather than restored",
                         state["world_size"], dist_info.world_size)
@@ -180,21 +179,6 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     kept = [line for line in path.read_text().splitlines() if line.strip()
             and json.loads(line).get("step", 0) <= last_step]
     path.write_text("".join(line + "\n" for line in kept))
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _test_hook(name: str, num_samples: int) -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from utils import IGNORE_INDEX, log_rank_0
+from utils import IGNORE_INDEX, device_type, log_rank_0
 
 CHUNK_TOKENS = 4096
 """Tokens per checkpointed cross-entropy chunk: bounds live logits to CHUNK_TOKENS x vocab."""
@@ -95,7 +95,7 @@ class CausalLMWithLoss(nn.Module):
 
 
 def _make_liger_loss() -> nn.Module | None:
-    if not torch.cuda.is_available():
+    if device_type() != "cuda":
         log_rank_0("--use-liger-kernels needs a GPU (Triton kernels): using the chunked PyTorch "
                    "cross-entropy instead", level=logging.WARNING)
         return None

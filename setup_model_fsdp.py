@@ -201,6 +201,9 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     model.generation_config.use_cache = False
+    if use_liger_kernels:
+        # Rebinds RMSNorm/SwiGLU forwards (parameters untouched) and Liger's RoPE: before AC and fully_shard.
+        apply_liger_kernels(model, device_type=device.type)
 
     if activation_checkpointing:
         # transformers 5 renamed the public switch; 4.x only has the old name.

@@ -40,10 +40,12 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import sampler
+from attention import attention_inputs
 from batch_metrics import MetricsWriter, StepCounts, step_record
 from checkpoint import save_hf_checkpoint
 from full_state import save_full_state
@@ -97,7 +99,9 @@ class TrainConfig:
     lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
                                      help="transformers.get_scheduler name; decaying schedules need a stop condition")
     seed: int = config_field(42, help="seeds Python, NumPy, torch and the data order on every rank")
-    use_liger_kernels: bool = config_field(False, help="Liger fused linear cross-entropy (CUDA)")
+    use_liger_kernels: bool = config_field(
+        False, help="Liger fused linear cross-entropy plus RMSNorm/RoPE/SwiGLU kernels (CUDA; ignored with a "
+                    "warning on CPU)")
     logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     max_steps: int | None = config_field(None, help="stop after this many optimizer steps")
     max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
@@ -107,8 +111,9 @@ class TrainConfig:
                            "HYBRID_SHARD (shard within a node, replicate across nodes)")
     cpu_offload: bool = config_field(False, help="keep sharded params, grads and optimizer state in host memory")
     attn_implementation: str = config_field(
-        "auto", help="auto (flash_attention_2 if flash_attn imports on CUDA, else sdpa), sdpa, eager, "
-                     "flash_attention_2, flash_attention_3")
+        "auto", help="auto (flash_attention_2 if flash_attn imports on CUDA, else torch_varlen on CUDA with "
+                     "torch>=2.10, else sdpa), sdpa, eager, flash_attention_2, flash_attention_3, torch_varlen, "
+                     "reference_varlen (CPU, slow)")
     weight_decay: float = config_field(0.0, help="AdamW weight decay")
     adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
     max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
@@ -478,8 +483,13 @@ def _probe_token_budget(model, dataset, attn_implementation: str, dist_info: Dis
             if remaining <= 0:
                 break
         minibatch = sampler.collate_minibatch(samples)
-        model(**_model_inputs(minibatch, attn_implementation, dist_info.device)).backward()
-        model.zero_grad(set_to_none=True)
+        try:
+            model(**_model_inputs(minibatch, attn_implementation, dist_info.device)).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()  # a step that died half-way may have left a block gathered
 
     return probe_max_tokens_per_gpu(try_step, device_type=dist_info.device.type, reserve_bytes=8 * local_params,
                                     agree=lambda ok: agree(ok, dist_info.device))
@@ -524,17 +534,13 @@ def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, m
 
 
 def _model_inputs(minibatch, attn_implementation: str, device: torch.device) -> dict:
-    inputs = {
+    return {
         "input_ids": minibatch.input_ids.to(device, non_blocking=True),
         "position_ids": minibatch.position_ids.to(device, non_blocking=True),
         "labels": minibatch.labels.to(device, non_blocking=True),
+        # Explicit cu_seqlens for flash/varlen backends: computed once per minibatch, shared by every layer.
+        **attention_inputs(minibatch, attn_implementation, device),
     }
-    if attn_implementation.startswith("flash"):
-        # Explicit boundaries: flash-attn's varlen kernel then never infers them from position_ids.
-        cu_seqlens = minibatch.cu_seqlens.to(device, non_blocking=True)
-        inputs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                      max_length_q=minibatch.max_seqlen, max_length_k=minibatch.max_seqlen)
-    return inputs
 
 
 def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
