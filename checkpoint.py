@@ -46,7 +46,8 @@ def _tied_output_key(model: torch.nn.Module) -> str | None:
 
 
 def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num_samples: int, tokenizer,
-                       generation_config, rank: int, keep_last_n: int | None = None) -> Path:
+                       generation_config, rank: int, keep_last_n: int | None = None,
+                       max_shard_size: str = MAX_SHARD_SIZE) -> Path:
     """Gather the full model (collective: every rank calls this) and write it from rank 0.
 
     Args:
@@ -57,6 +58,7 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
         generation_config: the model's original generation config (or None).
         rank: this process's rank; only rank 0 writes.
         keep_last_n: once the new export is complete, delete all but the newest N.
+        max_shard_size: safetensors shard size (Hugging Face's 5 GB by default).
 
     Returns:
         The final folder path.
@@ -75,7 +77,7 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
-                                                   max_shard_size=MAX_SHARD_SIZE)
+                                                   max_shard_size=max_shard_size)
         for filename, names in split.filename_to_tensors.items():
             save_file({name: state[name] for name in names}, tmp / filename, metadata={"format": "pt"})
         if split.is_sharded:

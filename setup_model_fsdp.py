@@ -183,6 +183,10 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     """
     device = dist_info.device
     attn = resolve_attn_implementation(attn_implementation, device.type)
+    if cpu_offload and device.type == "cpu":
+        log_rank_0("--cpu-offload has nothing to offload on CPU (FSDP2's CPUOffloadPolicy needs an "
+                   "accelerator): parameters already live in host memory", level=logging.WARNING)
+        cpu_offload = False
     # fp32 master weights everywhere; bf16 compute only where the hardware makes it pay.
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
