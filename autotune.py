@@ -15,13 +15,16 @@ the documented default is returned with a warning.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from utils import log_rank_0
+from utils import DistInfo, log_rank_0
 
 DEFAULT_MAX_TOKENS_PER_GPU = 10000
 """What ``auto`` means without a GPU: the original mini_trainer default."""
@@ -130,3 +133,38 @@ def probe_max_tokens_per_gpu(try_step: Callable[[int], None], *, device_type: st
     chosen = max(resolution, int(best * safety) // resolution * resolution)
     log_rank_0(f"--max-tokens-per-gpu auto: {best} tokens fit, using {chosen} ({safety:.0%} safety margin)")
     return chosen
+
+
+def probe_token_budget(model: torch.nn.Module, dataset, *, model_inputs: Callable, dist_info: DistInfo) -> int:
+    """``--max-tokens-per-gpu auto`` for the trainer: trial steps on packed rows of the longest samples.
+
+    Every rank builds the same trial rows, so collectives and allocations match
+    and the ranks agree on each verdict. ``model_inputs(minibatch)`` turns a
+    collated minibatch into the model's forward kwargs.
+    """
+    import sampler
+    from full_state import agree
+
+    longest_first = np.argsort(dataset.lengths, kind="stable")[::-1]
+    # AdamW's two fp32 moments do not exist yet during the probe: hold their memory aside.
+    local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+
+    def try_step(num_tokens: int) -> None:
+        samples, remaining = [], num_tokens
+        for index in itertools.cycle(longest_first):
+            input_ids, labels = dataset.sample(int(index))
+            samples.append((input_ids[:remaining], labels[:remaining]))
+            remaining -= len(samples[-1][0])
+            if remaining <= 0:
+                break
+        minibatch = sampler.collate_minibatch(samples)
+        try:
+            model(**model_inputs(minibatch)).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()  # a step that died half-way may have left a block gathered
+
+    return probe_max_tokens_per_gpu(try_step, device_type=dist_info.device.type, reserve_bytes=8 * local_params,
+                                    agree=lambda ok: agree(ok, dist_info.device))

@@ -17,12 +17,15 @@ reshards on load, so a run may resume on a different number of ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import pickle
 import shutil
+import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +34,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from utils import DistInfo, logger, rng_state, set_rng_state
+from utils import DistInfo, log_rank_0, logger, rng_state, set_rng_state
 
 TRAINER_STATE = "trainer_state.json"
 FORMAT_VERSION = 1
+
+
+@dataclass
+class TrainState:
+    """Counters that advance every step."""
+
+    step: int = 0
+    samples_seen: int = 0          # stream position: samples consumed, dropped ones included
+    samples_trained: int = 0       # real samples that contributed to an update
+    last_checkpoint_samples: int = 0
+    num_bad_steps: int = 0         # consecutive skipped (non-finite) steps
 
 
 def full_state_root(output_dir: str | Path) -> Path:
@@ -186,3 +200,53 @@ def _test_hook(name: str, num_samples: int) -> None:
     if os.environ.get(name) == str(int(num_samples)):
         logging.getLogger("mini_trainer").warning("%s: killing this process now", name)
         os.kill(os.getpid(), 9)
+
+
+def resume_train_state(model, optimizer, scheduler, *, output_dir: str | Path, resume: bool,
+                       resume_from: str | None, model_fingerprint: dict, dist_info: DistInfo) -> TrainState:
+    """Continue from the newest complete full-state checkpoint (or ``resume_from``), else start fresh.
+
+    Restores model, optimizer and scheduler in place and returns the counters.
+    Exits every rank with a message when the checkpoint does not match.
+    """
+    if not resume:
+        log_rank_0("--no-resume: starting fresh")
+        return TrainState()
+    if resume_from:
+        candidates = [Path(resume_from)]
+    else:
+        candidates = complete_checkpoints(full_state_root(output_dir))
+        if not candidates:
+            return TrainState()
+    try:
+        restored = load_full_state(candidates, model, optimizer, scheduler, model_fingerprint=model_fingerprint,
+                                   dist_info=dist_info)
+    except ValueError as err:
+        if dist_info.is_main:
+            logger.error("cannot resume: %s", err)
+        raise SystemExit(1) from err
+    fields = {f.name for f in dataclasses.fields(TrainState)}
+    state = TrainState(**{k: v for k, v in restored.items() if k in fields})
+    log_rank_0("resumed from %s: step %d, %d samples consumed (epoch %d), lr %.3g, written by %d ranks, "
+               "now %d", restored["path"], state.step, state.samples_seen,
+               state.samples_seen // max(int(restored["fingerprint"]["num_data_samples"]), 1),
+               scheduler.get_last_lr()[0], restored["world_size"], dist_info.world_size)
+    return state
+
+
+class PreemptionFlag:
+    """SIGTERM/SIGUSR1 (SLURM's warning before a kill) ask for a checkpoint at the end of the step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        logger.warning("received %s: will checkpoint and exit after this step", signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

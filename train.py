@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import itertools
 import json
-import logging
 import math
 import os
 import signal
@@ -37,18 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import sampler
 from attention import attention_inputs
+from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, StepCounts, step_record
 from checkpoint import save_hf_checkpoint
-from full_state import save_full_state
+from full_state import PreemptionFlag, TrainState, resume_train_state, save_full_state
 from setup_model_fsdp import setup_model
 from trackers import make_tracker
 
@@ -168,17 +165,6 @@ class TrainConfig:
         return any(v is not None for v in (self.max_steps, self.max_samples, self.num_epochs))
 
 
-@dataclass
-class TrainState:
-    """Counters that advance every step."""
-
-    step: int = 0
-    samples_seen: int = 0          # stream position: samples consumed, dropped ones included
-    samples_trained: int = 0       # real samples that contributed to an update
-    last_checkpoint_samples: int = 0
-    num_bad_steps: int = 0         # consecutive skipped (non-finite) steps
-
-
 def train(config: TrainConfig) -> Path | None:
     """Run training as one rank of a torchrun job (or alone). Returns the last HF checkpoint."""
     dist_info = init_distributed()
@@ -208,7 +194,9 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     )
     max_tokens = config.max_tokens_per_gpu
     if max_tokens == "auto":
-        max_tokens = _probe_token_budget(model, dataset, resolved.attn_implementation, dist_info)
+        max_tokens = probe_token_budget(
+            model, dataset, dist_info=dist_info,
+            model_inputs=lambda mb: _model_inputs(mb, resolved.attn_implementation, dist_info.device))
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path) if dist_info.is_main else None
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
@@ -216,7 +204,9 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     scheduler = _build_scheduler(config, optimizer, total_steps)
     model_fingerprint = fingerprint(model.model.config, dataset)
     began = time.perf_counter()
-    state = _resume(config, model, optimizer, scheduler, model_fingerprint, dist_info)
+    state = resume_train_state(model, optimizer, scheduler, output_dir=config.output_dir, resume=config.resume,
+                               resume_from=config.resume_from, model_fingerprint=model_fingerprint,
+                               dist_info=dist_info)
     if state.step:
         log_rank_0("resume took %.2fs", time.perf_counter() - began)
     _announce(config, dist_info, resolved, len(dataset), total_steps, max_tokens)
@@ -337,54 +327,6 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     return last_checkpoint
 
 
-def _resume(config: TrainConfig, model, optimizer, scheduler, model_fingerprint: dict,
-            dist_info: DistInfo) -> TrainState:
-    """Continue from the newest complete full-state checkpoint (or ``--resume-from``), else start fresh."""
-    from full_state import complete_checkpoints, full_state_root, load_full_state
-
-    if not config.resume:
-        log_rank_0("--no-resume: starting fresh")
-        return TrainState()
-    if config.resume_from:
-        candidates = [Path(config.resume_from)]
-    else:
-        candidates = complete_checkpoints(full_state_root(config.output_dir))
-        if not candidates:
-            return TrainState()
-    try:
-        restored = load_full_state(candidates, model, optimizer, scheduler, model_fingerprint=model_fingerprint,
-                                   dist_info=dist_info)
-    except ValueError as err:
-        if dist_info.is_main:
-            logger.error("cannot resume: %s", err)
-        raise SystemExit(1) from err
-    fields = {f.name for f in dataclasses.fields(TrainState)}
-    state = TrainState(**{k: v for k, v in restored.items() if k in fields})
-    log_rank_0("resumed from %s: step %d, %d samples consumed (epoch %d), lr %.3g, written by %d ranks, "
-               "now %d", restored["path"], state.step, state.samples_seen,
-               state.samples_seen // max(int(restored["fingerprint"]["num_data_samples"]), 1),
-               scheduler.get_last_lr()[0], restored["world_size"], dist_info.world_size)
-    return state
-
-
-class PreemptionFlag:
-    """SIGTERM/SIGUSR1 (SLURM's warning before a kill) ask for a checkpoint at the end of the step."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-        logger.warning("received %s: will checkpoint and exit after this step", signal.Signals(signum).name)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 # ----------------------------------------------------------------------------
 # Helpers of the loop, in the order the loop uses them.
 
@@ -459,40 +401,6 @@ def _build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, tota
 
     return get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.num_warmup_steps,
                          num_training_steps=total_steps)
-
-
-def _probe_token_budget(model, dataset, attn_implementation: str, dist_info: DistInfo) -> int:
-    """``--max-tokens-per-gpu auto``: bisect the largest packed row of the longest samples that trains here.
-
-    Every rank builds the same trial rows, so collectives and allocations match
-    and the ranks agree on each verdict.
-    """
-    from autotune import probe_max_tokens_per_gpu
-    from full_state import agree
-
-    longest_first = np.argsort(dataset.lengths, kind="stable")[::-1]
-    # AdamW's two fp32 moments do not exist yet during the probe: hold their memory aside.
-    local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-
-    def try_step(num_tokens: int) -> None:
-        samples, remaining = [], num_tokens
-        for index in itertools.cycle(longest_first):
-            input_ids, labels = dataset.sample(int(index))
-            samples.append((input_ids[:remaining], labels[:remaining]))
-            remaining -= len(samples[-1][0])
-            if remaining <= 0:
-                break
-        minibatch = sampler.collate_minibatch(samples)
-        try:
-            model(**_model_inputs(minibatch, attn_implementation, dist_info.device)).backward()
-        finally:
-            model.zero_grad(set_to_none=True)
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()  # a step that died half-way may have left a block gathered
-
-    return probe_max_tokens_per_gpu(try_step, device_type=dist_info.device.type, reserve_bytes=8 * local_params,
-                                    agree=lambda ok: agree(ok, dist_info.device))
 
 
 def _original_generation_config(model_name_or_path: str):
