@@ -104,7 +104,7 @@ class BenchConfig:
     max_probe_tokens: int = config_field(262144, help="upper end of the --find-max-tokens search")
     repeats: int = config_field(1, help="time the timed rows this many times, keep the fastest (noisy hosts)")
     seed: int = config_field(0, help="seeds lengths, token ids and weights")
-    output_json: str = config_field("bench_train.json", help="where to write the results")
+    output_json: str = config_field("bench/bench_train.json", help="where to write the results")
 
     def __post_init__(self) -> None:
         errors = []
