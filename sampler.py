@@ -409,8 +409,9 @@ class _StepDataset(torch.utils.data.Dataset):
         if dropped.size and self.rank == 0:
             listed = ", ".join(f"{i} ({n} tokens)" for i, n in zip(dropped[:5].tolist(), lengths[~keep][:5].tolist()))
             logger.warning(
-                "step %d: dropped %d sample(s) longer than max_tokens_per_rank=%d: rows %s%s",
-                step, dropped.size, self.max_tokens_per_rank, listed, ", ..." if dropped.size > 5 else "",
+                "batch of stream positions %d..%d: dropped %d sample(s) longer than max_tokens_per_rank=%d: "
+                "rows %s%s", start, start + self.batch_size - 1, dropped.size, self.max_tokens_per_rank, listed,
+                ", ..." if dropped.size > 5 else "",
             )  # fmt: skip
         kept = indices[keep]
         kept_lengths = lengths[keep]

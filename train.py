@@ -247,6 +247,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         dataset, batch_size=config.batch_size, max_tokens_per_rank=max_tokens,
         rank=dist_info.rank, world_size=dist_info.world_size, seed=config.seed,
         start_position=state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
+        pin_memory=dist_info.device.type == "cuda",  # lets the non_blocking host-to-GPU copies overlap
     )
     preemption = PreemptionFlag()
     progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not dist_info.is_main,
@@ -291,7 +292,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                                                 preemption.requested)
         synchronize()
         record = _step_metrics(dist_info, state, batch, counts, grad_norm, scheduler,
-                               time.perf_counter() - start, skipped=not finite, max_tokens=max_tokens)
+                               time.perf_counter() - start, skipped=not finite)
         if metrics is not None:
             metrics.write(record)
         tracker.log(record)
@@ -476,10 +477,8 @@ def _reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, loca
 
 
 def _step_metrics(dist_info: DistInfo, state: TrainState, batch, counts, grad_norm, scheduler, elapsed: float,
-                  *, skipped: bool, max_tokens: int) -> dict:
-    if counts.num_dropped_samples:
-        logger.warning("step %d: dropped %d samples longer than --max-tokens-per-gpu %d", state.step,
-                       counts.num_dropped_samples, max_tokens)
+                  *, skipped: bool) -> dict:
+    # Dropped (over-long) samples are warned about by the loader, with their rows; here they are counted.
     return step_record(step=state.step, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
                        counts=counts, world_size=dist_info.world_size, time_per_batch=elapsed,
                        total_samples_accumulated=state.samples_trained, samples_seen=state.samples_seen,
