@@ -28,7 +28,8 @@ capacity ``max_tokens_per_rank``, so planning is bin packing plus balancing.
 3. If that overflows: best-fit for samples over a quarter budget (they need
    careful pairing), worst-fit for the rest.
 4. If that overflows too: best-fit decreasing with as many bins as it needs
-   sets ``k``; steps 2-3 are retried there, else its own packing is used.
+   sets ``k``; with several ranks steps 2-3 are retried there (for
+   balance), else (and with one rank) its own packing is used.
    If LPT would need fewer minibatches (never seen), its plan is returned,
    so "never more than LPT" holds by construction.
 
@@ -102,7 +103,11 @@ def bins_lower_bound(lengths: np.ndarray, capacity: int) -> int:
     samples in ``[a, capacity / 2]`` must fit in those bins' leftover room or in
     new bins. ``a = 0`` gives ``ceil(total / capacity)``.
     """
-    sizes = np.sort(np.asarray(lengths, dtype=np.int64))
+    return _bins_lower_bound_sorted(np.sort(np.asarray(lengths, dtype=np.int64)), capacity)
+
+
+def _bins_lower_bound_sorted(sizes: np.ndarray, capacity: int) -> int:
+    """``bins_lower_bound`` of sizes already sorted shortest first."""
     if sizes.size == 0:
         return 0
     prefix = np.concatenate(([0], np.cumsum(sizes)))
@@ -173,11 +178,16 @@ def _worst_fit(
         cost = cost[:count]
         size = sizes[start : start + count]
         fits = loads[target] + size <= capacity
+        bins[start : start + count] = target
         # Targets are distinct bins, so the fitting samples are placed at once.
+        if fits.all():
+            loads[target] += size
+            cost_loads[target] += cost
+            start += count
+            continue
         placed = target[fits]
         loads[placed] += size[fits]
         cost_loads[placed] += cost[fits]
-        bins[start : start + count] = target
         for j in np.flatnonzero(~fits):
             room = np.flatnonzero(loads + size[j] <= capacity)
             if room.size == 0:
@@ -235,36 +245,81 @@ def _water_fill(
     return bins
 
 
-def _best_fit(sizes: np.ndarray, num_bins: int, capacity: int) -> np.ndarray | None:
-    """Best-fit (samples longest first): each sample goes to the fullest bin it
-    fits in, ties to the lower bin id. ``num_bins=0`` means unbounded: a new
-    bin opens when nothing fits.
+_BEST_FIT_BLOCK = 256
+"""Samples best-fit places between two merges of its set-aside bins."""
+
+
+class _BestFit:
+    """Unbounded best-fit over samples sorted longest first: each sample goes
+    to the fullest bin it fits in, ties to the lower bin id, and a new bin
+    opens when nothing fits. Bins open in id order, so the first ``count``
+    samples' bins are exactly what best-fit into ``num_bins`` bins gives when
+    they use at most ``num_bins`` of them (else that fails). The placement is
+    computed once, as far as asked: the tight packing's head and the best-fit
+    fallback share one pass.
     """
-    # Samples over half the budget never share a bin, so best-fit puts the
-    # i-th of them alone in bin i: placed at once.
-    num_big = int(np.searchsorted(-2 * sizes, -capacity, side="left"))
-    if num_bins and num_big > num_bins:
-        return None
-    stride = num_bins or sizes.size + 1
-    # One sorted list of keys residual * stride + bin: bisect finds the
-    # tightest bin with room.
-    residual = np.full(max(num_bins, num_big), capacity, dtype=np.int64)
-    residual[:num_big] -= sizes[:num_big]
-    keys = np.sort(residual * stride + np.arange(residual.size)).tolist()
-    opened = residual.size
-    bins = list(range(num_big))
-    for size in sizes[num_big:].tolist():
-        scaled = size * stride
-        at = bisect_left(keys, scaled)
-        if at == len(keys):
-            if num_bins:
-                return None
-            keys.append(capacity * stride + opened)
-            opened += 1
-        key = keys.pop(at)
-        insort(keys, key - scaled)
-        bins.append(key % stride)
-    return np.array(bins, dtype=np.int64)
+
+    def __init__(self, sizes: np.ndarray, capacity: int):
+        self.sizes = sizes
+        self.capacity = capacity
+        self.stride = sizes.size + 1
+        # Sorted keys residual * stride + bin of the open bins: bisect finds
+        # the tightest bin with room.
+        self.keys: list[int] = []
+        self.num_bins = 0
+        self.bins = np.zeros(0, dtype=np.int64)
+
+    def first(self, count: int) -> np.ndarray:
+        """Bins of the first ``count`` samples."""
+        if count > self.bins.size:
+            self.bins = np.concatenate([self.bins, self._place(self.sizes[self.bins.size : count])])
+        return self.bins[:count]
+
+    def _place(self, sizes: np.ndarray) -> np.ndarray:
+        capacity, stride, keys = self.capacity, self.stride, self.keys
+        num_big = 0
+        if not keys:
+            # Samples over half the budget never share a bin, so the i-th of
+            # the leading ones goes alone into a new bin: placed at once.
+            over_half = 2 * sizes > capacity
+            num_big = sizes.size if over_half.all() else int(np.argmin(over_half))
+        big = np.arange(num_big)
+        keys.extend(np.sort((capacity - sizes[:num_big]) * stride + big).tolist())
+        fresh = capacity * stride + num_big + self.num_bins  # key of the next bin to open
+        chosen = []
+        append = chosen.append
+        scaled_sizes = sizes[num_big:] * stride
+        for begin in range(0, scaled_sizes.size, _BEST_FIT_BLOCK):
+            block = scaled_sizes[begin : begin + _BEST_FIT_BLOCK]
+            # Bins with less room than the block's smallest sample are out of
+            # its reach: they wait in ``spent`` (with the bins that drop below
+            # it) and are merged back after the block, so the list that is
+            # bisected and edited per sample stays short.
+            floor = int(block.min())
+            cut = bisect_left(keys, floor)
+            spent, live = keys[:cut], keys[cut:]
+            pop = live.pop
+            for scaled in block.tolist():
+                at = bisect_left(live, scaled)
+                try:
+                    key = pop(at)
+                except IndexError:
+                    key = fresh
+                    fresh += 1
+                left = key - scaled
+                if left < floor:
+                    spent.append(left)
+                else:
+                    # The bin's key only shrinks, so it goes back at or before ``at``.
+                    insort(live, left, 0, at)
+                append(key)
+            spent.extend(live)
+            spent.sort()
+            keys = spent
+        self.keys = keys
+        self.num_bins = fresh - capacity * stride
+        rest = np.array(chosen, dtype=np.int64) % stride
+        return np.concatenate([big, rest]) if num_big else rest
 
 
 def _balanced_targets(sorted_costs: np.ndarray, num_minibatches: int, num_ranks: int) -> tuple[int, np.ndarray]:
@@ -321,12 +376,14 @@ def _pack_balanced(
     return np.concatenate([np.arange(num_outliers), rest]), num_fixed
 
 
-def _pack_tight(sizes: np.ndarray, costs: np.ndarray, num_bins: int, capacity: int) -> np.ndarray | None:
+def _pack_tight(
+    sizes: np.ndarray, costs: np.ndarray, num_bins: int, capacity: int, best_fit: _BestFit
+) -> np.ndarray | None:
     """Best-fit the samples longer than a quarter budget (they need careful
     pairing), worst-fit the rest for balance; None if that does not fit."""
     split = int(np.searchsorted(-sizes, -(capacity // 4), side="right"))
-    head_bins = _best_fit(sizes[:split], num_bins, capacity)
-    if head_bins is None:
+    head_bins = best_fit.first(split)
+    if split and head_bins.max() >= num_bins:
         return None
     loads = np.bincount(head_bins, weights=sizes[:split], minlength=num_bins).astype(np.int64)
     cost_loads = np.bincount(head_bins, weights=costs[:split], minlength=num_bins).astype(np.float64)
@@ -338,7 +395,7 @@ def _pack_tight(sizes: np.ndarray, costs: np.ndarray, num_bins: int, capacity: i
 
 
 def _pack_at(
-    sizes: np.ndarray, costs: np.ndarray, num_minibatches: int, num_ranks: int, capacity: int
+    sizes: np.ndarray, costs: np.ndarray, num_minibatches: int, num_ranks: int, capacity: int, best_fit: _BestFit
 ) -> tuple[np.ndarray, int] | None:
     """Balanced packing if it fits, else the tight one, else None."""
     if num_ranks > 1:
@@ -346,7 +403,7 @@ def _pack_at(
         packed = _pack_balanced(sizes, costs, num_minibatches, num_ranks, capacity)
         if packed is not None:
             return packed
-    tight = _pack_tight(sizes, costs, num_minibatches * num_ranks, capacity)
+    tight = _pack_tight(sizes, costs, num_minibatches * num_ranks, capacity, best_fit)
     return None if tight is None else (tight, 0)
 
 
@@ -396,7 +453,8 @@ def plan_minibatches(
     if n == 0:
         return []
     costs = sample_costs(sizes, cost)
-    if isinstance(cost, str) and cost in ("tokens", "attention"):
+    order_is_by_length = isinstance(cost, str) and cost in ("tokens", "attention")
+    if order_is_by_length:
         # Both costs grow with length, so longest first is also costliest first.
         order = np.argsort(-sizes, kind="stable")
     else:
@@ -404,15 +462,22 @@ def plan_minibatches(
     sorted_sizes = sizes[order]
     sorted_costs = costs[order]
 
-    lower = max(1, -(-bins_lower_bound(sizes, max_tokens_per_rank) // num_ranks))
+    if order_is_by_length:
+        ascending = sorted_sizes[::-1]
+    else:
+        ascending = np.sort(sizes)
+    lower = max(1, -(-_bins_lower_bound_sorted(ascending, max_tokens_per_rank) // num_ranks))
     num_minibatches = lower
-    packed = _pack_at(sorted_sizes, sorted_costs, lower, num_ranks, max_tokens_per_rank)
+    best_fit = _BestFit(sorted_sizes, max_tokens_per_rank)
+    packed = _pack_at(sorted_sizes, sorted_costs, lower, num_ranks, max_tokens_per_rank, best_fit)
     if packed is None:
         # Best-fit decreasing with as many bins as it needs sets the count.
-        fallback = _best_fit(sorted_sizes, 0, max_tokens_per_rank)
+        fallback = best_fit.first(n)
         num_minibatches = max(lower, -(-(int(fallback.max()) + 1) // num_ranks))
-        if num_minibatches > lower:
-            packed = _pack_at(sorted_sizes, sorted_costs, num_minibatches, num_ranks, max_tokens_per_rank)
+        if num_minibatches > lower and num_ranks > 1:
+            # With one rank a minibatch is one bin, so best-fit's own packing
+            # is as good at this count: the retry is for balance across ranks.
+            packed = _pack_at(sorted_sizes, sorted_costs, num_minibatches, num_ranks, max_tokens_per_rank, best_fit)
         if packed is None:
             packed = fallback, 0
         if num_minibatches > lower and _lpt_count(sorted_sizes, max_tokens_per_rank, num_ranks) < num_minibatches:
@@ -446,18 +511,20 @@ def _deal_bins(
     slot_cost[slot_of_bin] = bin_cost
     minibatch_order = np.argsort(-slot_cost.reshape(num_minibatches, num_ranks).max(axis=1), kind="stable")
     slots = slot_of_bin[bins]
-    grouped = np.argsort(slots, kind="stable")
-    indices = order[grouped].tolist()
-    ends = np.cumsum(np.bincount(slots, minlength=num_bins)).tolist()
-    starts = [0] + ends[:-1]
-    plan: Plan = []
-    for minibatch in minibatch_order.tolist():
-        row = []
-        for slot in range(minibatch * num_ranks, (minibatch + 1) * num_ranks):
-            start, end = starts[slot], ends[slot]
-            row.append(indices[start:end] if end > start else [-1])
-        plan.append(row)
-    return plan
+    # uint16 keys get numpy's (much faster) stable radix sort.
+    sort_keys = slots.astype(np.uint16) if num_bins <= 1 << 16 else slots
+    indices = order[np.argsort(sort_keys, kind="stable")].tolist()
+    counts = np.bincount(slots, minlength=num_bins)
+    ends = np.cumsum(counts)
+    # Slots in plan order: minibatch by minibatch, rank by rank.
+    slot_order = (minibatch_order[:, None] * num_ranks + np.arange(num_ranks)).reshape(-1)
+    flat = [
+        indices[start:end] or [-1]
+        for start, end in zip((ends - counts)[slot_order].tolist(), ends[slot_order].tolist())
+    ]
+    if num_ranks == 1:
+        return [[slot] for slot in flat]
+    return [flat[at : at + num_ranks] for at in range(0, num_bins, num_ranks)]
 
 
 def lpt_minibatches(lengths: Sequence[int] | np.ndarray, *, max_tokens_per_rank: int, num_ranks: int) -> Plan:

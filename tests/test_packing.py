@@ -18,6 +18,7 @@ from packing import (
     rank_loads,
     sample_costs,
 )
+from packing import _BestFit
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -52,6 +53,23 @@ def best_fit_bins(lengths, budget) -> int:
         else:
             residuals.append(budget - size)
     return len(residuals)
+
+
+def best_fit_assignment(sorted_lengths, budget) -> list[int]:
+    """Naive best-fit over samples in the given order: each sample's bin,
+    the fullest bin it fits in, ties to the lower bin id."""
+    residuals: list[int] = []
+    bins = []
+    for size in sorted_lengths:
+        fitting = [i for i, r in enumerate(residuals) if r >= size]
+        if fitting:
+            best = min(fitting, key=lambda i: (residuals[i], i))
+        else:
+            best = len(residuals)
+            residuals.append(budget)
+        residuals[best] -= size
+        bins.append(best)
+    return bins
 
 
 def check_rules_1_to_3(plan, lengths, budget, world):
@@ -101,6 +119,35 @@ def test_per_rank_view_is_a_column_of_the_global_plan(batch, data):
     assert {len(column) for column in columns} == {len(plan)}
     rank = data.draw(st.integers(min_value=0, max_value=world - 1))
     assert columns[rank] == [minibatch[rank] for minibatch in plan]
+
+
+@PROPERTY
+@given(
+    budget=st.integers(min_value=1, max_value=4096),
+    fractions=st.lists(st.floats(min_value=0, max_value=1), max_size=700),
+    split=st.floats(min_value=0, max_value=1),
+)
+def test_shared_best_fit_matches_naive_best_fit(budget, fractions, split):
+    """The planner's best-fit (placed once, in blocks, resumable) gives every
+    sample the bin naive best-fit gives it, whether asked in one go or in two."""
+    lengths = sorted((int(f * budget) for f in fractions), reverse=True)
+    sizes = np.array(lengths, dtype=np.int64)
+    expected = best_fit_assignment(lengths, budget)
+    assert _BestFit(sizes, budget).first(sizes.size).tolist() == expected
+    resumed = _BestFit(sizes, budget)
+    head = int(split * sizes.size)
+    assert resumed.first(head).tolist() == expected[:head]
+    assert resumed.first(sizes.size).tolist() == expected
+
+
+@pytest.mark.parametrize("budget", [1024, 8192])
+def test_shared_best_fit_matches_naive_best_fit_across_blocks(budget):
+    lengths = sorted((int(x) for x in realistic_lengths(1500, seed=budget) if x <= budget), reverse=True)
+    sizes = np.array(lengths, dtype=np.int64)
+    resumed = _BestFit(sizes, budget)
+    assert resumed.first(sizes.size // 3).tolist() + resumed.first(sizes.size).tolist()[sizes.size // 3 :] == (
+        best_fit_assignment(lengths, budget)
+    )
 
 
 @PROPERTY
