@@ -13,8 +13,9 @@ Builds once into ``--work-dir`` (reused on later runs):
 Then times ``python process_data.py`` as a subprocess (process start to exit),
 sampling the RSS of its whole process tree with psutil every 20 ms, and checks
 every output row against an independent slow reference: ``apply_chat_template``
-token-level incremental rendering (``input_ids`` equal, labels equal). Prints
-a table and writes ``results.json`` in the work dir. Not part of the test suite.
+token-level incremental rendering (``input_ids`` equal, labels equal). Beside
+it, in the same run, the bare Rust encode of the same texts on one core: the
+ceiling no tokenizing pipeline can pass on this machine. Prints a table and writes ``results.json`` in the work dir. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -244,6 +245,30 @@ def verify(input_path: Path, output_dir: Path, tokenizer_dir: Path, num_proc: in
     return len(pairs), problems
 
 
+def encode_ceiling(input_path: Path, tokenizer_dir: Path) -> tuple[float, float]:
+    """Samples/s and tokens/s of the bare Rust encode on one core, over the whole dataset.
+
+    Texts are rendered with the public ``apply_chat_template`` and encoded
+    without offsets (``encode_batch_fast``): no parsing, masking or writing. No
+    tokenizer pipeline can go faster per core, so ``--num-proc`` times this is
+    the ceiling for ``process_data.py``.
+    """
+    from transformers import AutoTokenizer
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core, like one worker process
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    texts = []
+    with open(input_path, "rb") as f:
+        for line in f:
+            messages = json.loads(line)["messages"]
+            texts.append(messages[0]["content"] if messages[0]["role"] == "pretrain"
+                         else tokenizer.apply_chat_template(messages, tokenize=False))
+    start = time.perf_counter()
+    encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    elapsed = time.perf_counter() - start
+    return len(texts) / elapsed, sum(len(encoding.ids) for encoding in encodings) / elapsed
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(BenchConfig, argv, description="benchmark process_data.py")
     work = Path(config.work_dir)
@@ -273,6 +298,10 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_1min_after": round(os.getloadavg()[0], 2),
         "config": asdict(config),
     }
+    samples_per_s_core, tokens_per_s_core = encode_ceiling(input_path, tokenizer_dir)
+    results["encode_only_one_core"] = {"samples_per_s": round(samples_per_s_core, 1),
+                                       "tokens_per_s": round(tokens_per_s_core)}
+    results["share_of_ceiling"] = round(results["samples_per_s"] / (config.num_proc * samples_per_s_core), 3)
     if config.verify:
         start = time.perf_counter()
         num_checked, problems = verify(input_path, output_dir, tokenizer_dir, config.num_proc)
@@ -287,6 +316,10 @@ def main(argv: list[str] | None = None) -> None:
             ("tokens/s", results["tokens_per_s"]), ("CPU time, process tree (s)", results["cpu_s"]),
             ("samples per CPU-second", results["samples_per_cpu_s"]),
             ("peak RSS, process tree (GiB)", results["peak_rss_tree_gib"]),
+            ("bare encode, one core (samples/s)", results["encode_only_one_core"]["samples_per_s"]),
+            (f"ceiling: {config.num_proc} x bare encode (samples/s)",
+             round(config.num_proc * results["encode_only_one_core"]["samples_per_s"], 1)),
+            ("share of the ceiling reached", results["share_of_ceiling"]),
             ("load average after (1 min)", results["load_average_1min_after"])]
     if config.verify:
         rows.append(("rows verified / problems", f"{results['verified_rows']} / {results['num_verify_problems']}"))
