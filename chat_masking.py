@@ -47,6 +47,9 @@ from utils import IGNORE_INDEX
 VALID_ROLES = ("system", "user", "assistant", "tool", "pretrain")
 OUTPUT_FIELDS = ("input_ids", "labels", "len", "num_loss_counted_tokens")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Message fields transformers copies into each other before rendering (``_alias_reasoning_fields``);
+# messages carrying any of them take the slower, exact library path.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 # What a chat template may raise on a conversation it refuses: raise_exception()
 # and undefined lookups are TemplateErrors; bad operands surface as Python errors.
@@ -160,10 +163,10 @@ def parse_chat_row(line: bytes) -> tuple[list[dict], list[dict] | None, dict[str
                               f"message {index} ({role}) content is a {type(message['content']).__name__}")
         if role == "assistant" and not message["content"].strip() and not tool_calls:
             raise SampleError("empty_assistant_reply", f"message {index} is an empty assistant reply")
-        reasoning = message.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise SampleError("non_string_reasoning",
-                              f"message {index} reasoning_content is a {type(reasoning).__name__}")
+        for key in _REASONING_FIELDS:
+            if key in message and not isinstance(message[key], str):
+                raise SampleError("non_string_reasoning",
+                                  f"message {index} {key} is a {type(message[key]).__name__}")
         clean.append(message)
     roles = [message["role"] for message in clean]
     if "pretrain" in roles:
@@ -195,8 +198,9 @@ def _check_tool_calls(index: int, role: str, tool_calls: Any) -> None:
 
 
 def reasoning_text(message: dict) -> str:
-    """The reasoning of an assistant message: ``reasoning_content``, else a ``<think>`` block in its content."""
-    reasoning = message.get("reasoning_content")
+    """The reasoning of an assistant message: ``reasoning_content`` (or the ``thinking`` / ``reasoning``
+    aliases transformers accepts), else a ``<think>`` block in its content."""
+    reasoning = next((message[key] for key in _REASONING_FIELDS if isinstance(message.get(key), str)), None)
     if reasoning is None:
         content = message["content"]
         begin, end = content.find(THINK_OPEN), content.find(THINK_CLOSE)
@@ -329,11 +333,6 @@ def labels_from_token_spans(input_ids: list[int], token_spans: list[tuple[int, i
 
 # ----------------------------------------------------------------------------
 # The tokenizer-bound encoder
-
-# Message fields transformers copies into each other before rendering (``_alias_reasoning_fields``);
-# messages carrying any of them take the slower, exact library path.
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
 
 def _compile_template(chat_template: str):
     """The template compiled exactly as ``apply_chat_template`` compiles it (cached by transformers)."""
