@@ -183,7 +183,8 @@ def parse_chat_row(line: bytes) -> tuple[list[dict], list[dict] | None, dict[str
 
 def _check_tool_calls(index: int, role: str, tool_calls: Any) -> None:
     if role != "assistant":
-        raise SampleError("invalid_tool_calls", f"message {index} ({role}) has tool_calls; only assistant turns call tools")
+        raise SampleError("invalid_tool_calls",
+                          f"message {index} ({role}) has tool_calls; only assistant turns call tools")
     if not isinstance(tool_calls, list) or not tool_calls:
         raise SampleError("invalid_tool_calls", f"message {index} tool_calls must be a non-empty list")
     for call in tool_calls:

@@ -285,8 +285,8 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     encoder = make_encoder(config, tokenizer, config.end_of_turn_token)
     num_lines = _count_lines(Path(config.input_file))
     num_proc = min(config.num_proc, max(1, -(-num_lines // config.chunk_size)))
-    logger.info("tokenizer %s (%s, %d tokens, eos %r), chat template from %s, end of turn %r", config.model_name_or_path,
-                type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token, config.chat_template or "the tokenizer",
+    logger.info("tokenizer %s (%s, %d tokens, eos %r), chat template from %s, end of turn %r",
+                config.model_name_or_path, type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token, config.chat_template or "the tokenizer",
                 encoder.end_of_turn_token)
     logger.info("%d lines from %s, %d worker process(es)%s", num_lines, config.input_file, num_proc,
                 "" if num_proc == config.num_proc else f" (--num-proc {config.num_proc}: fewer chunks than that)")

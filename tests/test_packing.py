@@ -243,7 +243,8 @@ def test_original_import_path_leaves_over_budget_samples_out_with_a_warning():
     kept = [0, 2, 3, 4, 6, 7, 8]
     plan = plan_minibatches([lengths[i] for i in kept], max_tokens_per_rank=10, num_ranks=2)
     for rank in range(2):
-        with pytest.warns(UserWarning, match=r"left out 2 sample\(s\) .*max_tokens_per_rank=10: batch indices \[1, 5\]"):
+        warning = r"left out 2 sample\(s\) .*max_tokens_per_rank=10: batch indices \[1, 5\]"
+        with pytest.warns(UserWarning, match=warning):
             column = from_sampler(lengths, 10, 2, rank)
         assert column == [[kept[i] if i >= 0 else -1 for i in minibatch[rank]] for minibatch in plan]
     with pytest.warns(UserWarning):

@@ -449,7 +449,8 @@ def conversations(draw, template: str):
         messages.append({"role": "user", "content": draw(TEXT)})
         reply = {"role": "assistant", "content": draw(REPLY)}
         if template == "tools" and draw(st.booleans()):
-            reply["tool_calls"] = [{"type": "function", "function": {"name": draw(NAME), "arguments": {"x": draw(TEXT)}}}]
+            call = {"name": draw(NAME), "arguments": {"x": draw(TEXT)}}
+            reply["tool_calls"] = [{"type": "function", "function": call}]
             if draw(st.booleans()):
                 reply["content"] = ""
         if draw(st.integers(0, 2)) == 0:
