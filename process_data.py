@@ -9,9 +9,11 @@ CPU only, no torchrun: tokenization runs in ``--num-proc`` worker processes.
 ``--output-file data/chat_tkns.jsonl`` (the older form) writes one file instead.
 
 Input: one JSON object per line with ``messages``, a list of
-``{"role", "content"}`` (roles system, user, assistant, tool), or a single
-``{"role": "pretrain", "content": ...}`` message. Other top-level fields
-(an ``id``, a source tag) are copied to the output row unchanged.
+``{"role", "content"}`` (roles system, user, assistant, tool; assistant turns
+may carry ``tool_calls`` and ``reasoning_content``), or a single
+``{"role": "pretrain", "content": ...}`` message. A row's ``tools`` (JSON
+schemas) is passed to the chat template. Other top-level fields (an ``id``, a
+source tag) are copied to the output row unchanged.
 
 Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
 ``F.summary.json``, ``F.rejected.jsonl``):
@@ -59,6 +61,11 @@ class ProcessDataConfig:
     output_file: str | None = config_field(None, help="single output JSONL (older form); the summary and "
                                                       "rejected files go beside it")
     max_sample_num_tokens: int = config_field(2147483647, help="longer samples are rejected (and counted)")
+    chat_template: str | None = config_field(None, help="jinja file that replaces the tokenizer's chat template")
+    end_of_turn_token: str | None = config_field(None, help="the string that ends an assistant turn (default: "
+                                                            "the special token the template writes after a reply)")
+    mask_reasoning: bool = config_field(False, help="mask reasoning (reasoning_content, <think> blocks) instead "
+                                                    "of learning it with the reply")
     num_proc: int = config_field(default_factory=_default_num_proc, help="worker processes (default: CPUs)")
     string_for_printing_masks: str = config_field("<|mAsK|>", help="shown in place of masked label tokens "
                                                                     "in the printed examples")
@@ -85,6 +92,8 @@ class ProcessDataConfig:
             errors.append(f"--num-printed-samples must be >= 0, got {self.num_printed_samples}")
         if not self.string_for_printing_masks:
             errors.append("--string-for-printing-masks must not be empty")
+        if self.end_of_turn_token == "":
+            errors.append("--end-of-turn-token must not be empty")
         collect_errors(errors)
 
 
@@ -128,12 +137,18 @@ class ChunkResult:
 _ENCODER: ChatEncoder | None = None  # one per worker process, set by _init_worker (the Pool initializer pattern)
 
 
-def _init_worker(model_name_or_path: str, max_sample_num_tokens: int, single_threaded: bool) -> None:
+def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_token: str | None) -> None:
     global _ENCODER
-    if single_threaded:
-        # N worker processes already use the cores; Rust threads inside each would oversubscribe.
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _ENCODER = ChatEncoder(load_tokenizer(model_name_or_path), max_sample_num_tokens=max_sample_num_tokens)
+    # N worker processes already use the cores; Rust threads inside each would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    tokenizer.chat_template = chat_template
+    _ENCODER = make_encoder(config, tokenizer, end_of_turn_token)
+
+
+def make_encoder(config: ProcessDataConfig, tokenizer, end_of_turn_token: str | None) -> ChatEncoder:
+    return ChatEncoder(tokenizer, max_sample_num_tokens=config.max_sample_num_tokens,
+                       end_of_turn_token=end_of_turn_token, mask_reasoning=config.mask_reasoning)
 
 
 def _process_chunk(first_line: int, lines: list[bytes]) -> ChunkResult:
@@ -224,7 +239,12 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer {config.model_name_or_path!r} has no fast (Rust) backend; offsets are needed")
     if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {config.model_name_or_path!r} has no eos_token (the end-of-turn token)")
+        raise ValueError(f"tokenizer {config.model_name_or_path!r} has no eos_token (ends pretrain rows)")
+    if config.chat_template is not None:
+        try:
+            tokenizer.chat_template = Path(config.chat_template).read_text()
+        except OSError as err:
+            raise ValueError(f"cannot read --chat-template {config.chat_template}: {err}") from None
     if not tokenizer.chat_template:
         with open(input_file, "rb") as f:
             for line_no, line in enumerate(f, 1):
@@ -262,11 +282,12 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     start = time.perf_counter()
     paths = OutputPaths.from_config(config)
     tokenizer = check_run(config, paths)
-    encoder = ChatEncoder(tokenizer, max_sample_num_tokens=config.max_sample_num_tokens)
+    encoder = make_encoder(config, tokenizer, config.end_of_turn_token)
     num_lines = _count_lines(Path(config.input_file))
     num_proc = min(config.num_proc, max(1, -(-num_lines // config.chunk_size)))
-    logger.info("tokenizer %s (%s, %d tokens, eos %r); masking by %s", config.model_name_or_path,
-                type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token, encoder.masking_method)
+    logger.info("tokenizer %s (%s, %d tokens, eos %r), chat template from %s, end of turn %r",
+                config.model_name_or_path, type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token, config.chat_template or "the tokenizer",
+                encoder.end_of_turn_token)
     logger.info("%d lines from %s, %d worker process(es)%s", num_lines, config.input_file, num_proc,
                 "" if num_proc == config.num_proc else f" (--num-proc {config.num_proc}: fewer chunks than that)")
 
@@ -300,6 +321,10 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     os.replace(tmp_summary, paths.summary)
     _log_summary(summary)
     _print_samples(config, tokenizer, paths.data, totals)
+    if not summary["num_written"]:
+        raise ValueError(f"no sample written from {num_lines} line(s); rejected: "
+                         + ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items())
+                         + f" (see {paths.rejected})")
     return summary
 
 
@@ -317,7 +342,7 @@ def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, num_proc: int, 
         # fork: workers inherit the imported modules instead of importing transformers again.
         context = multiprocessing.get_context("fork")
         with context.Pool(num_proc, initializer=_init_worker,
-                          initargs=(config.model_name_or_path, config.max_sample_num_tokens, True)) as pool:
+                          initargs=(config, encoder.chat_template, encoder.end_of_turn_token)) as pool:
             in_flight: deque = deque()
             for first_line, lines in chunks:
                 in_flight.append((len(lines), pool.apply_async(_process_chunk, (first_line, lines))))
@@ -386,7 +411,11 @@ def _summary(config, tokenizer, encoder, paths, totals, num_lines, elapsed) -> d
             "num_tokens": len(tokenizer),
             "eos_token": tokenizer.eos_token,
             "bos_token": tokenizer.bos_token,
+            "chat_template_source": config.chat_template or "tokenizer",
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+            "chat_template": template or None,
+            "end_of_turn_token": encoder.end_of_turn_token,
+            "mask_reasoning": config.mask_reasoning,
             "masking": encoder.masking_method,
         },
         "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},

@@ -15,6 +15,15 @@ Templates (each mirrors a real family's quirks):
   llama3     ``<|begin_of_text|>`` then ``<|start_header_id|>role<|end_header_id|>\\n\\n...<|eot_id|>``
   mistral    ``<s>[INST] ... [/INST]reply</s>``; folds the system prompt into the
              first user turn and raises when roles don't alternate
+  llama2     Mistral v0.1 / Llama-2 form: ``[INST] ... [/INST]`` + ``' ' + reply + '</s>'``,
+             so a reply's first word is tokenized with the template's space
+  gemma      ``<start_of_turn>model\\n...<end_of_turn>\\n``; ``eos_token`` is ``<eos>``,
+             not the turn terminator
+  qwen3think Qwen3's reasoning form: ``reasoning_content`` (or ``<think>`` in the content)
+             rendered as ``<think>\\n...\\n</think>\\n\\n`` only in turns after the last
+             user message; earlier turns lose their reasoning
+  tools      ChatML with Qwen2.5-style tools: a ``# Tools`` system block from ``tools``,
+             ``<tool_call>`` JSON after the reply, tool results as ``<tool_response>``
 """
 
 from __future__ import annotations
@@ -74,6 +83,74 @@ MISTRAL_TEMPLATE = (
 )
 
 
+LLAMA2_TEMPLATE = MISTRAL_TEMPLATE.replace("{{- message['content'] + eos_token }}",
+                                          "{{- ' ' + message['content'] + eos_token }}")
+
+GEMMA_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+QWEN3_THINK_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=-1) %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.last_query_index = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- set content = message['content'] %}"
+    "{%- set reasoning = message['reasoning_content'] if message['reasoning_content'] is string else '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}"
+    "{{- content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- if loop.first and message['content'] %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- (call['function']['arguments'] if call['function']['arguments'] is string "
+    "else call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
 @dataclass(frozen=True)
 class TemplateSpec:
     chat_template: str
@@ -95,6 +172,13 @@ TEMPLATES: dict[str, TemplateSpec] = {
                            ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                             "<|eot_id|>", "<|finetune_right_pad_id|>"), "llama"),
     "mistral": TemplateSpec(MISTRAL_TEMPLATE, "<s>", "</s>", "<unk>", ("<unk>", "<s>", "</s>"), "llama"),
+    "llama2": TemplateSpec(LLAMA2_TEMPLATE, "<s>", "</s>", "<unk>", ("<unk>", "<s>", "</s>"), "llama"),
+    "gemma": TemplateSpec(GEMMA_TEMPLATE, "<bos>", "<eos>", "<pad>",
+                          ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"), "llama"),
+    "qwen3think": TemplateSpec(QWEN3_THINK_TEMPLATE, None, "<|im_end|>", "<|endoftext|>",
+                               ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"), "qwen2"),
+    "tools": TemplateSpec(TOOLS_TEMPLATE, None, "<|im_end|>", "<|endoftext|>",
+                          ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"), "qwen2"),
 }
 
 DEFAULT_CORPUS = [

@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/bench_process_data.py --num-proc 2
     .venv/bin/python bench/bench_process_data.py --num-samples 2000 --no-verify   # quick look
+    git worktree add /tmp/old_pd HEAD~1   # or: git archive HEAD~1 | tar -x -C /tmp/old_pd
+    .venv/bin/python bench/bench_process_data.py --baseline-dir /tmp/old_pd --repeats 3   # old vs new
 
 Builds once into ``--work-dir`` (reused on later runs):
   - a ChatML tokenizer trained to a 32k vocabulary on Python's own prose
@@ -17,6 +19,11 @@ token-level incremental rendering (``input_ids`` equal, labels equal). Beside
 it, in the same run, the bare Rust encode of the same texts on one core: the
 ceiling no tokenizing pipeline can pass on this machine. Prints a table and
 writes ``results.json`` in the work dir. Not part of the test suite.
+
+``--baseline-dir`` times another checkout's ``process_data.py`` on the same
+input in the same run, alternating with this one (``--repeats`` runs each,
+the order flipped every round so drift in the machine's load hits both
+sides alike), and reports the medians and their ratio.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tiny_model import build_tokenizer  # noqa: E402
-from utils import IGNORE_INDEX, config_field, parse_config  # noqa: E402
+from utils import IGNORE_INDEX, collect_errors, config_field, parse_config  # noqa: E402
 
 CHARS_PER_TOKEN = {"prose": 4.3, "code": 3.4}
 
@@ -53,6 +60,17 @@ class BenchConfig:
     seed: int = config_field(0, help="seed for the generated data")
     verify: bool = config_field(True, help="check every output row against the slow reference")
     regenerate: bool = config_field(False, help="rebuild the dataset and tokenizer even if present")
+    baseline_dir: str | None = config_field(None, help="another checkout whose process_data.py is timed "
+                                                      "on the same input, alternating with this one")
+    repeats: int = config_field(1, help="timed runs of each side; medians are reported")
+
+    def __post_init__(self):
+        errors = []
+        if self.repeats < 1:
+            errors.append(f"--repeats must be >= 1, got {self.repeats}")
+        if self.baseline_dir and not (Path(self.baseline_dir) / "process_data.py").is_file():
+            errors.append(f"--baseline-dir {self.baseline_dir} has no process_data.py")
+        collect_errors(errors)
 
 
 # ----------------------------------------------------------------------------
@@ -150,7 +168,7 @@ def build_inputs(config: BenchConfig, work: Path) -> tuple[Path, Path]:
 # Timing
 
 
-def run_timed(command: list[str]) -> tuple[float, float, float, int]:
+def run_timed(command: list[str], cwd: Path = ROOT) -> tuple[float, float, float, int]:
     """(wall s, CPU s of the tree, peak RSS of the tree in GiB, exit code); RSS sampled every 50 ms.
 
     The CPU time (user + sys of every reaped descendant) is what contention from
@@ -162,7 +180,7 @@ def run_timed(command: list[str]) -> tuple[float, float, float, int]:
 
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     parent = psutil.Process(proc.pid)
     peak = 0
     while proc.poll() is None:
@@ -275,12 +293,25 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(config.work_dir)
     input_path, tokenizer_dir = build_inputs(config, work)
     output_dir = work / "output"
+    sides = {"this": (ROOT, output_dir)}
+    if config.baseline_dir:
+        sides["baseline"] = (Path(config.baseline_dir).resolve(), work / "output_baseline")
+    timings: dict[str, list[tuple[float, float, float]]] = {side: [] for side in sides}
+    for round_index in range(config.repeats):
+        for side in list(sides)[:: 1 if round_index % 2 == 0 else -1]:
+            root, out = sides[side]
+            command = [sys.executable, str(root / "process_data.py"), "--input-file", str(input_path),
+                       "--output-dir", str(out), "--model-name-or-path", str(tokenizer_dir),
+                       "--num-proc", str(config.num_proc), "--overwrite"]
+            wall, cpu, peak_gib, returncode = run_timed(command, cwd=root)
+            if returncode != 0:
+                raise SystemExit(f"{root / 'process_data.py'} exited with {returncode}")
+            timings[side].append((wall, cpu, peak_gib))
+            print(f"round {round_index + 1} {side}: wall {wall:.2f}s, CPU {cpu:.2f}s")
+    wall, cpu, peak_gib = (float(np.median([t[k] for t in timings["this"]])) for k in range(3))
     command = [sys.executable, str(ROOT / "process_data.py"), "--input-file", str(input_path),
                "--output-dir", str(output_dir), "--model-name-or-path", str(tokenizer_dir),
                "--num-proc", str(config.num_proc), "--overwrite"]
-    wall, cpu, peak_gib, returncode = run_timed(command)
-    if returncode != 0:
-        raise SystemExit(f"process_data.py exited with {returncode}")
     summary = json.loads((output_dir / "summary.json").read_text())
     num_samples = summary["num_lines"]
     results = {
@@ -297,8 +328,17 @@ def main(argv: list[str] | None = None) -> None:
         "samples_per_cpu_s": round(num_samples / cpu, 1),
         "peak_rss_tree_gib": round(peak_gib, 3),
         "load_average_1min_after": round(os.getloadavg()[0], 2),
+        "runs": {side: [{"wall_s": round(w, 2), "cpu_s": round(c, 2)} for w, c, _ in runs]
+                 for side, runs in timings.items()},
         "config": asdict(config),
     }
+    if "baseline" in timings:
+        base_wall, base_cpu = (float(np.median([t[k] for t in timings["baseline"]])) for k in range(2))
+        results["baseline"] = {"dir": str(sides["baseline"][0]), "wall_s": round(base_wall, 2),
+                               "cpu_s": round(base_cpu, 2), "samples_per_s": round(num_samples / base_wall, 1),
+                               "samples_per_cpu_s": round(num_samples / base_cpu, 1),
+                               "speed_vs_baseline_wall": round(base_wall / wall, 3),
+                               "speed_vs_baseline_cpu": round(base_cpu / cpu, 3)}
     samples_per_s_core, tokens_per_s_core = encode_ceiling(input_path, tokenizer_dir)
     ceiling = config.num_proc * samples_per_s_core
     results["encode_only_one_core"] = {"samples_per_s": round(samples_per_s_core, 1),
@@ -325,6 +365,12 @@ def main(argv: list[str] | None = None) -> None:
             ("load average after (1 min)", results["load_average_1min_after"])]
     if config.verify:
         rows.append(("rows verified / problems", f"{results['verified_rows']} / {results['num_verify_problems']}"))
+    if "baseline" in results:
+        base = results["baseline"]
+        rows += [(f"baseline samples/s (median of {config.repeats})", base["samples_per_s"]),
+                 ("baseline samples per CPU-second", base["samples_per_cpu_s"]),
+                 ("speed vs baseline: wall / CPU",
+                  f"{base['speed_vs_baseline_wall']} / {base['speed_vs_baseline_cpu']}")]
     width = max(len(name) for name, _ in rows)
     print(f"\nprocess_data.py, --num-proc {config.num_proc}")
     for name, value in rows:

@@ -234,6 +234,23 @@ def test_empty_slots_and_empty_batch():
     assert plan == [[[0], [-1], [-1]]]
 
 
+def test_original_import_path_leaves_over_budget_samples_out_with_a_warning():
+    """The original's ``from sampler import batch_lengths_to_minibatches``; its collator dropped long samples."""
+    from sampler import batch_lengths_to_minibatches as from_sampler
+
+    assert from_sampler is batch_lengths_to_minibatches
+    lengths = [9, 30, 6, 5, 4, 11, 3, 2, 1]
+    kept = [0, 2, 3, 4, 6, 7, 8]
+    plan = plan_minibatches([lengths[i] for i in kept], max_tokens_per_rank=10, num_ranks=2)
+    for rank in range(2):
+        warning = r"left out 2 sample\(s\) .*max_tokens_per_rank=10: batch indices \[1, 5\]"
+        with pytest.warns(UserWarning, match=warning):
+            column = from_sampler(lengths, 10, 2, rank)
+        assert column == [[kept[i] if i >= 0 else -1 for i in minibatch[rank]] for minibatch in plan]
+    with pytest.warns(UserWarning):
+        assert from_sampler([11, 12], 10, 2, 0) == []
+
+
 def test_invalid_inputs_are_rejected():
     with pytest.raises(ValueError, match="sample 1 has 11 tokens"):
         plan_minibatches([3, 11], max_tokens_per_rank=10, num_ranks=2)

@@ -21,8 +21,11 @@ from process_data import ProcessDataConfig, main, process_data, render_labels
 from utils import IGNORE_INDEX
 
 ROOT = Path(__file__).resolve().parent.parent
+# The end-of-turn token of each template family, written out (the encoder detects it).
 EOS = {"chatml": "<|im_end|>", "qwen25": "<|im_end|>", "qwen3": "<|im_end|>", "llama3": "<|eot_id|>",
-       "mistral": "</s>"}
+       "mistral": "</s>", "llama2": "</s>", "gemma": "<end_of_turn>", "qwen3think": "<|im_end|>",
+       "tools": "<|im_end|>"}
+ALTERNATING = ("mistral", "llama2")  # templates that fold the system prompt and refuse other roles
 
 
 @pytest.fixture(scope="session")
@@ -69,17 +72,27 @@ def run(tmp_path: Path, model: Path, rows: list, **overrides) -> tuple[list[dict
 
 
 def expected_segments(template: str, messages: list[dict]) -> list[tuple[str, bool]]:
+    """Conversations without tools or reasoning, rendered by hand; learned = after the generation prompt."""
     eos = EOS[template]
-    if template in ("chatml", "qwen25", "qwen3"):
+    if template in ("chatml", "qwen25", "qwen3", "qwen3think", "tools"):
         segments = []
         if template == "qwen25" and messages[0]["role"] != "system":
             segments.append(("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", False))
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        for i, m in enumerate(messages):
+            learned = m["role"] == "assistant"
+            segments.append((f"<|im_start|>{m['role']}\n", False))
+            if learned and (template == "qwen3" or (template == "qwen3think" and i > last_user)):
+                segments.append(("<think>\n\n</think>\n\n", True))  # the model must write it after the prompt
+            segments += [(m["content"], learned), (eos, learned), ("\n", False)]
+        return segments
+    if template == "gemma":
+        segments = [("<bos>", False)]
         for m in messages:
             learned = m["role"] == "assistant"
-            header = f"<|im_start|>{m['role']}\n"
-            if learned and template == "qwen3":
-                header += "<think>\n\n</think>\n\n"
-            segments += [(header, False), (m["content"], learned), (eos, learned), ("\n", False)]
+            role = "model" if learned else m["role"]
+            segments += [(f"<start_of_turn>{role}\n", False), (m["content"].strip(), learned), (eos, learned),
+                         ("\n", False)]
         return segments
     if template == "llama3":
         segments = [("<|begin_of_text|>", False)]
@@ -88,7 +101,8 @@ def expected_segments(template: str, messages: list[dict]) -> list[tuple[str, bo
             segments += [(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False),
                          (m["content"].strip(), learned), (eos, learned)]
         return segments
-    assert template == "mistral"
+    assert template in ALTERNATING
+    space = " " if template == "llama2" else ""
     system = messages[0]["content"] if messages[0]["role"] == "system" else None
     segments = [("<s>", False)]
     for i, m in enumerate(messages[1:] if system else messages):
@@ -96,7 +110,7 @@ def expected_segments(template: str, messages: list[dict]) -> list[tuple[str, bo
             prefix = f"{system}\n\n" if system and i == 0 else ""
             segments.append((f"[INST] {prefix}{m['content']} [/INST]", False))
         else:
-            segments += [(m["content"], True), (eos, True)]
+            segments += [(space + m["content"], True), (eos, True)]
     return segments
 
 
@@ -130,6 +144,189 @@ def test_exact_labels(tokenizers, encoders, template, conversation):
     assert sample.input_ids == expected_ids, "segments must tokenize like the whole text"
     assert sample.labels == expected_labels
     assert sample.num_loss_counted_tokens == sum(label != IGNORE_INDEX for label in expected_labels)
+
+
+# ----------------------------------------------------------------------------
+# Exact labels against a slow reference of the learning rule: one render per turn, token by token
+
+
+def reference_labels(tok, messages: list[dict], end_of_turn: str, *, tools=None,
+                     mask_reasoning: bool = False) -> tuple[list[int], list[int]]:
+    """Each assistant turn: the characters from the end of its generation prompt through the first
+    end-of-turn after it; a token is learned iff its first character is; reasoning text cut out."""
+    full = tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(tok.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True, tokenize=False))
+        end = full.index(end_of_turn, start) + len(end_of_turn)
+        reasoning = message.get("reasoning_content")
+        if reasoning is None and "</think>" in message["content"]:
+            reasoning = message["content"].split("</think>")[0].split("<think>")[-1]
+        reasoning = (reasoning or "").strip()
+        if mask_reasoning and reasoning and reasoning in full[start:end]:
+            cut = full.index(reasoning, start)
+            spans += [(start, cut), (cut + len(reasoning), end)]
+        else:
+            spans.append((start, end))
+    encoding = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    labels = []
+    for token, (first_char, _) in zip(encoding["input_ids"], encoding["offset_mapping"]):
+        labels.append(token if any(a <= first_char < b for a, b in spans) else IGNORE_INDEX)
+    return encoding["input_ids"], labels
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOL_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+RICH = {
+    "tool_call_only": ([{"role": "user", "content": "Weather in Paris?"},
+                        {"role": "assistant", "tool_calls": [TOOL_CALL]},
+                        {"role": "tool", "content": "sunny, 21 C"},
+                        {"role": "assistant", "content": "It is sunny."}], TOOLS),
+    "reply_and_tool_call": ([{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Weather?"},
+                             {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                                 {"type": "function", "function": {"name": "get_weather",
+                                                                   "arguments": '{"city": "Oslo"}'}}]},
+                             {"role": "tool", "content": "rain"},
+                             {"role": "assistant", "content": "Rain."}], TOOLS),
+    "reasoning_content": ([{"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "Four.", "reasoning_content": "Add two and two."},
+                           {"role": "user", "content": "3+3?"},
+                           {"role": "assistant", "content": "Six.", "reasoning_content": "Add three twice."}], None),
+    "think_in_content": ([{"role": "user", "content": "Capital of France?"},
+                          {"role": "assistant", "content": "<think>\nThe quick answer.\n</think>\n\nParis."}], None),
+}
+
+
+def _rich_cases():
+    for name, (messages, tools) in RICH.items():
+        templates = ["tools"] if tools else sorted(EOS)
+        for template in templates:
+            for mask in (False, True):
+                yield pytest.param(template, name, mask, id=f"{template}-{name}-{'mask' if mask else 'learn'}")
+
+
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("template", sorted(EOS))
+def test_labels_match_the_slow_reference(tokenizers, encoders, template, conversation):
+    messages = CONVERSATIONS[conversation]
+    input_ids, labels = reference_labels(tokenizers[template], messages, EOS[template])
+    sample = encode(encoders[template], messages)
+    assert sample.input_ids == input_ids and sample.labels == labels
+
+
+@pytest.mark.parametrize("template, name, mask_reasoning", list(_rich_cases()))
+def test_tools_and_reasoning_match_the_slow_reference(tokenizers, template, name, mask_reasoning):
+    messages, tools = RICH[name]
+    if template in ALTERNATING:
+        messages = [m for m in messages if m["role"] != "system"]
+    tok = tokenizers[template]
+    encoder = ChatEncoder(tok, max_sample_num_tokens=1 << 30, mask_reasoning=mask_reasoning)
+    row = {"messages": messages, **({"tools": tools} if tools else {})}
+    (sample,) = encoder.encode_rows([json.dumps(row).encode()])
+    assert not isinstance(sample, SampleError), sample
+    clean = [{"content": "", **m} for m in messages]  # a tool-call-only turn is rendered with content ''
+    input_ids, labels = reference_labels(tok, clean, EOS[template], tools=tools, mask_reasoning=mask_reasoning)
+    assert sample.input_ids == input_ids
+    assert sample.input_ids == list(tok.apply_chat_template(clean, tools=tools)["input_ids"])
+    assert sample.labels == labels
+
+
+def _learned_text(tok, input_ids: list[int], labels: list[int]) -> list[str]:
+    """The learned runs, decoded."""
+    runs, run = [], []
+    for token, label in zip(input_ids, labels):
+        if label != IGNORE_INDEX:
+            run.append(token)
+        elif run:
+            runs.append(run)
+            run = []
+    if run:
+        runs.append(run)
+    return [tok.decode(r, clean_up_tokenization_spaces=False) for r in runs]
+
+
+def test_tool_call_is_learned_and_tool_result_masked(tokenizers, tiny_models, tmp_path):
+    messages, tools = RICH["tool_call_only"]
+    data, rejected, summary = run(tmp_path, tiny_models["tools"], [{"id": 1, "messages": messages, "tools": tools}])
+    assert not rejected and "tools" not in data[0]
+    tok = tokenizers["tools"]
+    text = tok.decode(data[0]["input_ids"])
+    assert '"name": "get_weather"' in text and "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    learned = _learned_text(tok, data[0]["input_ids"], data[0]["labels"])
+    assert learned == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                       "It is sunny.<|im_end|>"]
+    assert summary["tokenizer"]["end_of_turn_token"] == "<|im_end|>"
+
+
+def test_template_without_tool_calls_rejects_such_rows(tiny_models, tmp_path):
+    messages, tools = RICH["tool_call_only"]
+    data, rejected, summary = run(tmp_path, tiny_models["chatml"],
+                                  [{"messages": messages, "tools": tools}, GOOD])
+    assert len(data) == 1 and rejected[0]["reason"] == "tool_calls_not_rendered"
+    assert "does not render tool_calls" in rejected[0]["detail"]
+
+
+@pytest.mark.parametrize("mask_reasoning", [False, True])
+def test_reasoning_is_learned_unless_masked(tokenizers, mask_reasoning):
+    tok = tokenizers["qwen3think"]
+    messages = RICH["reasoning_content"][0]
+    sample = encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30, mask_reasoning=mask_reasoning), messages)
+    learned = _learned_text(tok, sample.input_ids, sample.labels)
+    # Qwen3 drops the reasoning of turns before the last user message: the first reply is learned as shown.
+    assert learned[0] == "Four.<|im_end|>"
+    if mask_reasoning:
+        assert learned[1:] == ["<think>\n", "\n</think>\n\nSix.<|im_end|>"]
+    else:
+        assert learned[1:] == ["<think>\nAdd three twice.\n</think>\n\nSix.<|im_end|>"]
+
+
+def test_space_prefixed_reply_keeps_its_first_token(tokenizers, encoders):
+    """Mistral v0.1 / Llama-2: ' ' + reply; the first word's token carries the template's space."""
+    tok = tokenizers["llama2"]
+    messages = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris"}]
+    sample = encode(encoders["llama2"], messages)
+    assert _learned_text(tok, sample.input_ids, sample.labels) == [" Paris</s>"]
+
+
+def test_end_of_turn_is_detected_not_assumed_eos(tokenizers, encoders, tiny_models, tmp_path):
+    assert tokenizers["gemma"].eos_token == "<eos>"
+    assert {name: encoder.end_of_turn_token for name, encoder in encoders.items()} == EOS
+    data, _, summary = run(tmp_path, tiny_models["gemma"], [GOOD])
+    assert summary["tokenizer"]["end_of_turn_token"] == "<end_of_turn>" and summary["num_written"] == 1
+
+
+def test_end_of_turn_override_and_undetectable_template(tokenizers, tmp_path):
+    plain = ("{%- for message in messages %}{{- message['role'] + ': ' + message['content'] + '\\n\\n' }}"
+             "{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant:' }}{%- endif %}")
+    template_file = tmp_path / "plain.jinja"
+    template_file.write_text(plain)
+    input_file = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    argv = ["--input-file", str(input_file), "--model-name-or-path", str(tmp_path / "tok"), "--num-proc", "1",
+            "--chat-template", str(template_file)]
+    tokenizers["chatml"].save_pretrained(tmp_path / "tok")
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--output-dir", str(tmp_path / "a")])
+    assert "--end-of-turn-token" in str(err.value) and "\n" not in str(err.value)
+    summary = main([*argv, "--output-dir", str(tmp_path / "b"), "--end-of-turn-token", "\n\n"])
+    (row,) = read_jsonl(tmp_path / "b" / "data.jsonl")
+    tok = tokenizers["chatml"]
+    learned = tok.decode([x for x in row["labels"] if x != IGNORE_INDEX])
+    assert learned == " Hi! How can I help you today?\n\n"
+    assert summary["tokenizer"]["chat_template_source"] == str(template_file)
+    assert summary["tokenizer"]["chat_template"] == plain and summary["tokenizer"]["end_of_turn_token"] == "\n\n"
+
+
+def test_no_sample_written_exits_non_zero_with_counts(tiny_models, tmp_path):
+    input_file = write_jsonl(tmp_path / "in.jsonl", ["nope", {"messages": []}, {"messages": []}])
+    with pytest.raises(SystemExit) as err:
+        main(["--input-file", str(input_file), "--output-dir", str(tmp_path / "out"), "--model-name-or-path",
+              str(tiny_models["chatml"]), "--num-proc", "1"])
+    assert "no sample written" in str(err.value)
+    assert "empty_messages 2" in str(err.value) and "invalid_json 1" in str(err.value)
 
 
 def test_every_turn_end_is_learned_with_injected_system_prompt(tokenizers, encoders):
@@ -192,23 +389,24 @@ def _tokenizer_with_template(tok, template: str, path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def test_generation_markers_are_used(tokenizers, tmp_path):
+def test_generation_markers_change_nothing(tokenizers, tmp_path):
+    """The learning rule is the generation prompt's; a template's {% generation %} blocks mark less."""
     marked = ("{%- for message in messages %}{%- if message['role'] == 'assistant' %}"
               "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] }}{% endgeneration %}"
               "{{- '<|im_end|>\\n' }}{%- else %}"
               "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-              "{%- endif %}{%- endfor %}")
+              "{%- endif %}{%- endfor %}"
+              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
     tok = _tokenizer_with_template(tokenizers["chatml"], marked, tmp_path / "marked")
     encoder = ChatEncoder(tok, max_sample_num_tokens=1 << 30)
-    assert encoder.masking_method == "generation_markers"
     messages = CONVERSATIONS["multi_turn_system"]
     plain = encode(ChatEncoder(tokenizers["chatml"], max_sample_num_tokens=1 << 30), messages)
     assert encode(encoder, messages).labels == plain.labels
 
 
 def test_template_rendering_old_turns_differently(tokenizers, tmp_path):
-    """Like Qwen3: a <think> block only in the last assistant turn, so prefixes are not
-    prefixes of the full render; the reply-through-EOS text is found in the full render."""
+    """Like Qwen3: a <think> block only in the last assistant turn, so a turn's own render is not
+    a prefix of the full render; the turn is learned as the full render shows it."""
     qwen3_like = ("{%- for message in messages %}{%- if message['role'] == 'assistant' and loop.last %}"
                   "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message['content'] + '<|im_end|>\\n' }}"
                   "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -217,7 +415,7 @@ def test_template_rendering_old_turns_differently(tokenizers, tmp_path):
     tok = _tokenizer_with_template(tokenizers["chatml"], qwen3_like, tmp_path / "qwen3like")
     sample = encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["multi_turn_system"])
     learned = tok.decode([t for t, label in zip(sample.input_ids, sample.labels) if label != IGNORE_INDEX])
-    assert learned == "Four.<|im_end|>It jumps over the lazy dog.<|im_end|>"
+    assert learned == "Four.<|im_end|><think>\n\n</think>\n\nIt jumps over the lazy dog.<|im_end|>"
     assert sample.input_ids == list(tok.apply_chat_template(CONVERSATIONS["multi_turn_system"])["input_ids"])
 
 
@@ -232,11 +430,12 @@ def test_non_incremental_template_is_rejected_not_guessed(tokenizers, tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# Property: learned tokens are exactly the replies plus their EOS
+# Property: learned tokens are exactly what follows each generation prompt, through its end-of-turn
 
 
 TEXT = st.text(alphabet=st.sampled_from(list("abcdefghij XYZ0123456789.,!?'\"()\n\t-_äöü中文🙂")), min_size=1, max_size=40)
 REPLY = TEXT.filter(lambda s: s.strip())
+NAME = st.text(alphabet=st.sampled_from(list("abcxyz_")), min_size=1, max_size=8)
 
 
 @st.composite
@@ -245,39 +444,42 @@ def conversations(draw, template: str):
     if draw(st.booleans()):
         messages.append({"role": "system", "content": draw(TEXT)})
     for _ in range(draw(st.integers(1, 4))):
-        if template != "mistral" and draw(st.integers(0, 5)) == 0:
+        if template not in ALTERNATING and draw(st.integers(0, 5)) == 0:
             messages.append({"role": "tool", "content": draw(TEXT)})
         messages.append({"role": "user", "content": draw(TEXT)})
-        messages.append({"role": "assistant", "content": draw(REPLY)})
+        reply = {"role": "assistant", "content": draw(REPLY)}
+        if template == "tools" and draw(st.booleans()):
+            call = {"name": draw(NAME), "arguments": {"x": draw(TEXT)}}
+            reply["tool_calls"] = [{"type": "function", "function": call}]
+            if draw(st.booleans()):
+                reply["content"] = ""
+        if draw(st.integers(0, 2)) == 0:
+            reply["reasoning_content"] = draw(REPLY)
+        messages.append(reply)
     return messages
 
 
 @pytest.mark.parametrize("template", sorted(EOS))
-def test_property_learned_text_is_replies_plus_eos(tokenizers, encoders, template):
-    tok, encoder = tokenizers[template], encoders[template]
+def test_property_learned_text_is_what_follows_the_generation_prompt(tokenizers, encoders, template):
+    tok, encoder, eot = tokenizers[template], encoders[template], EOS[template]
 
     @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
     @given(conversations(template))
     def check(messages):
         sample = encode(encoder, messages)
         assert sample.input_ids == list(tok.apply_chat_template(messages, tokenize=True)["input_ids"])
-        runs, run = [], []
-        for token, label in zip(sample.input_ids, sample.labels):
-            if label != IGNORE_INDEX:
-                assert label == token
-                run.append(token)
-            elif run:
-                runs.append(run)
-                run = []
-        if run:
-            runs.append(run)
-        replies = [m["content"] for m in messages if m["role"] == "assistant"]
-        assert len(runs) == len(replies)
-        for run, reply in zip(runs, replies):
-            rendered = (reply.strip() if template == "llama3" else reply) + EOS[template]
-            learned = tok.decode(run, clean_up_tokenization_spaces=False)
-            # Only a reply's leading whitespace can be lost, to a token shared with the header.
-            assert rendered.endswith(learned) and not rendered[: len(rendered) - len(learned)].strip()
+        assert all(label in (token, IGNORE_INDEX) for token, label in zip(sample.input_ids, sample.labels))
+        full = tok.apply_chat_template(messages, tokenize=False)
+        turns = []
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                start = len(tok.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False))
+                turns.append(full[start:full.index(eot, start) + len(eot)])
+        learned = _learned_text(tok, sample.input_ids, sample.labels)
+        assert len(learned) == len(turns)
+        for text, turn in zip(learned, turns):
+            # Only whitespace merged into a token that starts inside the generation prompt can be lost.
+            assert turn.endswith(text) and not turn[: len(turn) - len(text)].strip()
 
     check()
 
@@ -304,6 +506,13 @@ BAD_LINES = [
      "pretrain_mixed_with_chat"),
     ({"messages": [{"role": "user", "content": "no reply"}]}, "no_loss_tokens"),
     ({"labels": [1], "messages": CONVERSATIONS["single_turn"]}, "reserved_field"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"name": "f"}]}]},
+     "invalid_tool_calls"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [TOOL_CALL]},
+                   {"role": "assistant", "content": "y"}]}, "invalid_tool_calls"),
+    ({"messages": CONVERSATIONS["single_turn"], "tools": {"name": "f"}}, "invalid_tools"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": 3}]},
+     "non_string_reasoning"),
     ("", "blank_line"),
 ]
 
@@ -338,7 +547,8 @@ def test_output_row_carries_fields_and_counts(tiny_models, tmp_path):
     assert out["id"] == 7 and out["source"] == row["source"]
     assert out["len"] == len(out["input_ids"]) == len(out["labels"])
     assert out["num_loss_counted_tokens"] == sum(label != IGNORE_INDEX for label in out["labels"])
-    assert summary["tokenizer"]["masking"] == "incremental_rendering"
+    assert summary["tokenizer"]["masking"] == "generation_prompt"
+    assert summary["tokenizer"]["chat_template_source"] == "tokenizer"
     assert summary["config"]["model_name_or_path"] == str(tiny_models["llama3"])
 
 
