@@ -157,10 +157,19 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    """Every RNG this process draws from (Python, NumPy, torch CPU and, on GPU, CUDA)."""
+    """Every RNG this process draws from (Python, NumPy, torch CPU and, on GPU, CUDA), as tensors
+    and plain numbers only, so ``torch.load(weights_only=True)`` reads it back without pickle."""
     import torch
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, mt_words, gauss = random.getstate()
+    kind, np_words, np_pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python_version": version, "python_words": torch.tensor(mt_words, dtype=torch.int64),
+        "python_gauss": gauss,
+        "numpy_kind": kind, "numpy_words": torch.from_numpy(np_words.astype(np.int64)),
+        "numpy_pos": int(np_pos), "numpy_has_gauss": int(has_gauss), "numpy_cached_gaussian": float(cached),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -169,8 +178,9 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate((state["python_version"], tuple(state["python_words"].tolist()), state["python_gauss"]))
+    np.random.set_state((state["numpy_kind"], state["numpy_words"].numpy().astype(np.uint32), state["numpy_pos"],
+                         state["numpy_has_gauss"], state["numpy_cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -271,15 +281,16 @@ def reset_peak_memory() -> None:
 
 
 def peak_memory_gb() -> float:
-    """Peak GPU memory allocated since the last reset; on CPU, this process's peak RSS."""
+    """Peak GPU memory allocated since the last reset, in GB (10**9 bytes, as the original
+    mini_trainer logged it); on CPU, this process's peak RSS."""
     import torch
 
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+        return torch.cuda.max_memory_allocated() / 1e9
     import resource
 
     # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def gpu_name() -> str:
