@@ -179,7 +179,7 @@ class TrainConfig:
 
 def train(config: TrainConfig) -> Path | None:
     """Run training as one rank of a torchrun job (or alone). Returns the last HF checkpoint."""
-    dist_info = init_distributed()
+    dist_info = init_distributed(cpu_offload=config.cpu_offload)
     setup_logging(config.logging_level, rank=dist_info.rank)
     try:
         return _train(config, dist_info)

@@ -211,12 +211,22 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
+def process_group_backend(device: str, *, cpu_offload: bool = False) -> str:
+    """nccl for cuda, gloo for cpu; with CPU offload on a GPU both, since gradient
+    clipping then reduces norms of CPU-resident shards (a CPU collective)."""
+    import torch.distributed as dist
+
+    if device == "cuda" and cpu_offload:
+        return "cuda:nccl,cpu:gloo"
+    return dist.Backend.default_device_backend_map[device]
+
+
+def init_distributed(timeout_minutes: float = 30.0, *, cpu_offload: bool = False) -> DistInfo:
     """Join the torchrun job (or become a one-process job without torchrun).
 
-    The backend comes from torch's own device->backend map: nccl for cuda,
-    gloo for cpu. ``MINI_TRAINER_DIST_TIMEOUT_MINUTES`` overrides the
-    collective timeout (torch reads no variable for it; the SLURM script sets it).
+    The backend is ``process_group_backend``'s. ``MINI_TRAINER_DIST_TIMEOUT_MINUTES``
+    overrides the collective timeout, the longest any rank waits in a collective
+    for a peer that died (torch reads no variable for it; the SLURM script sets it).
     """
     import datetime
 
@@ -224,6 +234,8 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
     import torch.distributed as dist
 
     timeout_minutes = float(os.environ.get("MINI_TRAINER_DIST_TIMEOUT_MINUTES", timeout_minutes))
+    if not timeout_minutes > 0:
+        raise ValueError(f"MINI_TRAINER_DIST_TIMEOUT_MINUTES must be positive, got {timeout_minutes}")
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -238,7 +250,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
             # Plain `python train.py`: a one-process group keeps one code path.
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = dist.Backend.default_device_backend_map[dtype]
+        backend = process_group_backend(dtype, cpu_offload=cpu_offload)
         dist.init_process_group(
             backend=backend,
             rank=rank,

@@ -252,3 +252,25 @@ def test_step_counts_are_summed_exactly_past_fp32_precision():
     counts, preempted = _reduce_step_counts(torch.tensor(1.0), torch.tensor(1.0), tokens, 0.5, batch, info, False)
     assert counts.num_loss_counted_tokens == tokens and not preempted
     dist.destroy_process_group()
+
+
+def test_cpu_offload_on_gpu_gets_a_cpu_collective_backend():
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    from utils import process_group_backend
+
+    mixed = BackendConfig(Backend(process_group_backend("cuda", cpu_offload=True))).get_device_backend_map()
+    assert mixed == {"cuda": "nccl", "cpu": "gloo"}
+    assert process_group_backend("cuda") == "nccl" and process_group_backend("cpu", cpu_offload=True) == "gloo"
+
+
+def test_cpu_offload_clips_over_cpu_shards_like_the_plain_run(tmp_path, chatml_model, data_path):
+    """The CPU-collective path: clipping reduces norms of CPU-resident shards over gloo."""
+    records = {}
+    for name, extra in (("plain", []), ("offload", ["--cpu-offload"])):
+        out = tmp_path / name
+        _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", "--max-grad-norm", "0.5", *extra)))
+        records[name] = read_metrics(out)
+    for a, b in zip(records["plain"], records["offload"]):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
