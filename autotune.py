@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -79,6 +80,91 @@ def search_largest_fitting(fits: Callable[[int], bool], *, lower: int, upper: in
     return good
 
 
+ALLOCATION_FAILURES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                       "cudaErrorMemoryAllocation", "HIP out of memory")
+"""Messages of allocation failures that libraries raise as plain ``RuntimeError``s, not ``OutOfMemoryError``."""
+
+
+def is_allocation_failure(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and any(text in str(err) for text in ALLOCATION_FAILURES))
+
+
+def trial_fits(try_step: Callable[[int], None], num_tokens: int, *,
+               agree: Callable[[bool], bool] | None = None) -> bool:
+    """Run one trial; an allocation failure means "does not fit" (other errors propagate).
+
+    ``agree`` combines the verdicts of all ranks, so one rank's failure fails the
+    trial on every rank and they search on together.
+    """
+    ok = True
+    try:
+        try_step(num_tokens)
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not is_allocation_failure(err):
+            raise
+        ok = False
+    return agree(ok) if agree is not None else ok
+
+
+def reset_fsdp_after_trial(model: torch.nn.Module) -> None:
+    """Leave no trace of a trial step, finished or not: reset FSDP's per-iteration state, which an
+    exception mid-backward leaves undefined (parameters kept unsharded, gradients never reduced:
+    ranks would silently train apart), reshard every FSDP module and free the gradients."""
+    # First while the failed step's unsharded parameters are still the registered ones: gradients
+    # accumulated there (modules whose backward ran but whose reduction did not) would leak into
+    # the next step.
+    model.zero_grad(set_to_none=True)
+    fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if fsdp_modules:
+        fsdp_modules[0].reset_iter_state()  # on the root (the outermost one); it resets every group
+    for module in fsdp_modules:
+        module.reshard()
+    model.zero_grad(set_to_none=True)
+
+
+def make_trial_step(model: torch.nn.Module, dataset, *, model_inputs: Callable) -> Callable[[int], None]:
+    """The probe's trial: forward and backward on a row of ``num_tokens`` tokens of the longest samples."""
+    import sampler
+
+    longest_first = np.argsort(dataset.lengths, kind="stable")[::-1]
+
+    def try_step(num_tokens: int) -> None:
+        samples, remaining = [], num_tokens
+        for index in itertools.cycle(longest_first):
+            input_ids, labels = dataset.sample(int(index))
+            samples.append((input_ids[:remaining], labels[:remaining]))
+            remaining -= len(samples[-1][0])
+            if remaining <= 0:
+                break
+        minibatch = sampler.collate_minibatch(samples)
+        test_hook = _test_fail_in_backward(model, num_tokens)
+        try:
+            model(**model_inputs(minibatch)).backward()
+        finally:
+            if test_hook is not None:
+                test_hook.remove()
+            reset_fsdp_after_trial(model)
+
+    return try_step
+
+
+def _test_fail_in_backward(model: torch.nn.Module, num_tokens: int):
+    """Test-only: MINI_TRAINER_TEST_PROBE_FAIL="TOKENS:RANK" (RANK may be '*') raises an allocation
+    failure half-way through that trial's backward, after the later blocks reduced their gradients."""
+    spec = os.environ.get("MINI_TRAINER_TEST_PROBE_FAIL", "")
+    tokens, _, rank = spec.partition(":")
+    if tokens != str(num_tokens) or rank not in ("*", os.environ.get("RANK", "0")):
+        return None
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
+    middle = blocks[len(blocks) // 2] if blocks else model
+
+    def fail(module, grad_output):
+        raise RuntimeError("CUBLAS_STATUS_ALLOC_FAILED (test hook MINI_TRAINER_TEST_PROBE_FAIL)")
+
+    return middle.register_full_backward_pre_hook(fail)
+
+
 def probe_max_tokens_per_gpu(try_step: Callable[[int], None], *, device_type: str, lower: int = 4096,
                              upper: int = 262144, safety: float = 0.9, resolution: int = 1024,
                              reserve_bytes: int = 0, agree: Callable[[bool], bool] | None = None) -> int:
@@ -86,10 +172,10 @@ def probe_max_tokens_per_gpu(try_step: Callable[[int], None], *, device_type: st
 
     Args:
         try_step: runs one forward + backward on a packed row of that many
-            tokens (``longest_first_plan``) and, in a ``finally``, frees its
-            gradients and reshards FSDP modules (``FSDPModule.reshard()``) so a
-            step that died half-way leaves nothing gathered; it may raise
-            ``torch.OutOfMemoryError``.
+            tokens (``longest_first_plan``) and, in a ``finally``, undoes it
+            (``reset_fsdp_after_trial``) so a step that died half-way leaves
+            FSDP as if it never ran; it may raise ``torch.OutOfMemoryError`` or
+            another allocation failure (``is_allocation_failure``).
         device_type: 'cuda' probes; anything else returns ``DEFAULT_MAX_TOKENS_PER_GPU``.
         lower, upper: the search range in tokens.
         safety: fraction of the largest fitting budget that is returned.
@@ -109,15 +195,9 @@ def probe_max_tokens_per_gpu(try_step: Callable[[int], None], *, device_type: st
         return DEFAULT_MAX_TOKENS_PER_GPU
 
     def fits(num_tokens: int) -> bool:
-        ok = True
-        try:
-            try_step(num_tokens)
-        except torch.OutOfMemoryError:
-            ok = False
+        ok = trial_fits(try_step, num_tokens, agree=agree)
         # The failed step's graph died with the exception; hand its blocks back before the next trial.
         torch.accelerator.empty_cache()
-        if agree is not None:
-            ok = agree(ok)
         log_rank_0("max-tokens probe: %d tokens %s", num_tokens, "fit" if ok else "do not fit")
         return ok
 
@@ -142,29 +222,11 @@ def probe_token_budget(model: torch.nn.Module, dataset, *, model_inputs: Callabl
     and the ranks agree on each verdict. ``model_inputs(minibatch)`` turns a
     collated minibatch into the model's forward kwargs.
     """
-    import sampler
     from full_state import agree
 
-    longest_first = np.argsort(dataset.lengths, kind="stable")[::-1]
     # AdamW's two fp32 moments do not exist yet during the probe: hold their memory aside.
     local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
 
-    def try_step(num_tokens: int) -> None:
-        samples, remaining = [], num_tokens
-        for index in itertools.cycle(longest_first):
-            input_ids, labels = dataset.sample(int(index))
-            samples.append((input_ids[:remaining], labels[:remaining]))
-            remaining -= len(samples[-1][0])
-            if remaining <= 0:
-                break
-        minibatch = sampler.collate_minibatch(samples)
-        try:
-            model(**model_inputs(minibatch)).backward()
-        finally:
-            model.zero_grad(set_to_none=True)
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()  # a step that died half-way may have left a block gathered
-
+    try_step = make_trial_step(model, dataset, model_inputs=model_inputs)
     return probe_max_tokens_per_gpu(try_step, device_type=dist_info.device.type, reserve_bytes=8 * local_params,
                                     agree=lambda ok: agree(ok, dist_info.device))

@@ -24,6 +24,7 @@ class StepCounts:
     num_total_tokens: int
     num_dropped_samples: int
     num_minibatches: int                 # gradient-accumulation steps per rank
+    forward_backward_time_sum: float = 0.0  # seconds in forward+backward, summed over ranks
 
 
 def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, world_size: int,
@@ -31,7 +32,13 @@ def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, w
                 peak_memory_usage_gb: float, skipped: bool = False) -> dict:
     """The metrics line of one optimizer step (the original mini_trainer's keys, plus a few).
 
-    ``loss`` is the exact per-token mean over the whole optimizer batch.
+    ``loss`` is the exact per-token mean over the whole optimizer batch. The
+    original's keys keep the original's meaning: ``avg_loss_backward`` is the
+    loss backward saw per minibatch (``loss`` / ``grad_accum`` when the scaling is
+    right), ``avg_time_per_minibatch`` times forward plus backward only (mean
+    over ranks), ``peak_memory_usage_GB`` is in GB (10**9 bytes).
+    ``loss_backward`` (new) undoes the world-size factor over the whole step and
+    equals ``loss``: a cheap end-to-end check of the scaling.
     """
     denominator = max(counts.batch_num_loss_counted_tokens, 1)
     loss = counts.loss_sum / denominator
@@ -40,16 +47,15 @@ def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, w
         "lr": lr,
         "grad_norm": grad_norm,
         "loss": loss,
-        # backward() saw loss_sum * world_size / denominator on each rank; undoing the
-        # world-size factor gives back `loss`, a cheap end-to-end check of the scaling.
-        "avg_loss_backward": counts.backward_loss_sum / world_size,
+        "avg_loss_backward": counts.backward_loss_sum / world_size / max(counts.num_minibatches, 1),
+        "loss_backward": counts.backward_loss_sum / world_size,
         "num_samples": counts.num_samples,
         "num_loss_counted_tokens": counts.num_loss_counted_tokens,
         "batch_num_loss_counted_tokens": counts.batch_num_loss_counted_tokens,
         "num_total_tokens": counts.num_total_tokens,
         "num_dropped_samples": counts.num_dropped_samples,
         "grad_accum": counts.num_minibatches,
-        "avg_time_per_minibatch": time_per_batch / max(counts.num_minibatches, 1),
+        "avg_time_per_minibatch": counts.forward_backward_time_sum / world_size / max(counts.num_minibatches, 1),
         "time_per_batch": time_per_batch,
         "tokens_per_second": counts.num_total_tokens / time_per_batch,
         "tokens_per_second_per_gpu": counts.num_total_tokens / time_per_batch / world_size,

@@ -12,6 +12,7 @@ finished.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -20,11 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from full_state import complete_checkpoints
 from loss import CausalLMWithLoss
 from setup_model_fsdp import gather_full_state_dict
+from utils import logger
 
 MAX_SHARD_SIZE = "5GB"
 
@@ -62,40 +65,63 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
 
     Returns:
         The final folder path.
+
+    Raises:
+        SystemExit: on every rank, promptly, when rank 0 could not write the
+            export (disk full, permissions); every rank logs rank 0's error.
     """
     state = gather_full_state_dict(wrapper)
     final = hf_checkpoint_dir(output_dir, num_samples)
+    error = None
     if rank == 0:
-        model = wrapper.model
-        tied_key = _tied_output_key(model)
-        state = {
-            name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
-            for name, tensor in state.items()
-            if name != tied_key
-        }
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
-                                                   max_shard_size=max_shard_size)
-        for filename, names in split.filename_to_tensors.items():
-            save_file({name: state[name] for name in names}, tmp / filename, metadata={"format": "pt"})
-        if split.is_sharded:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                     "weight_map": split.tensor_to_filename}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-        config = copy.deepcopy(model.config)
-        config.use_cache = True  # training turned the KV cache off; inference wants it back
-        config.dtype = torch.bfloat16
-        config.save_pretrained(tmp)
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if keep_last_n:
-            for old in complete_checkpoints(final.parent)[:-keep_last_n]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            _write_export(wrapper, state, final, tokenizer=tokenizer, generation_config=generation_config,
+                          keep_last_n=keep_last_n, max_shard_size=max_shard_size)
+        except (OSError, SafetensorError) as err:
+            error = f"Hugging Face export {final} failed: {err}"
+    # Rank 0's verdict instead of a bare barrier: the other ranks would otherwise wait in
+    # their next collective until the process-group timeout for a rank that already died.
+    verdict = [error]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        logger.error("%s; earlier checkpoints are intact", verdict[0])
+        raise SystemExit(1)
     return final
+
+
+def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokenizer, generation_config,
+                  keep_last_n: int | None, max_shard_size: str) -> None:
+    """Rank 0's half of ``save_hf_checkpoint``: write ``final`` through a ``.tmp`` folder."""
+    if os.environ.get("MINI_TRAINER_TEST_FAIL_EXPORT") == final.name:
+        raise OSError(errno.ENOSPC, "No space left on device (test hook MINI_TRAINER_TEST_FAIL_EXPORT)")
+    model = wrapper.model
+    tied_key = _tied_output_key(model)
+    state = {
+        name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
+        for name, tensor in state.items()
+        if name != tied_key
+    }
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state[name] for name in names}, tmp / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    config = copy.deepcopy(model.config)
+    config.use_cache = True  # training turned the KV cache off; inference wants it back
+    config.dtype = torch.bfloat16
+    config.save_pretrained(tmp)
+    if generation_config is not None:
+        generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep_last_n:
+        for old in complete_checkpoints(final.parent)[:-keep_last_n]:
+            shutil.rmtree(old, ignore_errors=True)

@@ -18,6 +18,7 @@ reshards on load, so a run may resume on a different number of ranks.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -93,19 +94,19 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
     except OSError as err:
-        error = f"cannot create {tmp}: {err.strerror or err}"
+        error = f"cannot create {tmp}: {_cause(err)}"
     if not agree(error is None, dist_info.device):
         _abort_save(error, final, dist_info)
     try:
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        torch.save(rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")
+        torch.save(rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")  # tensors and numbers: no pickle needed
         if dist_info.is_main:
             state = {**trainer_state, "format_version": FORMAT_VERSION, "world_size": dist_info.world_size,
                      "scheduler": scheduler.state_dict(), "fingerprint": model_fingerprint}
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
     except (OSError, dcp.CheckpointException, RuntimeError) as err:
-        error = f"writing {tmp} failed: {err}"
+        error = f"writing {tmp} failed: {_cause(err)}"
     if not agree(error is None, dist_info.device):
         _abort_save(error, final, dist_info)
     if dist_info.is_main:
@@ -122,10 +123,34 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
 
 
 def _abort_save(error: str | None, final: Path, dist_info: DistInfo) -> None:
-    if error is not None:
-        logger.error("full-state checkpoint %s could not be saved: %s. Earlier checkpoints are intact; "
-                     "free space or fix permissions, then re-run the same command to resume.", final, error)
+    if error is None:
+        error = "another rank failed to write its part (its log names the cause)"
+    logger.error("full-state checkpoint %s could not be saved: %s. Earlier checkpoints are intact; "
+                 "re-run the same command to resume from the newest one.", final, error)
     raise SystemExit(1)
+
+
+def _cause(err: BaseException) -> str:
+    """The error itself, plus advice only where the advice fits the cause."""
+    leaf = err
+    while not isinstance(leaf, OSError) and (leaf.__cause__ or leaf.__context__) is not None:
+        leaf = leaf.__cause__ or leaf.__context__
+    if isinstance(leaf, OSError) and leaf.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{leaf} (the disk or quota is full: free space)"
+    if isinstance(leaf, OSError) and leaf.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{leaf} (fix the folder's permissions)"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def remove_leftover_tmp(output_dir: str | Path) -> list[Path]:
+    """Delete ``samples_N.tmp`` folders a kill mid-save left behind (rank 0, at start)."""
+    removed = []
+    for root in (full_state_root(output_dir), Path(output_dir) / "hf_format"):
+        if root.is_dir():
+            for path in root.glob("samples_*.tmp"):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
 
 
 def complete_checkpoints(root: str | Path) -> list[Path]:
@@ -177,7 +202,12 @@ def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, mode
         scheduler.load_state_dict(state["scheduler"])
         rng_file = path / f"rng_rank{dist_info.rank}.pt"
         if state["world_size"] == dist_info.world_size and rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            # weights_only: a checkpoint folder must never be able to run code on load.
+            try:
+                set_rng_state(torch.load(rng_file, weights_only=True))
+            except (pickle.UnpicklingError, KeyError) as err:
+                logger.warning("RNG state %s not restored (%s): RNG streams re-seeded", rng_file,
+                               str(err).splitlines()[0])
         else:
             logger.info("world size changed (%d -> %d): RNG streams re-seeded rather than restored",
                         state["world_size"], dist_info.world_size)
@@ -190,8 +220,19 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop metric lines logged after the checkpoint we resume from, so no step appears twice."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip()
-            and json.loads(line).get("step", 0) <= last_step]
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            # A kill mid-write leaves half a line; it is dropped (its step is re-run) rather than
+            # crashing rank 0 while the other ranks wait for it.
+            logger.warning("%s line %d is not complete JSON (a kill mid-write?): dropped", path, number)
+            continue
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import os
 import signal
@@ -45,7 +46,7 @@ from attention import attention_inputs
 from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, StepCounts, step_record
 from checkpoint import save_hf_checkpoint
-from full_state import PreemptionFlag, TrainState, resume_train_state, save_full_state
+from full_state import PreemptionFlag, TrainState, remove_leftover_tmp, resume_train_state, save_full_state
 from setup_model_fsdp import setup_model
 from trackers import make_tracker
 
@@ -66,6 +67,7 @@ from utils import (
 )
 
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
+SCHEDULERS_WITH_MIN_LR = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -95,6 +97,12 @@ class TrainConfig:
     num_warmup_steps: int = config_field(10, help="linear warmup steps from 0")
     lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
                                      help="transformers.get_scheduler name; decaying schedules need a stop condition")
+    min_lr_ratio: float = config_field(
+        0.1, help="LR floor as a fraction of --learning-rate for cosine_with_min_lr, cosine_warmup_with_min_lr "
+                  "and warmup_stable_decay (ignored by the other schedulers)")
+    decay_fraction: float = config_field(
+        0.1, help="warmup_stable_decay: fraction of the run's steps spent decaying (after warmup and a "
+                  "constant phase)")
     seed: int = config_field(42, help="seeds Python, NumPy, torch and the data order on every rank")
     use_liger_kernels: bool = config_field(
         False, help="Liger fused linear cross-entropy plus RMSNorm/RoPE/SwiGLU kernels (CUDA; ignored with a "
@@ -150,6 +158,10 @@ class TrainConfig:
         if self.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL and not self.has_stop_condition:
             errors.append(f"--lr-scheduler {self.lr_scheduler} decays over a known number of steps: give "
                           "--max-steps, --max-samples or --num-epochs (sampling is infinite otherwise)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            errors.append(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            errors.append(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if self.num_data_workers < 0:
             errors.append("--num-data-workers must be >= 0")
         if self.resume_from and not self.resume:
@@ -167,7 +179,7 @@ class TrainConfig:
 
 def train(config: TrainConfig) -> Path | None:
     """Run training as one rank of a torchrun job (or alone). Returns the last HF checkpoint."""
-    dist_info = init_distributed()
+    dist_info = init_distributed(cpu_offload=config.cpu_offload)
     setup_logging(config.logging_level, rank=dist_info.rank)
     try:
         return _train(config, dist_info)
@@ -182,8 +194,12 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
 
     seed_everything(config.seed)
     _fail_together(dist_info, _preflight(config) if dist_info.is_main else None)
+    if dist_info.is_main:
+        for leftover in remove_leftover_tmp(config.output_dir):
+            logger.warning("removed %s, left behind by a save that was interrupted", leftover)
     dataset = _load_dataset_rank0_first(config, dist_info)
     total_steps = _total_steps(config, len(dataset))
+    _check_scheduler(config, total_steps, dist_info)
 
     model, resolved = setup_model(
         model_name_or_path=config.model_name_or_path, dist_info=dist_info,
@@ -222,6 +238,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         """Full state always (resume needs it); the Hugging Face export on the regular cadence."""
         exported = None
         if hf_export:
+            # Recorded before the full state is written, so a resume keeps the same cadence.
+            state.last_checkpoint_samples = state.samples_seen
             began = time.perf_counter()
             exported = save_hf_checkpoint(
                 model, output_dir=config.output_dir, num_samples=state.samples_seen, tokenizer=tokenizer,
@@ -236,7 +254,6 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
             dist_info=dist_info, keep_last_n=config.keep_last_n_checkpoints)
         log_rank_0("saved full training state %s in %.2fs (%.1f MB)", saved, time.perf_counter() - began,
                    _folder_mb(saved))
-        state.last_checkpoint_samples = state.samples_seen
         return exported
 
     done = _stop_reason(config, state, len(dataset))
@@ -274,25 +291,30 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
             loss_sum += mb_loss.detach()
             backward_sum += scaled.detach()
             local_loss_tokens += minibatch.num_loss_counted_tokens
+        synchronize()  # so the forward/backward time below is the device's, not the launch queue's
+        forward_backward_time = time.perf_counter() - start
         # The norm is reduced over every shard, so all ranks see the same value and
         # take the same skip decision without another collective.
         grad_norm = _clip_grad_norm(model, config.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))  # CPU-GPU sync point, once per step
-        if finite:
+        # A batch without loss tokens has zero gradients: AdamW would still move the
+        # weights (momentum, weight decay), so it is skipped like a non-finite step.
+        empty = batch.batch_num_loss_counted_tokens == 0
+        if finite and not empty:
             optimizer.step()
-            scheduler.step()
+            scheduler.step()  # the schedule counts updates: skipped steps do not advance it
         optimizer.zero_grad(set_to_none=True)
         # -------------------------------------------------------------------------
         state.step += 1
         state.samples_seen = batch.end_position
-        state.samples_trained += batch.num_samples if finite else 0
+        state.samples_trained += batch.num_samples if finite and not empty else 0
         state.num_bad_steps = 0 if finite else state.num_bad_steps + 1
-        _test_send_signal(state.step, dist_info.rank)
-        counts, preempted = _reduce_step_counts(loss_sum, backward_sum, local_loss_tokens, batch, dist_info,
-                                                preemption.requested)
+        _test_after_step_hooks(state.step, dist_info.rank)
+        counts, preempted = _reduce_step_counts(loss_sum, backward_sum, local_loss_tokens, forward_backward_time,
+                                                batch, dist_info, preemption.requested)
         synchronize()
         record = _step_metrics(dist_info, state, batch, counts, grad_norm, scheduler,
-                               time.perf_counter() - start, skipped=not finite)
+                               time.perf_counter() - start, skipped=not finite or empty)
         if metrics is not None:
             metrics.write(record)
         tracker.log(record)
@@ -310,15 +332,21 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                              "samples %d..%d", state.num_bad_steps, config.max_bad_steps,
                              batch.start_position, batch.end_position)
                 raise SystemExit(1)
+        if empty and finite:
+            log_rank_0("step %d: no loss-counted tokens in the batch (samples %d..%d); update skipped",
+                       state.step, batch.start_position, batch.end_position, level=logging.WARNING)
+        done = _stop_reason(config, state, len(dataset))
+        # A preemption on the last step (or on a cadence step) still writes the export that step owes:
+        # the rerun finds nothing left to train and would never write it.
+        export_due = bool(done) or (state.samples_seen - state.last_checkpoint_samples
+                                    >= config.min_samples_per_checkpoint)
         if preempted:
             log_rank_0("preemption signal received: saving full state at step %d and exiting", state.step)
-            save(hf_export=False)
-            break
-        done = _stop_reason(config, state, len(dataset))
-        if done or state.samples_seen - state.last_checkpoint_samples >= config.min_samples_per_checkpoint:
-            last_checkpoint = save(hf_export=True) or last_checkpoint
+        if export_due or preempted:
+            last_checkpoint = save(hf_export=export_due) or last_checkpoint
         if done:
             log_rank_0("stopping: %s", done)
+        if done or preempted:
             break
     progress.close()
     preemption.restore()
@@ -401,7 +429,39 @@ def _build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, tota
     from transformers import get_scheduler
 
     return get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.num_warmup_steps,
-                         num_training_steps=total_steps)
+                         num_training_steps=total_steps, scheduler_specific_kwargs=_scheduler_kwargs(config, total_steps))
+
+
+def _scheduler_kwargs(config: TrainConfig, total_steps: int | None) -> dict:
+    """The extra arguments of the schedulers that need more than warmup and total steps."""
+    if config.lr_scheduler in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
+        return {"min_lr_rate": config.min_lr_ratio}
+    if config.lr_scheduler == "warmup_stable_decay":
+        return {"num_decay_steps": max(1, math.ceil(config.decay_fraction * (total_steps or 0))),
+                "min_lr_ratio": config.min_lr_ratio}
+    return {}
+
+
+def _check_scheduler(config: TrainConfig, total_steps: int | None, dist_info: DistInfo) -> None:
+    """Build the schedule on a stand-in optimizer before the model loads: a bad combination fails in
+    seconds, not after minutes of loading. Every rank computes the same verdict (same config and data)."""
+    error = None
+    kwargs = _scheduler_kwargs(config, total_steps)
+    if total_steps is not None and config.lr_scheduler == "warmup_stable_decay" \
+            and config.num_warmup_steps + kwargs["num_decay_steps"] > total_steps:
+        error = (f"--lr-scheduler warmup_stable_decay: {config.num_warmup_steps} warmup + "
+                 f"{kwargs['num_decay_steps']} decay steps exceed the run's {total_steps} steps; lower "
+                 "--num-warmup-steps or --decay-fraction")
+    else:
+        stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.learning_rate)
+        try:
+            _build_scheduler(config, stand_in, total_steps)
+        except (TypeError, ValueError) as err:
+            error = f"--lr-scheduler {config.lr_scheduler}: {err}"
+    if error is not None:
+        if dist_info.is_main:
+            logger.error(error)
+        raise SystemExit(1)
 
 
 def _original_generation_config(model_name_or_path: str):
@@ -461,18 +521,25 @@ def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def _reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local_loss_tokens: int, batch,
-                        dist_info: DistInfo, preempt_requested: bool) -> tuple[StepCounts, bool]:
-    """One all-reduce of this step's sums and of the preemption flags (any rank's signal stops all)."""
-    extras = torch.tensor([float(local_loss_tokens), float(preempt_requested)], device=loss_sum.device)
-    packed = torch.cat([loss_sum.float().reshape(1), backward_sum.float().reshape(1), extras])
-    dist.all_reduce(packed)
-    loss_total, backward_total, loss_tokens, preempts = packed.tolist()  # CPU-GPU sync point
+def _reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local_loss_tokens: int,
+                        forward_backward_time: float, batch, dist_info: DistInfo,
+                        preempt_requested: bool) -> tuple[StepCounts, bool]:
+    """All-reduce this step's sums and the preemption flags (any rank's signal stops all).
+
+    Counts travel as int64 so they stay exact past 2**24 tokens, where fp32 rounds.
+    """
+    sums = torch.stack([loss_sum.float(), backward_sum.float(),
+                        torch.tensor(forward_backward_time, device=loss_sum.device)])
+    integers = torch.tensor([local_loss_tokens, int(preempt_requested)], dtype=torch.int64, device=loss_sum.device)
+    dist.all_reduce(sums)
+    dist.all_reduce(integers)
+    loss_total, backward_total, time_total = sums.tolist()  # CPU-GPU sync point
+    loss_tokens, preempts = integers.tolist()
     counts = StepCounts(loss_sum=loss_total, backward_loss_sum=backward_total,
-                      batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
-                      num_loss_counted_tokens=int(round(loss_tokens)), num_samples=batch.num_samples,
-                      num_total_tokens=batch.num_total_tokens, num_dropped_samples=batch.num_dropped_samples,
-                      num_minibatches=len(batch.minibatches))
+                        batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
+                        num_loss_counted_tokens=loss_tokens, num_samples=batch.num_samples,
+                        num_total_tokens=batch.num_total_tokens, num_dropped_samples=batch.num_dropped_samples,
+                        num_minibatches=len(batch.minibatches), forward_backward_time_sum=time_total)
     return counts, preempts > 0
 
 
@@ -496,10 +563,13 @@ def _test_inject_nan(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     return loss
 
 
-def _test_send_signal(step: int, rank: int) -> None:
-    """Test-only: MINI_TRAINER_TEST_SIGTERM="STEP:RANK" makes that rank SIGTERM itself after the step."""
+def _test_after_step_hooks(step: int, rank: int) -> None:
+    """Test-only: MINI_TRAINER_TEST_SIGTERM="STEP:RANK" makes that rank SIGTERM itself after the step;
+    MINI_TRAINER_TEST_STEP_SLEEP=SECONDS slows every step so a test can signal a run mid-way."""
     if os.environ.get("MINI_TRAINER_TEST_SIGTERM") == f"{step}:{rank}":
         os.kill(os.getpid(), signal.SIGTERM)
+    if "MINI_TRAINER_TEST_STEP_SLEEP" in os.environ:
+        time.sleep(float(os.environ["MINI_TRAINER_TEST_STEP_SLEEP"]))
 
 
 def _stop_reason(config: TrainConfig, state: TrainState, num_dataset_samples: int) -> str | None:

@@ -157,10 +157,19 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    """Every RNG this process draws from (Python, NumPy, torch CPU and, on GPU, CUDA)."""
+    """Every RNG this process draws from (Python, NumPy, torch CPU and, on GPU, CUDA), as tensors
+    and plain numbers only, so ``torch.load(weights_only=True)`` reads it back without pickle."""
     import torch
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, mt_words, gauss = random.getstate()
+    kind, np_words, np_pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python_version": version, "python_words": torch.tensor(mt_words, dtype=torch.int64),
+        "python_gauss": gauss,
+        "numpy_kind": kind, "numpy_words": torch.from_numpy(np_words.astype(np.int64)),
+        "numpy_pos": int(np_pos), "numpy_has_gauss": int(has_gauss), "numpy_cached_gaussian": float(cached),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -169,8 +178,9 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate((state["python_version"], tuple(state["python_words"].tolist()), state["python_gauss"]))
+    np.random.set_state((state["numpy_kind"], state["numpy_words"].numpy().astype(np.uint32), state["numpy_pos"],
+                         state["numpy_has_gauss"], state["numpy_cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -201,12 +211,22 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
+def process_group_backend(device: str, *, cpu_offload: bool = False) -> str:
+    """nccl for cuda, gloo for cpu; with CPU offload on a GPU both, since gradient
+    clipping then reduces norms of CPU-resident shards (a CPU collective)."""
+    import torch.distributed as dist
+
+    if device == "cuda" and cpu_offload:
+        return "cuda:nccl,cpu:gloo"
+    return dist.Backend.default_device_backend_map[device]
+
+
+def init_distributed(timeout_minutes: float = 30.0, *, cpu_offload: bool = False) -> DistInfo:
     """Join the torchrun job (or become a one-process job without torchrun).
 
-    The backend comes from torch's own device->backend map: nccl for cuda,
-    gloo for cpu. ``MINI_TRAINER_DIST_TIMEOUT_MINUTES`` overrides the
-    collective timeout (torch reads no variable for it; the SLURM script sets it).
+    The backend is ``process_group_backend``'s. ``MINI_TRAINER_DIST_TIMEOUT_MINUTES``
+    overrides the collective timeout, the longest any rank waits in a collective
+    for a peer that died (torch reads no variable for it; the SLURM script sets it).
     """
     import datetime
 
@@ -214,6 +234,8 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
     import torch.distributed as dist
 
     timeout_minutes = float(os.environ.get("MINI_TRAINER_DIST_TIMEOUT_MINUTES", timeout_minutes))
+    if not timeout_minutes > 0:
+        raise ValueError(f"MINI_TRAINER_DIST_TIMEOUT_MINUTES must be positive, got {timeout_minutes}")
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -228,7 +250,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
             # Plain `python train.py`: a one-process group keeps one code path.
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = dist.Backend.default_device_backend_map[dtype]
+        backend = process_group_backend(dtype, cpu_offload=cpu_offload)
         dist.init_process_group(
             backend=backend,
             rank=rank,
@@ -271,15 +293,16 @@ def reset_peak_memory() -> None:
 
 
 def peak_memory_gb() -> float:
-    """Peak GPU memory allocated since the last reset; on CPU, this process's peak RSS."""
+    """Peak GPU memory allocated since the last reset, in GB (10**9 bytes, as the original
+    mini_trainer logged it); on CPU, this process's peak RSS."""
     import torch
 
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+        return torch.cuda.max_memory_allocated() / 1e9
     import resource
 
     # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def gpu_name() -> str:

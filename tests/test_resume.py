@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from e2e import read_metrics, torchrun, write_tokenized_jsonl
+from e2e import ROOT, _free_port, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 
 BATCH = 12
@@ -43,6 +48,10 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 def _ok(result) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def _checkpoint_names(out: Path) -> dict[str, list[str]]:
+    return {kind: [p.name for p in complete_checkpoints(out / kind)] for kind in ("full_state", "hf_format")}
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -72,10 +81,13 @@ def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(tmp_path, chatml_mo
                       env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(CHECKPOINT_EVERY)})
     assert killed.returncode != 0
     assert [p.name for p in complete_checkpoints(out / "full_state")] == [f"samples_{CHECKPOINT_EVERY}"]
+    with (out / "training_metrics_0.jsonl").open("a") as f:
+        f.write('{"step": 5, "lr": 0.0')  # a kill mid-write leaves half a line
     resumed = torchrun(_args(chatml_model, data_path, out))
     _ok(resumed)
     assert f"resumed from {out / 'full_state' / f'samples_{CHECKPOINT_EVERY}'}" in resumed.stderr
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
+    assert _checkpoint_names(out) == _checkpoint_names(uninterrupted), "same cadence with a resume in between"
     a, b = _final_weights(uninterrupted), _final_weights(out)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
@@ -89,7 +101,10 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, chatml_model, data
     root = out / "full_state"
     assert [p.name for p in complete_checkpoints(root)] == [f"samples_{CHECKPOINT_EVERY}"]
     assert (root / f"samples_{2 * CHECKPOINT_EVERY}.tmp").exists(), "the interrupted save stays a .tmp"
-    _ok(torchrun(_args(chatml_model, data_path, out)))
+    resumed = torchrun(_args(chatml_model, data_path, out))
+    _ok(resumed)
+    assert "left behind by a save that was interrupted" in resumed.stderr
+    assert not list(root.glob("*.tmp")), "the next start removes the leftover"
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
 
 
@@ -97,9 +112,67 @@ def test_sigterm_checkpoints_and_exits_zero_then_continues(tmp_path, chatml_mode
     out = tmp_path / "run_d"
     _ok(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": "3:1"}))
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
-    assert [p.name for p in complete_checkpoints(out / "full_state")] == [f"samples_{3 * BATCH}"]
+    [preempted] = complete_checkpoints(out / "full_state")
+    assert preempted.name == f"samples_{3 * BATCH}"
+    for rank in (0, 1):  # plain tensors and numbers: loads without pickle
+        assert "torch" in torch.load(preempted / f"rng_rank{rank}.pt", weights_only=True)
     _ok(torchrun(_args(chatml_model, data_path, out)))
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
+    names = _checkpoint_names(out)
+    assert names["hf_format"] == _checkpoint_names(uninterrupted)["hf_format"], "same cadence across a preemption"
+
+
+def test_group_sigterm_with_data_workers_checkpoints_and_resumes_exactly(tmp_path, chatml_model, data_path,
+                                                                         uninterrupted):
+    """What SLURM and torchrun deliver: SIGTERM to every process of the group, data workers included."""
+    out = tmp_path / "run_group"
+    args = [*_args(chatml_model, data_path, out), "--num-data-workers", "1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port", str(_free_port()),
+           str(ROOT / "train.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
+           "MINI_TRAINER_TEST_STEP_SLEEP": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = out / "training_metrics_0.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be signalled"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=240)
+    # torchrun re-raises the SIGTERM it received after its workers exit: exit code 1 (documented in the
+    # README; SLURM requeues on preemption whatever the code).
+    assert proc.returncode in (0, 1), output[-4000:]
+    assert "killed by signal" not in output, output[-4000:]
+    done = read_metrics(out)
+    assert 2 <= len(done) < STEPS
+    assert complete_checkpoints(out / "full_state")[-1].name == f"samples_{len(done) * BATCH}", output[-4000:]
+    _ok(torchrun(args))
+    _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
+    a, b = _final_weights(uninterrupted), _final_weights(out)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+def test_preempted_on_the_last_step_still_exports(tmp_path, chatml_model, data_path, uninterrupted):
+    out = tmp_path / "run_last"
+    _ok(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": f"{STEPS}:0"}))
+    assert _checkpoint_names(out) == _checkpoint_names(uninterrupted)
+    rerun = torchrun(_args(chatml_model, data_path, out))
+    _ok(rerun)
+    assert "nothing to do" in rerun.stderr
+
+
+def test_export_failure_on_rank_0_stops_every_rank_with_its_error(tmp_path, chatml_model, data_path):
+    out = tmp_path / "run_export_fails"
+    began = time.monotonic()
+    result = torchrun(_args(chatml_model, data_path, out),
+                      env={"MINI_TRAINER_TEST_FAIL_EXPORT": f"samples_{CHECKPOINT_EVERY}"}, timeout=240)
+    assert result.returncode != 0
+    assert time.monotonic() - began < 120, "no rank may wait for the collective timeout"
+    output = result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}] ERROR Hugging Face export" in output and "No space left" in output, output[-4000:]
 
 
 @pytest.mark.parametrize("nproc", [1, 4])

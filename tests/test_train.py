@@ -83,7 +83,9 @@ def test_packed_sharded_step_equals_unpacked_reference(one_step_run, chatml_mode
     ref_loss, ref_grad_norm, ref_state = _reference_step(chatml_model, data_path)
     assert record["grad_accum"] >= 2, "the budget should force gradient accumulation"
     assert record["loss"] == pytest.approx(ref_loss, rel=1e-5)
-    assert record["avg_loss_backward"] == pytest.approx(ref_loss, rel=1e-5)
+    # The original's meaning: the loss backward saw, per minibatch; loss_backward is the whole step's.
+    assert record["avg_loss_backward"] == pytest.approx(ref_loss / record["grad_accum"], rel=1e-5)
+    assert record["loss_backward"] == pytest.approx(ref_loss, rel=1e-5)
     assert record["grad_norm"] == pytest.approx(ref_grad_norm, rel=1e-4)
     [checkpoint] = (one_step_run / "hf_format").iterdir()
     saved = load_file(checkpoint / "model.safetensors")
@@ -120,6 +122,8 @@ def test_metrics_line_has_every_documented_key(one_step_run):
             "peak_memory_usage_GB", "timestamp", "epoch"}
     assert keys <= set(record)
     assert record["num_loss_counted_tokens"] == record["batch_num_loss_counted_tokens"] > 0
+    assert isinstance(record["num_loss_counted_tokens"], int)
+    assert 0 < record["avg_time_per_minibatch"] * record["grad_accum"] < record["time_per_batch"]
     assert record["step"] == 1 and record["lr"] == pytest.approx(LR)
 
 
@@ -180,3 +184,93 @@ def test_decaying_scheduler_without_stop_condition_is_refused():
     with pytest.raises(ValueError, match="--max-steps"):
         TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler="cosine")
     TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler="cosine", max_samples=100)
+
+
+@pytest.mark.parametrize("name", ["cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"])
+def test_every_offered_scheduler_builds_and_reaches_its_floor(name):
+    from train import TrainConfig, _build_scheduler
+
+    config = TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20,
+                         num_warmup_steps=2, learning_rate=1.0, min_lr_ratio=0.25, decay_fraction=0.5)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.learning_rate)
+    scheduler = _build_scheduler(config, optimizer, 20)
+    lrs = []
+    for _ in range(20):
+        optimizer.step()
+        scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    assert max(lrs) == pytest.approx(1.0)
+    assert min(lrs) >= 0.25 - 1e-9 and lrs[-1] == pytest.approx(0.25, abs=0.01)
+    if name == "warmup_stable_decay":
+        assert lrs[2:9] == [pytest.approx(1.0)] * 7, "warmup 2, then constant until the last 10 steps decay"
+    with pytest.raises(ValueError, match="--min-lr-ratio"):
+        TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20, min_lr_ratio=2)
+
+
+def test_impossible_schedule_fails_before_the_model_loads(tmp_path, chatml_model, data_path):
+    result = torchrun(_args(chatml_model, data_path, tmp_path / "out", "--lr-scheduler", "warmup_stable_decay",
+                            "--max-steps", "4", "--num-warmup-steps", "4"), timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "exceed the run's 4 steps" in output
+    assert "sharded with" not in output, "the model must not have been loaded"
+
+
+def test_batch_without_loss_tokens_does_not_move_the_weights(tmp_path, chatml_model):
+    """All labels masked: zero gradients, and AdamW's weight decay must not run either."""
+    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    data = tmp_path / "masked.jsonl"
+    rng = np.random.default_rng(0)
+    with data.open("w") as f:
+        for _ in range(24):
+            ids = rng.integers(0, vocab, size=int(rng.integers(4, 30))).tolist()
+            f.write(json.dumps({"input_ids": ids, "labels": [-100] * len(ids), "len": len(ids),
+                                "num_loss_counted_tokens": 0}) + "\n")
+    out = tmp_path / "out"
+    _ok(torchrun(_args(chatml_model, data, out, "--max-steps", "2", "--weight-decay", "0.5")))
+    records = read_metrics(out)
+    assert [r["skipped"] for r in records] == [True, True]
+    assert [r["total_samples_accumulated"] for r in records] == [0, 0]
+    [checkpoint] = (out / "hf_format").iterdir()
+    saved = load_file(checkpoint / "model.safetensors")
+    initial = AutoModelForCausalLM.from_pretrained(chatml_model, dtype=torch.float32).state_dict()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, initial[name].to(torch.bfloat16), rtol=0, atol=0, msg=name)
+
+
+def test_step_counts_are_summed_exactly_past_fp32_precision():
+    import torch.distributed as dist
+
+    from sampler import StepBatch
+    from train import _reduce_step_counts
+    from utils import init_distributed
+
+    info = init_distributed()
+    tokens = 2**24 + 1  # the first integer fp32 cannot hold
+    batch = StepBatch(minibatches=[], batch_num_loss_counted_tokens=tokens, num_samples=1, num_dropped_samples=0,
+                      num_total_tokens=tokens, start_position=0, end_position=1, epoch=0, dropped_indices=[])
+    counts, preempted = _reduce_step_counts(torch.tensor(1.0), torch.tensor(1.0), tokens, 0.5, batch, info, False)
+    assert counts.num_loss_counted_tokens == tokens and not preempted
+    dist.destroy_process_group()
+
+
+def test_cpu_offload_on_gpu_gets_a_cpu_collective_backend():
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    from utils import process_group_backend
+
+    mixed = BackendConfig(Backend(process_group_backend("cuda", cpu_offload=True))).get_device_backend_map()
+    assert mixed == {"cuda": "nccl", "cpu": "gloo"}
+    assert process_group_backend("cuda") == "nccl" and process_group_backend("cpu", cpu_offload=True) == "gloo"
+
+
+def test_cpu_offload_clips_over_cpu_shards_like_the_plain_run(tmp_path, chatml_model, data_path):
+    """The CPU-collective path: clipping reduces norms of CPU-resident shards over gloo."""
+    records = {}
+    for name, extra in (("plain", []), ("offload", ["--cpu-offload"])):
+        out = tmp_path / name
+        _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", "--max-grad-norm", "0.5", *extra)))
+        records[name] = read_metrics(out)
+    for a, b in zip(records["plain"], records["offload"]):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

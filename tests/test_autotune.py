@@ -1,0 +1,49 @@
+"""``--max-tokens-per-gpu auto`` recovery: a trial that fails mid-backward leaves FSDP as if it never ran.
+
+    .venv/bin/python -m pytest -q tests/test_autotune.py
+
+Real torchrun with 2 gloo CPU processes (tests/probe_recovery_run.py); the failure is injected with the
+test-only ``MINI_TRAINER_TEST_PROBE_FAIL`` hook, an allocation failure raised as a plain RuntimeError
+half-way through backward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from autotune import is_allocation_failure, trial_fits
+from e2e import torchrun, write_tokenized_jsonl
+
+
+def test_allocation_failures_beyond_out_of_memory_error_mean_does_not_fit():
+    def failing(message):
+        def step(num_tokens):
+            raise RuntimeError(message)
+        return step
+
+    assert not trial_fits(failing("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"), 8)
+    assert is_allocation_failure(torch.OutOfMemoryError("CUDA out of memory"))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        trial_fits(failing("shape mismatch"), 8)  # a real bug is not a memory verdict
+    assert not trial_fits(lambda n: None, 8, agree=lambda ok: False), "another rank's failure fails this one"
+
+
+@pytest.mark.parametrize("failing_ranks", ["*", "none"])
+def test_failed_trial_leaves_fsdp_consistent(tmp_path, chatml_model, failing_ranks):
+    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=12, vocab_size=vocab, seed=2)
+    results = {}
+    for name, env in (("failed", {"MINI_TRAINER_TEST_PROBE_FAIL": f"64:{failing_ranks}"}), ("clean", {})):
+        path = tmp_path / f"{name}.json"
+        run = torchrun([str(chatml_model), str(data), str(path)], script="tests/probe_recovery_run.py", env=env,
+                       timeout=240)
+        assert run.returncode == 0, run.stderr[-4000:]
+        results[name] = json.loads(Path(path).read_text())
+    assert results["failed"]["fitted"] is (failing_ranks == "none")
+    assert results["clean"]["fitted"] is True
+    assert results["failed"]["weights"] == pytest.approx(results["clean"]["weights"], rel=1e-6, abs=1e-9)
