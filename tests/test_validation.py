@@ -240,3 +240,23 @@ def test_resume_refuses_changed_params_then_applies_them_when_asked(tmp_path, ch
     assert sorted(p.name for p in (moved / "full_state").iterdir()) == ["samples_16", "samples_24"]
     assert [r["step"] for r in strict_metrics(out)] == [1]
     assert [p.name for p in (out / "full_state").iterdir()] == ["samples_8"]
+
+
+def test_plot_draws_validation_points_from_their_own_lines(tmp_path):
+    matplotlib_image = pytest.importorskip("matplotlib.image")
+    from plot_metrics import plot_metrics
+
+    def orange_pixels(path: Path) -> int:
+        pixels = matplotlib_image.imread(path)[..., :3]
+        return int((np.abs(pixels - np.array([1.0, 0.498, 0.055])).max(axis=-1) < 0.08).sum())
+
+    steps = [{"step": s, "loss": 3 - 0.1 * s, "lr": 1e-5, "samples_seen": 8 * s} for s in range(1, 11)]
+    counts = {}
+    for name, vals in (("without", []), ("with", [{"step": s, "val_loss": 3.1 - 0.05 * s, "val_time_s": 0.1}
+                                                  for s in (5, 10)])):
+        run = tmp_path / name
+        run.mkdir()
+        lines = steps[:5] + vals[:1] + steps[5:] + vals[1:]
+        (run / "training_metrics_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        counts[name] = orange_pixels(plot_metrics(run)[0])
+    assert counts["without"] == 0 < counts["with"]
