@@ -6,7 +6,7 @@ Two kinds of checkpoint, with separate knobs:
   every ``--min-samples-per-checkpoint`` samples and at the end, the newest
   ``--keep-last-n-checkpoints`` kept (all by default).
 * Full training states (``full_state/samples_N``, parameters plus two fp32 AdamW
-  moments, ~16 bytes per parameter for fp32 training): every
+  moments, 12 bytes per parameter with fp32 master weights): every
   ``--min-samples-per-full-state`` samples (default: with each export), at the end
   and on preemption; the newest ``--keep-last-n-full-states`` kept (default 2, or
   ``--keep-last-n-checkpoints`` when that is smaller); ``--no-full-state`` writes none
