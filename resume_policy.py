@@ -25,6 +25,8 @@ import shutil
 import time
 from pathlib import Path
 
+from data_mix import parse_data_spec
+
 RUN_PARAM_FIELDS = ("learning_rate", "lr_scheduler", "num_warmup_steps", "batch_size", "seed", "weight_decay",
                     "adam_betas", "max_grad_norm")
 """TrainConfig fields a resumed run must keep (stop conditions may grow; see ``run_params``). The data
@@ -44,6 +46,9 @@ def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> 
     params["adam_betas"] = list(params["adam_betas"])
     if schedule_has_total:
         params["scheduled_steps"] = total_steps
+    sources = parse_data_spec(config.data_path)
+    if sources is not None:
+        params["data_mix_weights"] = [round(source.weight, 12) for source in sources]
     return params
 
 

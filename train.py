@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import checkpoint_policy
+import data_mix
 import resume_policy
 import sampler
 import validation
@@ -384,6 +385,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         synchronize()
         record = _step_metrics(dist_info, state, batch, counts, grad_norm, scheduler,
                                time.perf_counter() - start, skipped=not finite)
+        if isinstance(dataset, data_mix.MixedDataset):
+            record.update(dataset.source_metrics(config.seed, state.samples_seen))
         if metrics is not None:
             metrics.write(record)
         tracker.log(record)
@@ -435,8 +438,15 @@ def _preflight(config: TrainConfig) -> str | None:
     """Cheap checks on rank 0 before any heavy work; returns one error line or None."""
     from transformers import AutoConfig
 
-    if not Path(config.data_path).exists():
-        return f"--data-path {config.data_path}: no such file or folder"
+    try:
+        paths = data_mix.data_paths(config.data_path)
+    except ValueError as err:
+        return str(err)
+    for path in paths:
+        if not Path(path).exists():
+            return f"--data-path {path}: no such file or folder"
+    if len(paths) > 1 and config.validation_split is not None:
+        return "--validation-split takes rows of one dataset: with a data mix, give --validation-data-path"
     if config.validation_data_path and not Path(config.validation_data_path).exists():
         return f"--validation-data-path {config.validation_data_path}: no such file or folder"
     try:
@@ -529,7 +539,7 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
     dataset, error = None, None
     if dist_info.is_main:
         try:
-            dataset = sampler.load_tokenized_dataset(path)
+            dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
             budget = config.max_tokens_per_gpu
             if budget != "auto" and int(dataset.lengths.min(initial=budget + 1)) > budget:
                 error = (f"--max-tokens-per-gpu {config.max_tokens_per_gpu} is below every sample of "
@@ -538,7 +548,7 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
             error = str(err)
     _fail_together(dist_info, error)
     if not dist_info.is_main:
-        dataset = sampler.load_tokenized_dataset(path)
+        dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
     return dataset
 
 
