@@ -250,6 +250,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
     _fail_together(dist_info, _resume_policy(config, run_params) if dist_info.is_main else None)
+    tracker, tracker_error = _start_tracker(config, dist_info)
+    _fail_together(dist_info, tracker_error)
 
     model, resolved = setup_model(
         model_name_or_path=config.model_name_or_path, dist_info=dist_info,
@@ -285,8 +287,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         _write_training_params(config, dist_info, resolved, max_tokens)
         truncate_metrics(metrics_path, state.step)
     metrics = MetricsWriter(metrics_path) if dist_info.is_main else None
-    tracker = make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
-                           run_config=dataclasses.asdict(config), rank=dist_info.rank)
+    state.wandb_run_id = tracker.wandb_run_id or state.wandb_run_id
 
     def save(*, hf_export: bool, full_state: bool = True) -> Path | None:
         """The Hugging Face export and/or the full state (resume needs it), each on its own cadence."""
@@ -513,6 +514,27 @@ def _resume_policy(config: TrainConfig, run_params: dict) -> str | None:
     if notice:
         logger.warning(notice)
     return error
+
+
+def _start_tracker(config: TrainConfig, dist_info: DistInfo):
+    """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb run);
+    returns ``(tracker, error line or None)``."""
+    from full_state import complete_checkpoints, full_state_root
+    from trackers import NullTracker, TrackerInitError
+
+    if not dist_info.is_main or (config.wandb_project is None and config.tensorboard_dir is None):
+        return NullTracker(), None
+    run_id = None
+    if config.resume:
+        candidates = ([Path(config.resume_from)] if config.resume_from
+                      else complete_checkpoints(full_state_root(config.output_dir)))
+        found = resume_policy.newest_trainer_state(candidates)
+        run_id = found[1].get("wandb_run_id") if found else None
+    try:
+        return make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
+                            run_config=dataclasses.asdict(config), rank=dist_info.rank, wandb_run_id=run_id), None
+    except (ImportError, TrackerInitError) as err:
+        return NullTracker(), str(err)
 
 
 def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None) -> None:
