@@ -169,11 +169,18 @@ def test_move_aside_names_the_folder(tmp_path):
 
 
 def test_validation_loss_is_exact_and_split_excludes_training_rows(tmp_path, chatml_model, data_path):
-    """lr 0 keeps the weights, so every validation must equal the reference on the initial model."""
+    """lr 0 keeps the weights, so every validation must equal the reference on the initial model.
+
+    The run is SIGKILLed after step 1's full state and rerun: the passes after the
+    resume see the same split, and the best loss and patience count carry over.
+    """
     out = tmp_path / "val"
-    _ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "0", "--max-steps", "3",
-                       "--validation-split", "0.25", "--validation-every-n-steps", "1", "--save-best-val-loss",
-                       "--early-stopping-patience", "2", "--max-grad-norm", "0")))
+    args = _args(chatml_model, data_path, out, "--learning-rate", "0", "--max-steps", "5",
+                 "--validation-split", "0.25", "--validation-every-n-steps", "1", "--save-best-val-loss",
+                 "--early-stopping-patience", "2", "--max-grad-norm", "0", "--min-samples-per-full-state", "8")
+    killed = torchrun(args, env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(BATCH)})
+    assert killed.returncode != 0
+    _ok(torchrun(args))
     records = strict_metrics(out)
     steps = [r for r in records if "loss" in r]
     vals = [r for r in records if "val_loss" in r]
@@ -190,6 +197,7 @@ def test_validation_loss_is_exact_and_split_excludes_training_rows(tmp_path, cha
     ref_train, _ = _unpacked_loss(chatml_model, dataset, first)
     assert steps[0]["loss"] == pytest.approx(ref_train, rel=1e-5)
     # Equal losses never improve: the best export is from step 1; patience 2 stops after step 3.
+    assert [r["step"] for r in steps] == [1, 2, 3]
     best = json.loads((out / "hf_format" / "best" / "best_val_loss.json").read_text())
     assert best["step"] == 1 and best["val_loss"] == pytest.approx(ref_val, rel=1e-5)
     assert AutoModelForCausalLM.from_pretrained(out / "hf_format" / "best") is not None
