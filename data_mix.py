@@ -192,6 +192,11 @@ class MixedDataset:
         dataset, local = self._locate(index)
         return dataset.sample_arrays(local)
 
+    def describe(self) -> str:
+        listed = ", ".join(f"{s.path} ({len(d)} samples, weight {s.weight:.3g})"
+                           for s, d in zip(self.sources, self.datasets, strict=True))
+        return f"data mix of {len(self.sources)} sources: {listed}; an epoch is counted per source"
+
     def stream(self, seed: int) -> MixedStream:
         """The sample stream ``sampler.py`` draws batches from."""
         return MixedStream([len(d) for d in self.datasets], [s.weight for s in self.sources], seed)

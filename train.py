@@ -89,7 +89,9 @@ class TrainConfig:
         help="samples between Hugging Face checkpoints (hf_format/samples_N); one is always written at the end")
     model_name_or_path: str = config_field("Qwen/Qwen2.5-1.5B-Instruct",
                                            help="Hugging Face model id or local folder")
-    data_path: str = config_field("test.jsonl", help="tokenized jsonl file or process_data.py output folder")
+    data_path: str = config_field("test.jsonl", help="tokenized jsonl file or process_data.py output folder; or a "
+                                                     "weighted mix `a:0.7,b:0.3`, or a .yaml/.json mix file "
+                                                     "(see \"Data mixing\")")
     batch_size: int = config_field(1024, help="samples per optimizer step, whole job")
     max_tokens_per_gpu: int | Literal["auto"] = config_field(
         10000, parse=_token_budget,
@@ -280,6 +282,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         if config.allow_config_change:
             resume_policy.apply_new_hyperparameters(optimizer, scheduler, config)
     _announce(config, dist_info, resolved, len(dataset), total_steps, max_tokens)
+    if isinstance(dataset, data_mix.MixedDataset):
+        log_rank_0(dataset.describe())
     if dist_info.is_main:
         _announce_disk_plan(config, model, total_steps)
     metrics_path = Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl"
@@ -407,7 +411,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                 raise SystemExit(1)
         if preempted:
             log_rank_0("preemption signal received: saving full state at step %d and exiting", state.step)
-            save(hf_export=False)
+            save(hf_export=not config.full_state)  # with --no-full-state an export is all that can be kept
             break
         done = _stop_reason(config, state, len(dataset))
         if val_plan is not None and (done or validation.should_validate(

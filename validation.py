@@ -170,10 +170,14 @@ def validation_record(*, step: int, samples_seen: int, val_loss: float, num_loss
 
 def should_validate(*, step: int, every_n_steps: int | None, samples_seen: int, previous_samples: int,
                     every_n_samples: int | None) -> bool:
-    """The cadence: every N steps and/or whenever N more samples were consumed since the last pass."""
+    """The cadence: every N steps, and/or when this step's samples crossed a multiple of N.
+
+    ``previous_samples`` is the stream position before this step, so the cadence depends
+    only on positions and is the same whether or not the run was resumed in between.
+    """
     if every_n_steps and step % every_n_steps == 0:
         return True
-    return bool(every_n_samples) and samples_seen - previous_samples >= every_n_samples
+    return bool(every_n_samples) and samples_seen // every_n_samples > previous_samples // every_n_samples
 
 
 def announce(plan: ValidationPlan, source: str) -> None:

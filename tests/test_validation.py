@@ -127,6 +127,18 @@ def test_improvement_threshold_and_patience():
     assert verdicts[:4] == [None, None, None, None] and "early stopping" in verdicts[4]
 
 
+def test_cadences_are_resume_stable():
+    # Sample cadence: a pass whenever the stream crosses a multiple of N, wherever a run resumed.
+    positions = list(range(0, 200, 12))
+    hits = [end for start, end in zip(positions, positions[1:])
+            if validation.should_validate(step=end // 12, every_n_steps=None, samples_seen=end,
+                                          previous_samples=start, every_n_samples=50)]
+    assert hits == [60, 108, 156]
+    assert [s for s in range(1, 10) if validation.should_validate(step=s, every_n_steps=3, samples_seen=0,
+                                                                   previous_samples=0, every_n_samples=None)] == [3, 6, 9]
+    assert [end for start, end in zip(positions, positions[1:]) if checkpoint_policy.crossed(start, end, 50)] == hits
+
+
 def test_disk_plan_counts_retention_and_warns():
     plan = checkpoint_policy.plan_disk(num_params=1_500_000_000, param_bytes=4, total_samples=10_000,
                                        export_every=2000, keep_exports=None, full_state_every=2000,
