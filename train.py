@@ -247,7 +247,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     seed_everything(config.seed)
     _fail_together(dist_info, _preflight(config) if dist_info.is_main else None)
     dataset = _load_dataset_rank0_first(config, dist_info)
-    dataset, val_dataset, val_plan = _validation_set(config, dataset, dist_info)
+    dataset, val_dataset, val_source = _validation_set(config, dataset, dist_info)
     total_steps = _total_steps(config, len(dataset))
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
@@ -267,6 +267,12 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         max_tokens = probe_token_budget(
             model, dataset, dist_info=dist_info,
             model_inputs=lambda mb: _model_inputs(mb, resolved.attn_implementation, dist_info.device))
+    val_plan = None
+    if val_dataset is not None:
+        val_plan = validation.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
+                                              max_tokens_per_rank=max_tokens, num_ranks=dist_info.world_size,
+                                              group_size=config.batch_size, balance=config.balance)
+        validation.announce(val_plan, val_source)
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path) if dist_info.is_main else None
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
@@ -484,7 +490,7 @@ def _fail_together(dist_info: DistInfo, error: str | None) -> None:
 
 
 def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
-    """``(training dataset, validation dataset, plan)``; the first is unchanged without validation."""
+    """``(training dataset, validation dataset, where it came from)``; the first is unchanged without validation."""
     if not config.has_validation:
         return dataset, None, None
     if config.validation_split is not None:
@@ -494,12 +500,7 @@ def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
     else:
         val_dataset = _load_dataset_rank0_first(config, dist_info, path=config.validation_data_path)
         source = config.validation_data_path
-    budget = config.max_tokens_per_gpu if config.max_tokens_per_gpu != "auto" else int(val_dataset.lengths.max())
-    plan = validation.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
-                                      max_tokens_per_rank=budget, num_ranks=dist_info.world_size,
-                                      group_size=config.batch_size, balance=config.balance)
-    validation.announce(plan, source)
-    return dataset, val_dataset, plan
+    return dataset, val_dataset, source
 
 
 def _resume_policy(config: TrainConfig, run_params: dict) -> str | None:
