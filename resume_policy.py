@@ -74,13 +74,15 @@ def newest_trainer_state(checkpoints: list[Path]) -> tuple[Path, dict] | None:
     return None
 
 
-def check_resume(checkpoints: list[Path], current: dict, *, allow_change: bool) -> tuple[str | None, str | None]:
+def check_resume(checkpoints: list[Path], current: dict, *, allow_change: bool,
+                 fingerprint: dict | None = None) -> tuple[str | None, str | None]:
     """Rank 0's verdict before the model loads.
 
     Args:
         checkpoints: the full-state folders a resume would consider, oldest first.
         current: ``run_params`` of this command.
         allow_change: ``--allow-config-change``.
+        fingerprint: ``full_state.fingerprint`` of this model and data; a mismatch is never resumable.
 
     Returns:
         ``(error, notice)``: an error line that stops every rank, or a notice to log (either may be None).
@@ -89,6 +91,12 @@ def check_resume(checkpoints: list[Path], current: dict, *, allow_change: bool) 
     if found is None:
         return None, None
     path, state = found
+    if fingerprint is not None:
+        mismatch = changed_fields(state.get("fingerprint", {}), fingerprint)
+        if mismatch:
+            listed = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in mismatch.items())
+            return (f"cannot resume: {path} was written for another model or dataset ({listed}); "
+                    "use --no-resume or another --output-dir"), None
     saved = state.get("run_params")
     if saved is None:
         return None, (f"{path} predates recorded run parameters: resuming without comparing learning rate, "

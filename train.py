@@ -251,7 +251,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     total_steps = _total_steps(config, len(dataset))
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
-    _fail_together(dist_info, _resume_policy(config, run_params) if dist_info.is_main else None)
+    _fail_together(dist_info, _resume_policy(config, run_params, dataset) if dist_info.is_main else None)
     tracker, tracker_error = _start_tracker(config, dist_info)
     _fail_together(dist_info, tracker_error)
 
@@ -320,7 +320,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                                                                config.keep_last_n_checkpoints))
             log_rank_0("saved full training state %s in %.2fs (%.1f MB)", saved, time.perf_counter() - began,
                        _folder_mb(saved))
-        state.last_checkpoint_samples = state.samples_seen
+        if hf_export:  # the export cadence counts from the last export, not from a full state between
+            state.last_checkpoint_samples = state.samples_seen
         return exported
 
     def validate() -> str | None:
@@ -345,6 +346,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     if done:
         log_rank_0(resume_policy.finished_message(
             done, lr_scheduler_decays=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL))
+        tracker.close()
         return None
     loader = sampler.make_batch_loader(
         dataset, batch_size=config.batch_size, max_tokens_per_rank=max_tokens,
@@ -503,9 +505,12 @@ def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
     return dataset, val_dataset, source
 
 
-def _resume_policy(config: TrainConfig, run_params: dict) -> str | None:
-    """Rank 0, before the model loads: move an old run aside (--no-resume) or compare run parameters."""
-    from full_state import complete_checkpoints, full_state_root
+def _resume_policy(config: TrainConfig, run_params: dict, dataset) -> str | None:
+    """Rank 0, before the model loads: move an old run aside (--no-resume) or compare model, data and
+    run parameters with the checkpoint a resume would load."""
+    from transformers import AutoConfig
+
+    from full_state import complete_checkpoints, fingerprint, full_state_root
 
     if not config.resume:
         moved = resume_policy.move_aside(config.output_dir)
@@ -515,7 +520,9 @@ def _resume_policy(config: TrainConfig, run_params: dict) -> str | None:
         return None
     candidates = ([Path(config.resume_from)] if config.resume_from
                   else complete_checkpoints(full_state_root(config.output_dir)))
-    error, notice = resume_policy.check_resume(candidates, run_params, allow_change=config.allow_config_change)
+    expected = fingerprint(AutoConfig.from_pretrained(config.model_name_or_path), dataset) if candidates else None
+    error, notice = resume_policy.check_resume(candidates, run_params, allow_change=config.allow_config_change,
+                                               fingerprint=expected)
     if notice:
         logger.warning(notice)
     return error

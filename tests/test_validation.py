@@ -28,6 +28,7 @@ import resume_policy
 import validation
 from batch_metrics import MetricsWriter
 from e2e import torchrun, write_tokenized_jsonl
+from full_state import complete_checkpoints
 from sampler import InfiniteSampler, load_tokenized_dataset
 
 BATCH = 8
@@ -213,7 +214,9 @@ def test_validation_loss_is_exact_and_split_excludes_training_rows(tmp_path, cha
     best = json.loads((out / "hf_format" / "best" / "best_val_loss.json").read_text())
     assert best["step"] == 1 and best["val_loss"] == pytest.approx(ref_val, rel=1e-5)
     assert AutoModelForCausalLM.from_pretrained(out / "hf_format" / "best") is not None
-    assert not [p for p in (out / "hf_format").iterdir() if p.name.startswith(".") or p.name.endswith(".old")]
+    # Own cadences: a full state every step, the newest 2 kept; exports only at the end (and best/).
+    assert sorted(p.name for p in (out / "hf_format").iterdir()) == ["best", "samples_24"]
+    assert [p.name for p in complete_checkpoints(out / "full_state")] == ["samples_16", "samples_24"]
 
 
 def test_separate_validation_file_and_strict_json(tmp_path, chatml_model, data_path):
