@@ -7,6 +7,7 @@ without a model; ``MetricsWriter`` only appends and flushes.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,12 @@ def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, w
     }
 
 
+def json_safe(record: dict) -> dict:
+    """The record with every non-finite float replaced by None."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
+
+
 class MetricsWriter:
     """Append-and-flush JSONL writer (rank 0 only)."""
 
@@ -78,7 +85,8 @@ class MetricsWriter:
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        # Strict JSON: NaN/Infinity are not JSON, so a non-finite value becomes null (its step says skipped).
+        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -50,6 +50,9 @@ class TrainState:
     samples_trained: int = 0       # real samples that contributed to an update
     last_checkpoint_samples: int = 0
     num_bad_steps: int = 0         # consecutive skipped (non-finite) steps
+    best_val_loss: float | None = None          # best validation loss so far (--save-best-val-loss)
+    num_validations_without_improvement: int = 0  # for --early-stopping-patience
+    wandb_run_id: str | None = None               # a resumed run continues this wandb run
 
 
 def full_state_root(output_dir: str | Path) -> Path:

@@ -6,8 +6,9 @@
 Reads every ``training_metrics_*.jsonl`` in the output folder (rank 0 writes
 ``training_metrics_0.jsonl``) and writes:
 
-  loss.png                 loss per optimizer step with a smoothed overlay;
-                           samples seen on the top axis
+  loss.png                 loss per optimizer step with a smoothed overlay, and
+                           the validation loss (its own lines, with ``val_loss``)
+                           as points; samples seen on the top axis
   metrics_by_step.png      loss, learning rate, grad norm, tokens/s, peak
                            memory and gradient-accumulation steps over steps
   metrics_by_samples.png   the same panels over samples seen
@@ -101,7 +102,13 @@ def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, s
     files = sorted(output_dir.glob("training_metrics_*.jsonl"))
     if not files:
         raise ValueError(f"{output_dir}: no training_metrics_*.jsonl (is this a train.py --output-dir?)")
-    runs = {path.stem.removeprefix("training_metrics_"): read_metrics(path) for path in files}
+    runs, val_runs = {}, {}
+    for path in files:
+        name = path.stem.removeprefix("training_metrics_")
+        records = read_metrics(path)
+        # Validation passes are their own lines (keyed by val_loss); step panels read the others.
+        val_runs[name] = [r for r in records if "val_loss" in r]
+        runs[name] = [r for r in records if "val_loss" not in r]
     runs = {name: records for name, records in runs.items() if records}
     if not runs:
         raise ValueError(f"{output_dir}: the metrics files are empty (no optimizer step finished yet)")
@@ -117,11 +124,15 @@ def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, s
         ax.plot(steps, loss, color="tab:blue", alpha=0.35, linewidth=1, label="loss" + suffix)
         ax.plot(steps, smooth(loss, smoothing), color="tab:blue", linewidth=2,
                 label=f"smoothed (EMA {smoothing:g})" + suffix)
+        if val_runs.get(name):
+            ax.plot(_series(val_runs[name], "step"), _series(val_runs[name], "val_loss"), color="tab:orange",
+                    marker="o", linewidth=1.5, label="validation loss" + suffix)
     first = next(iter(runs.values()))
     _samples_axis(ax, _series(first, "step"), _samples(first))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (per-token mean)")
-    ax.set_title(f"Training loss: {output_dir.resolve().name}")
+    ax.set_title(f"{'Training and validation' if any(val_runs.values()) else 'Training'} loss: "
+                 f"{output_dir.resolve().name}")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -398,7 +398,8 @@ class _StepDataset(torch.utils.data.Dataset):
         self.world_size = world_size
         self.start_position = start_position
         self.balance = balance
-        self.sampler = InfiniteSampler(len(dataset), seed)
+        # A weighted mix (data_mix.MixedDataset) brings its own stream; one dataset keeps the plain one.
+        self.sampler = dataset.stream(seed) if hasattr(dataset, "stream") else InfiniteSampler(len(dataset), seed)
 
     def __getitem__(self, step: int) -> StepBatch:
         start = self.start_position + step * self.batch_size

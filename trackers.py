@@ -19,8 +19,14 @@ import json
 import numbers
 
 
+class TrackerInitError(RuntimeError):
+    """A tracker could not start (credentials, network, bad project): raised before the model loads."""
+
+
 class NullTracker:
     """Does nothing: what ranks other than 0 and runs without tracking get (nanochat's DummyWandb)."""
+
+    wandb_run_id = None
 
     def log(self, record: dict) -> None:
         pass
@@ -38,14 +44,21 @@ def _numeric_fields(record: dict) -> dict[str, float]:
 class WandbTracker:
     """Weights & Biases run; ``wandb.log`` gets the JSONL record itself, at its ``step``."""
 
-    def __init__(self, *, project: str, run_config: dict) -> None:
+    def __init__(self, *, project: str, run_config: dict, run_id: str | None = None) -> None:
         try:
             import wandb
         except ImportError as err:
             raise ImportError("--wandb-project needs the optional package wandb: pip install wandb "
                               "(then `wandb login`, or set WANDB_MODE=offline)") from err
         self._wandb = wandb
-        self._run = wandb.init(project=project, config=run_config)
+        try:
+            # A resumed training run continues its wandb run (the id is kept in the full state).
+            self._run = wandb.init(project=project, config=run_config, id=run_id,
+                                   resume="allow" if run_id else None)
+        except wandb.errors.Error as err:
+            raise TrackerInitError(f"--wandb-project {project}: wandb.init failed ({err}); run `wandb login` or "
+                                   "set WANDB_API_KEY, or WANDB_MODE=offline to log locally") from err
+        self.wandb_run_id = self._run.id
 
     def log(self, record: dict) -> None:
         self._run.log(_numeric_fields(record), step=int(record["step"]))
@@ -56,6 +69,8 @@ class WandbTracker:
 
 class TensorBoardTracker:
     """TensorBoard event files: one scalar series per JSONL field, plus the run config as text."""
+
+    wandb_run_id = None
 
     def __init__(self, *, log_dir: str, run_config: dict) -> None:
         try:
@@ -82,6 +97,7 @@ class TrackerGroup:
 
     def __init__(self, trackers: list) -> None:
         self.trackers = trackers
+        self.wandb_run_id = next((t.wandb_run_id for t in trackers if getattr(t, "wandb_run_id", None)), None)
 
     def log(self, record: dict) -> None:
         for tracker in self.trackers:
@@ -92,7 +108,8 @@ class TrackerGroup:
             tracker.close()
 
 
-def make_tracker(*, wandb_project: str | None, tensorboard_dir: str | None, run_config: dict, rank: int):
+def make_tracker(*, wandb_project: str | None, tensorboard_dir: str | None, run_config: dict, rank: int,
+                 wandb_run_id: str | None = None):
     """The tracker(s) a run asked for, or the null tracker.
 
     Args:
@@ -100,18 +117,20 @@ def make_tracker(*, wandb_project: str | None, tensorboard_dir: str | None, run_
         tensorboard_dir: folder for TensorBoard event files, or None.
         run_config: the run's parameters (``training_params.json``), stored with the run.
         rank: global rank; only rank 0 tracks.
+        wandb_run_id: continue this wandb run (a resumed training run's), or None for a new one.
 
     Returns:
         An object with ``log(record)`` and ``close()``.
 
     Raises:
         ImportError: a requested tracker's package is not installed (the message names it).
+        TrackerInitError: wandb could not start a run (credentials, network).
     """
     if rank != 0 or (wandb_project is None and tensorboard_dir is None):
         return NullTracker()
     trackers = []
     if wandb_project is not None:
-        trackers.append(WandbTracker(project=wandb_project, run_config=run_config))
+        trackers.append(WandbTracker(project=wandb_project, run_config=run_config, run_id=wandb_run_id))
     if tensorboard_dir is not None:
         try:
             trackers.append(TensorBoardTracker(log_dir=tensorboard_dir, run_config=run_config))

@@ -41,7 +41,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+import checkpoint_policy
+import data_mix
+import resume_policy
 import sampler
+import validation
 from attention import attention_inputs
 from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, StepCounts, step_record
@@ -87,7 +91,9 @@ class TrainConfig:
         help="samples between Hugging Face checkpoints (hf_format/samples_N); one is always written at the end")
     model_name_or_path: str = config_field("Qwen/Qwen2.5-1.5B-Instruct",
                                            help="Hugging Face model id or local folder")
-    data_path: str = config_field("test.jsonl", help="tokenized jsonl file or process_data.py output folder")
+    data_path: str = config_field("test.jsonl", help="tokenized jsonl file or process_data.py output folder; or a "
+                                                     "weighted mix `a:0.7,b:0.3`, or a .yaml/.json mix file "
+                                                     "(see \"Data mixing\")")
     batch_size: int = config_field(1024, help="samples per optimizer step, whole job")
     max_tokens_per_gpu: int | Literal["auto"] = config_field(
         10000, parse=_token_budget,
@@ -130,7 +136,34 @@ class TrainConfig:
                                            "--output-dir (--no-resume starts fresh)")
     resume_from: str | None = config_field(None, help="resume from this full_state/samples_N folder")
     keep_last_n_checkpoints: int | None = config_field(
-        None, help="keep only the newest N full-state and Hugging Face checkpoints (default: keep all)")
+        None, help="keep only the newest N Hugging Face exports (default: keep all); also caps the full states "
+                   "kept when --keep-last-n-full-states is not given")
+    min_samples_per_full_state: int | None = config_field(
+        None, help="samples between full training states (default: with every Hugging Face export); one is "
+                   "always written at the end and on preemption")
+    keep_last_n_full_states: int | None = config_field(
+        None, help="keep only the newest N full training states (default 2, or --keep-last-n-checkpoints when "
+                   "smaller)")
+    full_state: bool = config_field(True, help="write full training states for exact resume (--no-full-state: "
+                                               "Hugging Face exports only; the run cannot resume)")
+    allow_config_change: bool = config_field(
+        False, help="resume even though learning rate, schedule, batch size, seed, data or other training "
+                    "parameters changed, applying the new values from the next step")
+    validation_data_path: str | None = config_field(
+        None, help="tokenized jsonl file or folder of held-out samples for the validation loss")
+    validation_split: float | None = config_field(
+        None, help="hold out this fraction of --data-path (seeded split, same on every rank and after resume) "
+                   "for the validation loss; training never samples those rows")
+    validation_every_n_steps: int | None = config_field(
+        None, help="compute the validation loss every N optimizer steps (and always at the end)")
+    validation_every_n_samples: int | None = config_field(
+        None, help="compute the validation loss whenever the sample stream crosses a multiple of N")
+    save_best_val_loss: bool = config_field(
+        False, help="keep a Hugging Face export of the best validation loss so far in hf_format/best/")
+    val_loss_improvement_threshold: float = config_field(
+        0.0, help="a validation loss counts as better only when it is this much below the best so far")
+    early_stopping_patience: int | None = config_field(
+        None, help="stop after this many validations in a row without improvement")
     wandb_project: str | None = config_field(None, help="also log every metrics line to this Weights & Biases "
                                                          "project (pip install wandb)")
     tensorboard_dir: str | None = config_field(None, help="also log every metrics line to TensorBoard in this "
@@ -170,11 +203,42 @@ class TrainConfig:
             errors.append("--keep-last-n-checkpoints must be at least 1")
         if self.max_bad_steps < 1:
             errors.append("--max-bad-steps must be at least 1")
+        errors += _policy_errors(self)
         collect_errors(errors)
 
     @property
     def has_stop_condition(self) -> bool:
         return any(v is not None for v in (self.max_steps, self.max_samples, self.num_epochs))
+
+    @property
+    def has_validation(self) -> bool:
+        return self.validation_data_path is not None or self.validation_split is not None
+
+
+def _policy_errors(config: TrainConfig) -> list[str]:
+    """Validation, checkpoint-policy and resume flags (issue 14)."""
+    errors = []
+    for name in ("min_samples_per_full_state", "keep_last_n_full_states", "validation_every_n_steps",
+                 "validation_every_n_samples", "early_stopping_patience"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            errors.append(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if config.validation_data_path is not None and config.validation_split is not None:
+        errors.append("--validation-data-path and --validation-split are alternatives: give one")
+    if config.validation_split is not None and not 0 < config.validation_split < 1:
+        errors.append(f"--validation-split must be in (0, 1), got {config.validation_split}")
+    needs_validation = [flag for flag, on in (("--validation-every-n-steps", config.validation_every_n_steps),
+                                              ("--validation-every-n-samples", config.validation_every_n_samples),
+                                              ("--save-best-val-loss", config.save_best_val_loss),
+                                              ("--early-stopping-patience", config.early_stopping_patience))
+                        if on]
+    if needs_validation and not config.has_validation:
+        errors.append(f"{', '.join(needs_validation)} need --validation-data-path or --validation-split")
+    if config.val_loss_improvement_threshold < 0:
+        errors.append("--val-loss-improvement-threshold must be >= 0")
+    if not config.full_state and (config.min_samples_per_full_state or config.keep_last_n_full_states):
+        errors.append("--no-full-state contradicts --min-samples-per-full-state/--keep-last-n-full-states")
+    return errors
 
 
 def train(config: TrainConfig) -> Path | None:
@@ -198,8 +262,14 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         for leftover in remove_leftover_tmp(config.output_dir):
             logger.warning("removed %s, left behind by a save that was interrupted", leftover)
     dataset = _load_dataset_rank0_first(config, dist_info)
+    dataset, val_dataset, val_source = _validation_set(config, dataset, dist_info)
     total_steps = _total_steps(config, len(dataset))
     _check_scheduler(config, total_steps, dist_info)
+    run_params = resume_policy.run_params(config, total_steps,
+                                          schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
+    _fail_together(dist_info, _resume_policy(config, run_params, dataset) if dist_info.is_main else None)
+    tracker, tracker_error = _start_tracker(config, dist_info)
+    _fail_together(dist_info, tracker_error)
 
     model, resolved = setup_model(
         model_name_or_path=config.model_name_or_path, dist_info=dist_info,
@@ -213,6 +283,12 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         max_tokens = probe_token_budget(
             model, dataset, dist_info=dist_info,
             model_inputs=lambda mb: _model_inputs(mb, resolved.attn_implementation, dist_info.device))
+    val_plan = None
+    if val_dataset is not None:
+        val_plan = validation.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
+                                              max_tokens_per_rank=max_tokens, num_ranks=dist_info.world_size,
+                                              group_size=config.batch_size, balance=config.balance)
+        validation.announce(val_plan, val_source)
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path) if dist_info.is_main else None
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
@@ -225,17 +301,22 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                                dist_info=dist_info)
     if state.step:
         log_rank_0("resume took %.2fs", time.perf_counter() - began)
+        if config.allow_config_change:
+            resume_policy.apply_new_hyperparameters(optimizer, scheduler, config)
     _announce(config, dist_info, resolved, len(dataset), total_steps, max_tokens)
+    if isinstance(dataset, data_mix.MixedDataset):
+        log_rank_0(dataset.describe())
+    if dist_info.is_main:
+        _announce_disk_plan(config, model, total_steps)
     metrics_path = Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl"
     if dist_info.is_main:
         _write_training_params(config, dist_info, resolved, max_tokens)
         truncate_metrics(metrics_path, state.step)
     metrics = MetricsWriter(metrics_path) if dist_info.is_main else None
-    tracker = make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
-                           run_config=dataclasses.asdict(config), rank=dist_info.rank)
+    state.wandb_run_id = tracker.wandb_run_id or state.wandb_run_id
 
-    def save(*, hf_export: bool) -> Path | None:
-        """Full state always (resume needs it); the Hugging Face export on the regular cadence."""
+    def save(*, hf_export: bool, full_state: bool = True) -> Path | None:
+        """The Hugging Face export and/or the full state (resume needs it), each on its own cadence."""
         exported = None
         if hf_export:
             # Recorded before the full state is written, so a resume keeps the same cadence.
@@ -247,18 +328,41 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                 keep_last_n=config.keep_last_n_checkpoints)
             log_rank_0("saved Hugging Face checkpoint %s in %.2fs (%.1f MB)", exported,
                        time.perf_counter() - began, _folder_mb(exported))
-        began = time.perf_counter()
-        saved = save_full_state(
-            model, optimizer, scheduler, output_dir=config.output_dir, num_samples=state.samples_seen,
-            trainer_state=dataclasses.asdict(state), model_fingerprint=model_fingerprint,
-            dist_info=dist_info, keep_last_n=config.keep_last_n_checkpoints)
-        log_rank_0("saved full training state %s in %.2fs (%.1f MB)", saved, time.perf_counter() - began,
-                   _folder_mb(saved))
+        if full_state and config.full_state:
+            began = time.perf_counter()
+            saved = save_full_state(
+                model, optimizer, scheduler, output_dir=config.output_dir, num_samples=state.samples_seen,
+                trainer_state={**dataclasses.asdict(state), "run_params": run_params},
+                model_fingerprint=model_fingerprint, dist_info=dist_info,
+                keep_last_n=checkpoint_policy.full_states_kept(config.keep_last_n_full_states,
+                                                               config.keep_last_n_checkpoints))
+            log_rank_0("saved full training state %s in %.2fs (%.1f MB)", saved, time.perf_counter() - began,
+                       _folder_mb(saved))
         return exported
+
+    def validate() -> str | None:
+        """One validation pass, its metrics line, the best export; returns an early-stopping reason."""
+        began = time.perf_counter()
+        val_loss, val_tokens = validation.run_validation(
+            model, val_dataset, val_plan, rank=dist_info.rank, device=dist_info.device,
+            model_inputs=lambda mb: _model_inputs(mb, resolved.attn_implementation, dist_info.device))
+        record = validation.validation_record(step=state.step, samples_seen=state.samples_seen, val_loss=val_loss,
+                                              num_loss_counted_tokens=val_tokens, num_samples=val_plan.num_samples,
+                                              elapsed=time.perf_counter() - began)
+        if metrics is not None:
+            metrics.write(record)
+        tracker.log(record)
+        log_rank_0("step %d: validation loss %.4f over %d tokens (%.2fs)", state.step, val_loss, val_tokens,
+                   record["val_time_s"])
+        return validation.update_best(state, val_loss, config=config, save_best=lambda: validation.save_best_export(
+            model, output_dir=config.output_dir, step=state.step, samples_seen=state.samples_seen,
+            val_loss=val_loss, tokenizer=tokenizer, generation_config=generation_config, rank=dist_info.rank))
 
     done = _stop_reason(config, state, len(dataset))
     if done:
-        log_rank_0("nothing to do: %s already", done)
+        log_rank_0(resume_policy.finished_message(
+            done, lr_scheduler_decays=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL))
+        tracker.close()
         return None
     loader = sampler.make_batch_loader(
         dataset, batch_size=config.batch_size, max_tokens_per_rank=max_tokens,
@@ -315,6 +419,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         synchronize()
         record = _step_metrics(dist_info, state, batch, counts, grad_norm, scheduler,
                                time.perf_counter() - start, skipped=not finite or empty)
+        if isinstance(dataset, data_mix.MixedDataset):
+            record.update(dataset.source_metrics(config.seed, state.samples_seen))
         if metrics is not None:
             metrics.write(record)
         tracker.log(record)
@@ -336,14 +442,23 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
             log_rank_0("step %d: no loss-counted tokens in the batch (samples %d..%d); update skipped",
                        state.step, batch.start_position, batch.end_position, level=logging.WARNING)
         done = _stop_reason(config, state, len(dataset))
+        if val_plan is not None and not preempted and (done or validation.should_validate(
+                step=state.step, every_n_steps=config.validation_every_n_steps, samples_seen=state.samples_seen,
+                previous_samples=batch.start_position, every_n_samples=config.validation_every_n_samples)):
+            done = validate() or done
         # A preemption on the last step (or on a cadence step) still writes the export that step owes:
         # the rerun finds nothing left to train and would never write it.
         export_due = bool(done) or (state.samples_seen - state.last_checkpoint_samples
                                     >= config.min_samples_per_checkpoint)
+        full_due = bool(done) or (checkpoint_policy.crossed(batch.start_position, state.samples_seen,
+                                                            config.min_samples_per_full_state)
+                                  if config.min_samples_per_full_state else export_due)
         if preempted:
             log_rank_0("preemption signal received: saving full state at step %d and exiting", state.step)
-        if export_due or preempted:
-            last_checkpoint = save(hf_export=export_due) or last_checkpoint
+            full_due = True
+            export_due = export_due or not config.full_state  # with --no-full-state an export is all there is
+        if export_due or full_due:
+            last_checkpoint = save(hf_export=export_due, full_state=full_due) or last_checkpoint
         if done:
             log_rank_0("stopping: %s", done)
         if done or preempted:
@@ -364,8 +479,17 @@ def _preflight(config: TrainConfig) -> str | None:
     """Cheap checks on rank 0 before any heavy work; returns one error line or None."""
     from transformers import AutoConfig
 
-    if not Path(config.data_path).exists():
-        return f"--data-path {config.data_path}: no such file or folder"
+    try:
+        paths = data_mix.data_paths(config.data_path)
+    except ValueError as err:
+        return str(err)
+    for path in paths:
+        if not Path(path).exists():
+            return f"--data-path {path}: no such file or folder"
+    if len(paths) > 1 and config.validation_split is not None:
+        return "--validation-split takes rows of one dataset: with a data mix, give --validation-data-path"
+    if config.validation_data_path and not Path(config.validation_data_path).exists():
+        return f"--validation-data-path {config.validation_data_path}: no such file or folder"
     try:
         AutoConfig.from_pretrained(config.model_name_or_path)
     except (OSError, ValueError) as err:
@@ -395,21 +519,98 @@ def _fail_together(dist_info: DistInfo, error: str | None) -> None:
         raise SystemExit(1)
 
 
-def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo):
+def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
+    """``(training dataset, validation dataset, where it came from)``; the first is unchanged without validation."""
+    if not config.has_validation:
+        return dataset, None, None
+    if config.validation_split is not None:
+        train_rows, val_rows = validation.split_rows(len(dataset), config.validation_split, config.seed)
+        dataset, val_dataset = validation.RowSubset(dataset, train_rows), validation.RowSubset(dataset, val_rows)
+        source = f"{config.validation_split:g} of {config.data_path} (seed {config.seed})"
+    else:
+        val_dataset = _load_dataset_rank0_first(config, dist_info, path=config.validation_data_path)
+        source = config.validation_data_path
+    return dataset, val_dataset, source
+
+
+def _resume_policy(config: TrainConfig, run_params: dict, dataset) -> str | None:
+    """Rank 0, before the model loads: move an old run aside (--no-resume) or compare model, data and
+    run parameters with the checkpoint a resume would load."""
+    from transformers import AutoConfig
+
+    from full_state import complete_checkpoints, fingerprint, full_state_root
+
+    if not config.resume:
+        moved = resume_policy.move_aside(config.output_dir)
+        if moved is not None:
+            logger.warning("--no-resume: moved the earlier run's checkpoints and metrics in %s to %s",
+                           config.output_dir, moved)
+        return None
+    candidates = ([Path(config.resume_from)] if config.resume_from
+                  else complete_checkpoints(full_state_root(config.output_dir)))
+    expected = fingerprint(AutoConfig.from_pretrained(config.model_name_or_path), dataset) if candidates else None
+    error, notice = resume_policy.check_resume(candidates, run_params, allow_change=config.allow_config_change,
+                                               fingerprint=expected)
+    if notice:
+        logger.warning(notice)
+    return error
+
+
+def _start_tracker(config: TrainConfig, dist_info: DistInfo):
+    """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb run);
+    returns ``(tracker, error line or None)``."""
+    from full_state import complete_checkpoints, full_state_root
+    from trackers import NullTracker, TrackerInitError
+
+    if not dist_info.is_main or (config.wandb_project is None and config.tensorboard_dir is None):
+        return NullTracker(), None
+    run_id = None
+    if config.resume:
+        candidates = ([Path(config.resume_from)] if config.resume_from
+                      else complete_checkpoints(full_state_root(config.output_dir)))
+        found = resume_policy.newest_trainer_state(candidates)
+        run_id = found[1].get("wandb_run_id") if found else None
+    try:
+        return make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
+                            run_config=dataclasses.asdict(config), rank=dist_info.rank, wandb_run_id=run_id), None
+    except (ImportError, TrackerInitError) as err:
+        return NullTracker(), str(err)
+
+
+def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None) -> None:
+    import shutil
+
+    params = list(model.parameters())
+    plan = checkpoint_policy.plan_disk(
+        num_params=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
+        total_samples=total_steps * config.batch_size if total_steps else None,
+        export_every=config.min_samples_per_checkpoint, keep_exports=config.keep_last_n_checkpoints,
+        full_state_every=config.min_samples_per_full_state or config.min_samples_per_checkpoint,
+        keep_full_states=checkpoint_policy.full_states_kept(config.keep_last_n_full_states,
+                                                            config.keep_last_n_checkpoints),
+        full_state=config.full_state)
+    info, warning = checkpoint_policy.disk_report(plan, shutil.disk_usage(config.output_dir).free, config.output_dir)
+    log_rank_0(info)
+    if warning:
+        logger.warning(warning)
+
+
+def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path: str | None = None):
     """Rank 0 loads (and caches) first; the others then reuse its cache. Errors exit every rank."""
+    path = path or config.data_path
     dataset, error = None, None
     if dist_info.is_main:
         try:
-            dataset = sampler.load_tokenized_dataset(config.data_path)
+            dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
             budget = config.max_tokens_per_gpu
             if budget != "auto" and int(dataset.lengths.min(initial=budget + 1)) > budget:
                 error = (f"--max-tokens-per-gpu {config.max_tokens_per_gpu} is below every sample of "
-                         f"{config.data_path} (shortest: {int(dataset.lengths.min())} tokens)")
+                         f"{path} (shortest: {int(dataset.lengths.min())} tokens)")
         except ValueError as err:
             error = str(err)
     _fail_together(dist_info, error)
     if not dist_info.is_main:
-        dataset = sampler.load_tokenized_dataset(config.data_path)
+        dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
     return dataset
 
 

@@ -171,17 +171,18 @@ def test_wandb_tracker_mirrors_the_jsonl_record(monkeypatch):
     from trackers import make_tracker
 
     calls = []
-    run = types.SimpleNamespace(log=lambda data, step: calls.append(("log", data, step)),
+    run = types.SimpleNamespace(id="run1", log=lambda data, step: calls.append(("log", data, step)),
                                 finish=lambda: calls.append(("finish",)))
     fake = types.ModuleType("wandb")
-    fake.init = lambda project, config: calls.append(("init", project, config)) or run
+    fake.init = lambda project, config, id, resume: calls.append(("init", project, config, id, resume)) or run
     monkeypatch.setitem(sys.modules, "wandb", fake)
 
     record = _record()
     tracker = make_tracker(wandb_project="demo", tensorboard_dir=None, run_config={"lr": 1e-4}, rank=0)
     tracker.log(record)
     tracker.close()
-    assert calls[0] == ("init", "demo", {"lr": 1e-4})
+    assert calls[0] == ("init", "demo", {"lr": 1e-4}, None, None)
+    assert tracker.wandb_run_id == "run1"
     _, logged, step = calls[1]
     assert step == record["step"]
     assert logged == {k: float(v) for k, v in record.items() if k != "step"}

@@ -1,0 +1,159 @@
+"""Safe resume: continue a run only with the parameters it was started with.
+
+Every full-state checkpoint records ``run_params``, the values that shape the
+optimisation (``RUN_PARAM_FIELDS`` plus the number of scheduled steps of a
+decaying schedule). Before the model loads, rank 0 compares them with this
+command's values:
+
+* equal: resume as usual;
+* different: refuse, naming each changed field, unless ``--allow-config-change``
+  is given, in which case the checkpoint's weights, optimizer and stream
+  position are kept and the new values apply from the next step;
+* ``--no-resume`` in a folder that already holds checkpoints: they are moved,
+  with the run's metrics and ``training_params.json``, into
+  ``<output-dir>/superseded_<UTC time>/`` (logged), so a later plain run or
+  retention never mixes the two runs;
+* a run that already met its stop condition says so, with how to continue.
+
+All functions here are pure or touch only rank 0's files; no collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from data_mix import parse_data_spec
+
+RUN_PARAM_FIELDS = ("learning_rate", "lr_scheduler", "num_warmup_steps", "batch_size", "seed", "weight_decay",
+                    "adam_betas", "max_grad_norm")
+"""TrainConfig fields a resumed run must keep (stop conditions may grow; see ``run_params``). The data
+itself (and the validation split carved from it) is checked by content in ``full_state.fingerprint``,
+so a moved or renamed data folder still resumes."""
+
+MOVABLE = ("full_state", "hf_format", "training_params.json")
+
+
+def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> dict:
+    """The values a checkpoint records and a resume compares (JSON-safe).
+
+    ``total_steps`` is only part of it for decaying schedules: there it shapes the
+    learning rate of every step; with constant ones a longer run is a plain continuation.
+    """
+    params = {name: getattr(config, name) for name in RUN_PARAM_FIELDS}
+    params["adam_betas"] = list(params["adam_betas"])
+    if schedule_has_total:
+        params["scheduled_steps"] = total_steps
+    sources = parse_data_spec(config.data_path)
+    if sources is not None:
+        params["data_mix_weights"] = [round(source.weight, 12) for source in sources]
+    return params
+
+
+def changed_fields(saved: dict, current: dict) -> dict[str, tuple]:
+    """``{field: (checkpoint value, this run's value)}`` for every field that differs."""
+    return {name: (saved.get(name), value) for name, value in current.items() if saved.get(name) != value}
+
+
+def refusal_message(checkpoint: Path, changes: dict[str, tuple]) -> str:
+    listed = "; ".join(f"{name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in sorted(changes.items()))
+    return (f"cannot resume from {checkpoint}: the training parameters changed ({listed}). Either start a "
+            "separate run with a new --output-dir, or pass --allow-config-change to continue this run's "
+            "weights, optimizer and data position with the new values")
+
+
+def newest_trainer_state(checkpoints: list[Path]) -> tuple[Path, dict] | None:
+    """The newest checkpoint whose trainer_state.json reads (the one a resume would start from)."""
+    for path in reversed(checkpoints):
+        try:
+            return path, json.loads((path / "trainer_state.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
+
+
+def check_resume(checkpoints: list[Path], current: dict, *, allow_change: bool,
+                 fingerprint: dict | None = None) -> tuple[str | None, str | None]:
+    """Rank 0's verdict before the model loads.
+
+    Args:
+        checkpoints: the full-state folders a resume would consider, oldest first.
+        current: ``run_params`` of this command.
+        allow_change: ``--allow-config-change``.
+        fingerprint: ``full_state.fingerprint`` of this model and data; a mismatch is never resumable.
+
+    Returns:
+        ``(error, notice)``: an error line that stops every rank, or a notice to log (either may be None).
+    """
+    found = newest_trainer_state(checkpoints)
+    if found is None:
+        return None, None
+    path, state = found
+    if fingerprint is not None:
+        mismatch = changed_fields(state.get("fingerprint", {}), fingerprint)
+        if mismatch:
+            listed = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in mismatch.items())
+            return (f"cannot resume: {path} was written for another model or dataset ({listed}); "
+                    "use --no-resume or another --output-dir"), None
+    saved = state.get("run_params")
+    if saved is None:
+        return None, (f"{path} predates recorded run parameters: resuming without comparing learning rate, "
+                      "schedule, batch size, seed or data")
+    changes = changed_fields(saved, current)
+    if not changes:
+        return None, None
+    if allow_change:
+        listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in sorted(changes.items()))
+        return None, f"--allow-config-change: resuming {path} with new values: {listed}"
+    return refusal_message(path, changes), None
+
+
+def move_aside(output_dir: str | Path, *, now: float | None = None) -> Path | None:
+    """``--no-resume``: move an earlier run's checkpoints and metrics into ``superseded_<UTC time>/``.
+
+    Returns:
+        The folder they were moved to, or None when there was nothing to move.
+    """
+    output_dir = Path(output_dir)
+    found = [output_dir / name for name in MOVABLE if (output_dir / name).exists()]
+    found += sorted(output_dir.glob("training_metrics_*.jsonl"))
+    if not any((output_dir / name).exists() for name in ("full_state", "hf_format")):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now if now is not None else time.time()))
+    target = output_dir / f"superseded_{stamp}"
+    suffix = 1
+    while target.exists():
+        target = output_dir / f"superseded_{stamp}_{suffix}"
+        suffix += 1
+    target.mkdir()
+    for path in found:
+        shutil.move(str(path), str(target / path.name))
+    return target
+
+
+def finished_message(reason: str, *, lr_scheduler_decays: bool) -> str:
+    """What a rerun of a finished run prints instead of training."""
+    how = ("raise the stop condition (e.g. a larger --max-steps, --max-samples or --num-epochs) and rerun the "
+           "same command")
+    if lr_scheduler_decays:
+        how += (" with --allow-config-change (the decaying --lr-scheduler is rescheduled over the new total), "
+                "or use a new --output-dir")
+    return (f"this run is already finished ({reason}); nothing was trained. To train further, {how}; "
+            "to start over in this folder, add --no-resume (the old checkpoints are moved aside)")
+
+
+def apply_new_hyperparameters(optimizer, scheduler, config) -> None:
+    """After an ``--allow-config-change`` resume: the restored optimizer and scheduler carry the
+    checkpoint's learning rate, betas and weight decay; put this command's values in their place.
+
+    The scheduler's lambdas were already built from this command's warmup and total steps;
+    only its base learning rates come from the checkpoint.
+    """
+    scheduler.base_lrs = [config.learning_rate for _ in optimizer.param_groups]
+    factors = [lr_lambda(scheduler.last_epoch) for lr_lambda in scheduler.lr_lambdas]
+    for group, factor in zip(optimizer.param_groups, factors, strict=True):
+        group.update(initial_lr=config.learning_rate, lr=config.learning_rate * factor,
+                     betas=tuple(config.adam_betas), weight_decay=config.weight_decay)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
