@@ -127,8 +127,8 @@ def compare_losses(wrapper, dataset, rows: list[int], *, attn_implementation: st
     try:
         for index in rows:
             ids, labels = dataset.sample_arrays(index)
-            input_ids = torch.as_tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
-            unshifted = torch.as_tensor(labels, dtype=torch.long, device=device).unsqueeze(0)
+            input_ids = torch.tensor(ids.tolist(), dtype=torch.long, device=device).unsqueeze(0)
+            unshifted = torch.tensor(labels.tolist(), dtype=torch.long, device=device).unsqueeze(0)
             shifted = torch.cat([unshifted[:, 1:], unshifted.new_full((1, 1), IGNORE_INDEX)], dim=1)
             num_loss = int((shifted != IGNORE_INDEX).sum())
             position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)

@@ -84,13 +84,9 @@ def resolve_attn_implementation(requested: str, device_type: str, needs: Attenti
                 return name
             skipped.append(f"not {name}: {why_not}")
         raise AssertionError("eager accepts every architecture")
-    accepted = [name for name in PACKED_ATTENTION if refusal(name) is None]
-    if requested not in PACKED_ATTENTION:
-        raise ValueError(f"--attn-implementation {requested!r} cannot honour packed sequence boundaries "
-                         f"without padding; choose one of auto, {', '.join(accepted)}")
-    why_not = refusal(requested)
-    if why_not is not None:
-        raise ValueError(f"--attn-implementation {requested}: {why_not}; it accepts auto, {', '.join(accepted)}")
+    error = explicit_attention_refusal(requested, needs)
+    if error is not None:
+        raise ValueError(error)
     if requested in gpu_only and device_type != "cuda":
         fallback = resolve_attn_implementation("auto", device_type, needs)
         log_rank_0(f"--attn-implementation {requested} needs a GPU: using {fallback} on {device_type}",
@@ -101,6 +97,34 @@ def resolve_attn_implementation(requested: str, device_type: str, needs: Attenti
         raise ValueError(f"--attn-implementation {requested}: {missing}. Use --attn-implementation auto, or "
                          "install the CUDA extras (pip install -r requirements-cuda.txt)")
     return requested
+
+
+def explicit_attention_refusal(requested: str, needs: AttentionNeeds | None) -> str | None:
+    """The one-line error for an explicit backend that cannot serve packed rows of this architecture, or None."""
+    refusal = (lambda name: None) if needs is None else (lambda name: backend_refusal(name, needs))
+    accepted = ", ".join(name for name in PACKED_ATTENTION if refusal(name) is None)
+    if requested not in PACKED_ATTENTION:
+        return (f"--attn-implementation {requested!r} cannot honour packed sequence boundaries "
+                f"without padding; choose one of auto, {accepted}")
+    why_not = refusal(requested)
+    if why_not is not None:
+        return f"--attn-implementation {requested}: {why_not}; this model accepts auto, {accepted}"
+    return None
+
+
+def attention_preflight(model_name_or_path: str, requested: str, *, trust_remote_code: bool = False) -> str | None:
+    """Rank 0, before heavy work: the refusal line for an explicit ``--attn-implementation``, or None."""
+    if requested == "auto":
+        return None
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    return explicit_attention_refusal(requested, attention_needs(_meta_model(config, trust_remote_code)))
+
+
+def _meta_model(config, trust_remote_code: bool) -> nn.Module:
+    """The architecture on the meta device: no memory, no weights read."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
+                                                trust_remote_code=trust_remote_code)
 
 
 def _unavailable_reason(name: str) -> str | None:
@@ -214,9 +238,7 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     config.use_cache = False
     # Every rank builds the architecture on meta (no memory); its attention needs pick the backend.
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
-                                                 trust_remote_code=trust_remote_code)
+    model = _meta_model(config, trust_remote_code)
     attn = resolve_attn_implementation(attn_implementation, device.type, attention_needs(model))
     if attn != "eager":
         model.set_attn_implementation(attn)

@@ -45,10 +45,10 @@ from attention import attention_inputs
 from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, StepCounts, step_record
 from checkpoint import save_hf_checkpoint
+from full_state import PreemptionFlag, TrainState, resume_train_state, save_full_state
 from objective import router_aux_weight
 from selfcheck import check_data_fits_model, check_objective
-from full_state import PreemptionFlag, TrainState, resume_train_state, save_full_state
-from setup_model_fsdp import setup_model
+from setup_model_fsdp import attention_preflight, setup_model
 from trackers import make_tracker
 
 from utils import (
@@ -364,6 +364,10 @@ def _preflight(config: TrainConfig) -> str | None:
         AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError) as err:
         return f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
+    attention_error = attention_preflight(config.model_name_or_path, config.attn_implementation,
+                                          trust_remote_code=config.trust_remote_code)
+    if attention_error is not None:
+        return attention_error
     for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
                                  ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
         if value is not None and importlib.util.find_spec(package) is None:

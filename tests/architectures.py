@@ -27,10 +27,12 @@ class Arch:
     exercises: str
     overrides: dict = field(default_factory=dict)
     moe: bool = False
+    stored_dtype: torch.dtype = torch.float32  # bf16 exercises rank 0's load in the stored dtype
 
 
 ARCHITECTURES = (
-    Arch("llama", "llama", "dense baseline", {"tie_word_embeddings": False}),
+    Arch("llama", "llama", "dense baseline, stored in bf16", {"tie_word_embeddings": False},
+         stored_dtype=torch.bfloat16),
     Arch("qwen2_tied_swa", "qwen2", "tied embeddings, sliding window on one layer",
          {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     Arch("qwen3", "qwen3", "dense, q/k norm", {"tie_word_embeddings": False}),
@@ -74,12 +76,7 @@ def build_architecture(arch: Arch, tokenizer_dir: Path, output_dir: Path, *, see
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(arch.stored_dtype)
+    model.config.dtype = arch.stored_dtype
     model.save_pretrained(output_dir)
     return output_dir
-
-
-def copy_tokenizer(source: Path, target: Path) -> None:
-    for path in source.iterdir():
-        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
-            shutil.copy(path, target / path.name)
