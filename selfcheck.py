@@ -11,7 +11,8 @@
   router loss as ``objective.py`` reads them) equals the Hugging Face model's
   own ``forward(input_ids, labels=...).loss``. Both run through the same sharded
   module in the same compute dtype, so for a 70B model it costs a few forward
-  passes of short rows: seconds. Every rank runs the same rows (FSDP gathers
+  passes of short rows: seconds. The same rows packed into one row must give
+  the sum of their losses alone: attention keeps packed samples apart. Every rank runs the same rows (FSDP gathers
   collectively) and reaches the same verdict; ``--skip-objective-check`` skips it.
 """
 
@@ -117,6 +118,44 @@ def pick_rows(dataset, *, num_rows: int = NUM_ROWS, max_tokens: int = MAX_ROW_TO
     return picked or fallback
 
 
+def _row_tensors(dataset, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, unshifted labels, shifted labels)`` of one row, each [1, T]."""
+    ids, labels = dataset.sample_arrays(index)
+    input_ids = torch.tensor(ids.tolist(), dtype=torch.long, device=device).unsqueeze(0)
+    unshifted = torch.tensor(labels.tolist(), dtype=torch.long, device=device).unsqueeze(0)
+    shifted = torch.cat([unshifted[:, 1:], unshifted.new_full((1, 1), IGNORE_INDEX)], dim=1)
+    return input_ids, unshifted, shifted
+
+
+@torch.no_grad()
+def packed_versus_alone(wrapper, dataset, rows: list[int], *, attn_implementation: str,
+                        device: torch.device) -> tuple[float, float]:
+    """Summed token loss of ``rows`` packed into one row, and of each row alone (no router loss).
+
+    Attention must keep packed samples apart; an architecture whose forward
+    builds its mask without ``position_ids`` lets them see each other under
+    sdpa/eager, and the sums differ.
+    """
+    pieces = [_row_tensors(dataset, index, device) for index in rows]
+    was_training = wrapper.training
+    wrapper.eval()
+    try:
+        alone = 0.0
+        for input_ids, _, shifted in pieces:
+            position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)
+            row = SimpleNamespace(cu_seqlens=None, max_seqlen=None, position_ids=position_ids)
+            alone += float(wrapper(input_ids, position_ids, shifted,
+                                   **attention_inputs(row, attn_implementation, device)))
+        input_ids = torch.cat([p[0] for p in pieces], dim=1)
+        shifted = torch.cat([p[2] for p in pieces], dim=1)
+        position_ids = torch.cat([torch.arange(p[0].shape[1], device=device) for p in pieces]).unsqueeze(0)
+        row = SimpleNamespace(cu_seqlens=None, max_seqlen=None, position_ids=position_ids)
+        packed = float(wrapper(input_ids, position_ids, shifted, **attention_inputs(row, attn_implementation, device)))
+    finally:
+        wrapper.train(was_training)
+    return packed, alone
+
+
 @torch.no_grad()
 def compare_losses(wrapper, dataset, rows: list[int], *, attn_implementation: str,
                    device: torch.device) -> list[tuple[int, float, float]]:
@@ -126,10 +165,7 @@ def compare_losses(wrapper, dataset, rows: list[int], *, attn_implementation: st
     wrapper.eval()  # no dropout or router jitter: both sides must see the same function
     try:
         for index in rows:
-            ids, labels = dataset.sample_arrays(index)
-            input_ids = torch.tensor(ids.tolist(), dtype=torch.long, device=device).unsqueeze(0)
-            unshifted = torch.tensor(labels.tolist(), dtype=torch.long, device=device).unsqueeze(0)
-            shifted = torch.cat([unshifted[:, 1:], unshifted.new_full((1, 1), IGNORE_INDEX)], dim=1)
+            input_ids, unshifted, shifted = _row_tensors(dataset, index, device)
             num_loss = int((shifted != IGNORE_INDEX).sum())
             position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)
             row = SimpleNamespace(cu_seqlens=torch.tensor([0, input_ids.shape[1]], dtype=torch.int32),
@@ -171,6 +207,19 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
             "Please report it with the model's config.json; --skip-objective-check trains anyway.",
             level=logging.ERROR)
         raise SystemExit(1)
+    if len(rows) > 1:
+        packed, alone = packed_versus_alone(wrapper, dataset, rows, attn_implementation=attn_implementation,
+                                            device=device)
+        packing_error = _relative_error(packed, alone)
+        if packing_error > tolerance:
+            log_rank_0(
+                f"objective self-check failed for {name}: {len(rows)} rows packed into one give a summed loss of "
+                f"{packed:.6f} but {alone:.6f} each alone (relative error {packing_error:.1e}): attention "
+                f"{attn_implementation} lets packed samples see each other in this architecture (its forward builds "
+                "the attention mask without position_ids). Choose a backend that takes explicit boundaries "
+                "(flash_attention_2, torch_varlen) if the model accepts one on this device, or report it; "
+                "--skip-objective-check trains anyway.", level=logging.ERROR)
+            raise SystemExit(1)
     log_rank_0(f"objective self-check: the trainer's loss equals {name}'s own forward(labels=...) on {len(rows)} "
                f"rows (max relative error {error:.1e}, tolerance {tolerance:.0e}, "
                f"{time.perf_counter() - began:.2f}s)")
