@@ -9,7 +9,6 @@ or router loss moves the loss well beyond float noise.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
