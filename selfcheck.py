@@ -153,6 +153,7 @@ def packed_versus_alone(wrapper, dataset, rows: list[int], *, attn_implementatio
         packed = float(wrapper(input_ids, position_ids, shifted, **attention_inputs(row, attn_implementation, device)))
     finally:
         wrapper.train(was_training)
+        _reshard(wrapper)
     return packed, alone
 
 
@@ -178,6 +179,7 @@ def compare_losses(wrapper, dataset, rows: list[int], *, attn_implementation: st
             results.append((index, float(ours) / num_loss, float(reference)))
     finally:
         wrapper.train(was_training)
+        _reshard(wrapper)
     return results
 
 
@@ -223,6 +225,16 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
     log_rank_0(f"objective self-check: the trainer's loss equals {name}'s own forward(labels=...) on {len(rows)} "
                f"rows (max relative error {error:.1e}, tolerance {tolerance:.0e}, "
                f"{time.perf_counter() - began:.2f}s)")
+
+
+def _reshard(wrapper) -> None:
+    """Free what no-grad forwards left gathered: with SHARD_GRAD_OP (reshard_after_forward=False) nothing
+    else would, and the first training step then meets unsharded parameters (a crash on gloo)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in wrapper.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _relative_error(ours: float, reference: float) -> float:
