@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +138,7 @@ def _boundaries(backend: str, cu_seq_lens_q: torch.Tensor | None, max_length_q: 
 
 
 def _check_supported(backend: str, attention_mask: torch.Tensor | None, query: torch.Tensor, dropout: float,
-                     softcap: float | None) -> None:
+                     softcap: float | None, extra: dict) -> None:
     if attention_mask is not None:
         raise ValueError(f"{backend} attention is padding-free: it takes packed rows with position_ids, "
                          "not an attention_mask (use sdpa for padded batches)")
@@ -147,6 +148,8 @@ def _check_supported(backend: str, attention_mask: torch.Tensor | None, query: t
         raise ValueError(f"{backend} attention has no attention dropout (got {dropout}); set attention_dropout=0")
     if softcap is not None:
         raise ValueError(f"{backend} attention does not support logit softcapping")
+    if extra.get("s_aux") is not None or extra.get("sinks") is not None:
+        raise ValueError(f"{backend} attention does not implement attention sinks; use eager")
 
 
 # ----------------------------------------------------------------------------
@@ -169,7 +172,7 @@ def torch_varlen_attention_forward(
     """Packed attention through ``torch.nn.attention.varlen.varlen_attn`` (flash kernel, CUDA)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    _check_supported(TORCH_VARLEN, attention_mask, query, dropout, softcap)
+    _check_supported(TORCH_VARLEN, attention_mask, query, dropout, softcap, kwargs)
     cu_seqlens, max_seqlen = _boundaries(TORCH_VARLEN, cu_seq_lens_q, max_length_q, position_ids, query.shape[2])
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     input_dtype = query.dtype
@@ -232,7 +235,7 @@ def reference_varlen_attention_forward(
     position_ids: torch.Tensor | None = None, **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Packed attention as one causal SDPA per sample: slow, exact, runs anywhere."""
-    _check_supported(REFERENCE_VARLEN, attention_mask, query, dropout, softcap)
+    _check_supported(REFERENCE_VARLEN, attention_mask, query, dropout, softcap, kwargs)
     cu_seqlens, _ = _boundaries(REFERENCE_VARLEN, cu_seq_lens_q, max_length_q, position_ids, query.shape[2])
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     return varlen_reference(query, key, value, cu_seqlens, scale=scaling, causal=causal,
@@ -266,6 +269,55 @@ def varlen_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1])
     return out
+
+
+# ----------------------------------------------------------------------------
+# What an architecture's attention needs, and which backends honour it
+
+
+@dataclass(frozen=True)
+class AttentionNeeds:
+    """What a model's attention asks of a backend, read from the (meta) model and its config."""
+
+    model_class: str
+    supports_sdpa: bool         # the model class's own ``_supports_sdpa``
+    supports_flash: bool        # ``_supports_flash_attn``
+    softcap: float | None       # ``config.attn_logit_softcapping``: tanh cap on attention scores
+    sinks: bool                 # learned per-head sink logits (a ``sinks`` parameter in attention modules)
+    sliding_window: int | None  # ``config.sliding_window`` (honoured by every backend offered here)
+
+
+def attention_needs(model: nn.Module) -> AttentionNeeds:
+    """Read ``AttentionNeeds`` from a built model (the meta-device one is enough)."""
+    config = model.config
+    sinks = any(isinstance(getattr(module, "sinks", None), nn.Parameter) for module in model.modules())
+    window = getattr(config, "sliding_window", None)
+    return AttentionNeeds(model_class=type(model).__name__, supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
+                          supports_flash=bool(getattr(model, "_supports_flash_attn", False)),
+                          softcap=getattr(config, "attn_logit_softcapping", None), sinks=sinks,
+                          sliding_window=window if isinstance(window, int) else None)
+
+
+def backend_refusal(backend: str, needs: AttentionNeeds) -> str | None:
+    """Why ``backend`` would not compute this model's attention faithfully, or None when it does.
+
+    eager is the model's own code and honours everything. sdpa is refused
+    where the model class refuses it (softcapping, sinks). Flash kernels get
+    no sinks through transformers' flash-attn 2/3 path (it drops them), the
+    varlen backends here implement neither sinks nor softcapping.
+    """
+    name = needs.model_class
+    if backend == "eager":
+        return None
+    if backend == "sdpa":
+        return None if needs.supports_sdpa else f"{name} does not support sdpa"
+    if needs.sinks:
+        return f"{backend} does not implement {name}'s attention sinks"
+    if backend in FLASH_BACKENDS:
+        return None if needs.supports_flash else f"{name} does not support flash attention"
+    if needs.softcap is not None:
+        return f"{backend} does not implement {name}'s attention logit softcapping"
+    return None
 
 
 # ----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ class StepCounts:
     num_dropped_samples: int
     num_minibatches: int                 # gradient-accumulation steps per rank
     forward_backward_time_sum: float = 0.0  # seconds in forward+backward, summed over ranks
+    router_aux_loss_sum: float | None = None  # MoE: summed per-sample router loss (objective.py), else None
 
 
 def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, world_size: int,
@@ -66,6 +67,10 @@ def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, w
         "epoch": epoch,
         "skipped": skipped,
         "peak_memory_usage_GB": peak_memory_usage_gb,
+        # MoE models whose config sets output_router_logits: the mean per-sample load-balancing loss
+        # (before router_aux_loss_coef); avg_loss_backward includes coef times it.
+        **({} if counts.router_aux_loss_sum is None
+           else {"router_aux_loss": counts.router_aux_loss_sum / max(counts.num_samples, 1)}),
         "timestamp": time.time(),
     }
 

@@ -6,7 +6,13 @@ The loss never materialises fp32 logits for the whole packed row:
   chunk's ``hidden @ W_vocab.T`` + cross-entropy is checkpointed, so backward
   recomputes one chunk's logits at a time;
 * Liger path (``--use-liger-kernels``, CUDA): Liger's fused linear
-  cross-entropy, which never builds logits at all.
+  cross-entropy, which never builds logits at all and accumulates the LM-head
+  gradient in fp32 (``accum_dtype``), so bf16 chunks do not round it away.
+
+Both apply the model's own logit processing (``objective.LogitTransform``:
+Granite's ``logits_scaling``, Cohere's ``logit_scale``, Gemma's final
+softcapping) and, for MoE models whose config asks for it, add the router
+load-balancing loss (``objective.RouterLoss``) as documented in ``objective.py``.
 
 Both return the SUM of token losses; the trainer divides by the optimizer
 batch's loss-token count, known before the forward pass.
@@ -25,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from attention import cu_seqlens_from_position_ids
+from objective import LogitTransform, logit_transform, router_aux_sum, router_loss
 from utils import IGNORE_INDEX, device_type, log_rank_0
 
 CHUNK_TOKENS = 4096
@@ -32,25 +40,27 @@ CHUNK_TOKENS = 4096
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    labels: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()  # [chunk, vocab]
+                    labels: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
+    logits = transform.apply(F.linear(hidden, weight, bias).float())  # [chunk, vocab]
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                              labels: torch.Tensor, *, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
-    """Sum of token cross-entropies of ``hidden @ weight.T`` against ``labels``.
+                              labels: torch.Tensor, *, chunk_tokens: int = CHUNK_TOKENS,
+                              transform: LogitTransform = LogitTransform()) -> torch.Tensor:
+    """Sum of token cross-entropies of ``transform(hidden @ weight.T + bias)`` against ``labels``.
 
     Args:
         hidden: [T, H] final hidden states.
         weight: [V, H] output embedding.
         bias: [V] or None.
         labels: [T] targets, ``IGNORE_INDEX`` where no loss is counted.
+        transform: the model's logit processing, applied in fp32.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = start + chunk_tokens
-        chunk = (hidden[start:end], weight, bias, labels[start:end])
+        chunk = (hidden[start:end], weight, bias, labels[start:end], transform)
         if torch.is_grad_enabled() and hidden.requires_grad:
             total = total + checkpoint(_chunk_loss_sum, *chunk, use_reentrant=False)
         else:
@@ -63,46 +73,90 @@ class CausalLMWithLoss(nn.Module):
 
     Being the root lets FSDP2 gather embeddings, final norm and LM head around
     our own forward, which runs the decoder and then the loss on hidden states.
+    After each call, ``last_ce_sum`` and ``last_router_aux_sum`` hold the
+    detached parts of the returned objective, for logging.
     """
 
     def __init__(self, model: nn.Module, *, use_liger_kernels: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.logit_transform = logit_transform(model)
+        self.router_loss = router_loss(model)
         self.liger_loss = None
         if use_liger_kernels:
-            self.liger_loss = _make_liger_loss()
+            self.liger_loss = _make_liger_loss(self.logit_transform)
+        self.last_ce_sum: torch.Tensor | None = None
+        self.last_router_aux_sum: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, *,
+                router_aux_weight: float = 0.0, own_forward: bool = False,
                 **attention_kwargs: torch.Tensor | int) -> torch.Tensor:
-        """Summed token loss of one packed row.
+        """Summed token loss of one packed row, plus the weighted router loss of MoE models.
 
         Args:
             input_ids: [1, T] packed samples.
             position_ids: [1, T] restarting at 0 for each sample.
-            labels: [1, T] per-sample shifted targets.
+            labels: [1, T] per-sample shifted targets (unshifted with ``own_forward``).
+            router_aux_weight: weight of the row's summed per-sample router loss
+                (``objective.router_aux_weight``); 0 leaves it out.
+            own_forward: return the Hugging Face model's own ``forward(labels=...).loss``
+                instead (the start-up self-check's reference; one unpacked sample,
+                unshifted labels). Runs here so FSDP gathers the root's parameters.
             attention_kwargs: backend-specific boundary hints, e.g. flash-attn's
                 ``cu_seq_lens_q/k`` and ``max_length_q/k``.
         """
-        hidden = self.model.get_decoder()(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention_kwargs
-        ).last_hidden_state
-        hidden = hidden.flatten(0, 1)  # [T, H]
+        if own_forward:
+            return self.model(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False,
+                              **attention_kwargs).loss
+        with_router = self.router_loss is not None and router_aux_weight != 0.0
+        extra = {"output_router_logits": with_router} if self.router_loss is not None else {}
+        outputs = self.model.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra, **attention_kwargs
+        )
+        hidden = outputs.last_hidden_state.flatten(0, 1)  # [T, H]
         head = self.model.get_output_embeddings()
         flat_labels = labels.flatten()
         if self.liger_loss is not None:
-            return self.liger_loss(head.weight, hidden, flat_labels, head.bias)
-        return chunked_cross_entropy_sum(hidden, head.weight, head.bias, flat_labels)
+            scale = self.logit_transform.scale
+            # The scale is folded into the hidden states (and bias): (s*h) W + s*b = s * (h W + b).
+            bias = head.bias if head.bias is None or scale == 1.0 else head.bias * scale
+            ce_sum = self.liger_loss(head.weight, hidden * scale if scale != 1.0 else hidden, flat_labels, bias)
+        else:
+            ce_sum = chunked_cross_entropy_sum(hidden, head.weight, head.bias, flat_labels,
+                                               transform=self.logit_transform)
+        self.last_ce_sum = ce_sum.detach()
+        if not with_router:
+            self.last_router_aux_sum = torch.zeros((), device=ce_sum.device)
+            return ce_sum
+        cu_seqlens = attention_kwargs.get("cu_seq_lens_q")
+        if cu_seqlens is None:
+            cu_seqlens, _ = cu_seqlens_from_position_ids(position_ids)
+        aux_sum = router_aux_sum(outputs.router_logits, cu_seqlens, num_experts=self.router_loss.num_experts,
+                                 top_k=self.router_loss.top_k)
+        self.last_router_aux_sum = aux_sum.detach()
+        return ce_sum + router_aux_weight * aux_sum
 
 
-def _make_liger_loss() -> nn.Module | None:
+def _make_liger_loss(transform: LogitTransform) -> nn.Module | None:
     if device_type() != "cuda":
         log_rank_0("--use-liger-kernels needs a GPU (Triton kernels): using the chunked PyTorch "
                    "cross-entropy instead", level=logging.WARNING)
         return None
+    return make_liger_fused_loss(transform)
+
+
+def make_liger_fused_loss(transform: LogitTransform) -> nn.Module:
+    """Liger's fused linear cross-entropy with the model's softcap, summed, fp32 gradient accumulation.
+
+    The scale of ``transform`` is not inside: the caller folds it into the
+    hidden states. Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+    """
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError as err:
         raise ImportError("--use-liger-kernels needs liger-kernel: pip install -r requirements-cuda.txt") from err
-    # Sum reduction: Liger's reduction='none' path has had wrong gradients, and the
-    # trainer owns the normalisation anyway.
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+    # Sum reduction: Liger's reduction='none' path has had wrong gradients, and the trainer owns the
+    # normalisation anyway. accum_dtype fp32: the LM-head gradient is summed over chunks of tokens, and a
+    # bf16 accumulator loses the small per-chunk contributions of a long packed row.
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum",
+                                            softcap=transform.softcap, accum_dtype=torch.float32)

@@ -96,6 +96,10 @@ class TokenizedDataset:
     def __len__(self) -> int:
         return int(self.lengths.size)
 
+    def max_token_id(self) -> int | None:
+        """The largest input id in the file (one pass over the column), None when empty."""
+        return pc.max(pc.list_flatten(self._table.column("input_ids"))).as_py()
+
     def sample(self, index: int) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` of one row, labels unshifted."""
         input_ids, labels = self.sample_arrays(index)

@@ -2,9 +2,10 @@
 
 Order of operations (torchtitan's ``parallelize_llama`` order):
 
-1. rank 0 loads the pretrained weights into host memory; every other rank
-   builds the same architecture on the ``meta`` device (no memory), so a 70B
-   model is never held once per rank;
+1. every rank builds the architecture on the ``meta`` device (no memory) and
+   the attention backend is chosen from what it needs; rank 0 alone loads the
+   pretrained weights into host memory, once, in their stored dtype (bf16 for
+   most checkpoints), so a 70B model is never held once per rank nor in fp32;
 2. activation checkpointing per decoder block (``gradient_checkpointing_enable``);
 3. ``fully_shard`` on every decoder block, then on the root (the loss wrapper,
    which owns embeddings, final norm and LM head);
@@ -17,6 +18,7 @@ The full model is never moved to one GPU before sharding.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -28,8 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from attention import (FLASH_BACKENDS, TORCH_VARLEN, flash_attn_unavailable_reason, register_attention_backends,
-                       torch_varlen_unavailable_reason)
+from attention import (FLASH_BACKENDS, TORCH_VARLEN, AttentionNeeds, attention_needs, backend_refusal,
+                       flash_attn_unavailable_reason, register_attention_backends, torch_varlen_unavailable_reason)
 from loss import CausalLMWithLoss
 from utils import DistInfo, log_rank_0
 
@@ -48,47 +50,89 @@ class ModelSetup:
     mesh_shape: tuple[int, ...]
 
 
-def resolve_attn_implementation(requested: str, device_type: str) -> str:
-    """Pick the attention backend for padding-free packed rows, and say why.
+def resolve_attn_implementation(requested: str, device_type: str, needs: AttentionNeeds | None = None) -> str:
+    """Pick the attention backend for padding-free packed rows, and say why in one line.
 
-    'auto' -> ``flash_attention_2`` when ``flash_attn`` imports on CUDA, else
-    ``torch_varlen`` (PyTorch's own varlen flash kernel, torch >= 2.10) on
-    CUDA, else ``sdpa`` (CPU, tests). Every returned backend honours packed
-    boundaries without padding: sdpa/eager through transformers'
-    block-diagonal mask built from ``position_ids`` (O(T^2) memory), flash
-    and varlen backends through explicit ``cu_seqlens``. Any other name is
-    refused; a GPU-only backend asked for on CPU falls back to sdpa with a
-    warning.
+    'auto' -> the first backend, in speed order for the device, that the
+    architecture accepts (``attention.backend_refusal``) and that is available:
+    on CUDA ``flash_attention_2`` (flash_attn imports), ``torch_varlen``
+    (PyTorch's varlen flash kernel, torch >= 2.10), ``sdpa``, ``eager``; on CPU
+    ``sdpa``, ``eager``. Every candidate honours packed boundaries without
+    padding: sdpa/eager through transformers' block-diagonal mask built from
+    ``position_ids`` (O(T^2) memory), flash and varlen backends through explicit
+    ``cu_seqlens``. An explicit choice the architecture refuses, or that cannot
+    honour packed boundaries, is a one-line error naming the accepted ones; a
+    GPU-only backend asked for on CPU falls back to auto with a warning.
+
+    Args:
+        needs: what the model's attention needs (``attention.attention_needs``);
+            None accepts every backend (no model at hand).
     """
     register_attention_backends()
     gpu_only = FLASH_BACKENDS + (TORCH_VARLEN,)
+    refusal = (lambda name: None) if needs is None else (lambda name: backend_refusal(name, needs))
     if requested == "auto":
-        if device_type != "cuda":
-            return "sdpa"
-        if flash_attn_unavailable_reason("flash_attention_2") is None:
-            log_rank_0("attention: flash_attention_2 (flash_attn imports)")
-            return "flash_attention_2"
-        reason = torch_varlen_unavailable_reason()
-        if reason is None:
-            log_rank_0("attention: torch_varlen (flash_attn is not installed; PyTorch's varlen flash kernel)")
-            return TORCH_VARLEN
-        log_rank_0(f"attention: sdpa with a block-diagonal mask, slow for long rows: flash_attn is not "
-                   f"installed and {reason}", level=logging.WARNING)
-        return "sdpa"
-    if requested not in PACKED_ATTENTION:
-        raise ValueError(f"--attn-implementation {requested!r} cannot honour packed sequence boundaries "
-                         f"without padding; choose one of auto, {', '.join(PACKED_ATTENTION)}")
+        candidates = (("flash_attention_2", TORCH_VARLEN, "sdpa", "eager") if device_type == "cuda"
+                      else ("sdpa", "eager"))
+        skipped = []
+        for name in candidates:
+            why_not = refusal(name) or _unavailable_reason(name)
+            if why_not is None:
+                reason = "; ".join(skipped) or ("fastest packed backend on " + device_type)
+                level = logging.WARNING if device_type == "cuda" and name in ("sdpa", "eager") else logging.INFO
+                log_rank_0(f"attention: {name} ({reason})", level=level)
+                return name
+            skipped.append(f"not {name}: {why_not}")
+        raise AssertionError("eager accepts every architecture")
+    error = explicit_attention_refusal(requested, needs)
+    if error is not None:
+        raise ValueError(error)
     if requested in gpu_only and device_type != "cuda":
-        log_rank_0(f"--attn-implementation {requested} needs a GPU: using sdpa on {device_type}",
+        fallback = resolve_attn_implementation("auto", device_type, needs)
+        log_rank_0(f"--attn-implementation {requested} needs a GPU: using {fallback} on {device_type}",
                    level=logging.WARNING)
-        return "sdpa"
-    missing = flash_attn_unavailable_reason(requested) if requested in FLASH_BACKENDS else None
-    if requested == TORCH_VARLEN:
-        missing = torch_varlen_unavailable_reason()
+        return fallback
+    missing = _unavailable_reason(requested)
     if missing is not None:
         raise ValueError(f"--attn-implementation {requested}: {missing}. Use --attn-implementation auto, or "
                          "install the CUDA extras (pip install -r requirements-cuda.txt)")
     return requested
+
+
+def explicit_attention_refusal(requested: str, needs: AttentionNeeds | None) -> str | None:
+    """The one-line error for an explicit backend that cannot serve packed rows of this architecture, or None."""
+    refusal = (lambda name: None) if needs is None else (lambda name: backend_refusal(name, needs))
+    accepted = ", ".join(name for name in PACKED_ATTENTION if refusal(name) is None)
+    if requested not in PACKED_ATTENTION:
+        return (f"--attn-implementation {requested!r} cannot honour packed sequence boundaries "
+                f"without padding; choose one of auto, {accepted}")
+    why_not = refusal(requested)
+    if why_not is not None:
+        return f"--attn-implementation {requested}: {why_not}; this model accepts auto, {accepted}"
+    return None
+
+
+def attention_preflight(model_name_or_path: str, requested: str, *, trust_remote_code: bool = False) -> str | None:
+    """Rank 0, before heavy work: the refusal line for an explicit ``--attn-implementation``, or None."""
+    if requested == "auto":
+        return None
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    return explicit_attention_refusal(requested, attention_needs(_meta_model(config, trust_remote_code)))
+
+
+def _meta_model(config, trust_remote_code: bool) -> nn.Module:
+    """The architecture on the meta device: no memory, no weights read."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
+                                                trust_remote_code=trust_remote_code)
+
+
+def _unavailable_reason(name: str) -> str | None:
+    if name in FLASH_BACKENDS:
+        return flash_attn_unavailable_reason(name)
+    if name == TORCH_VARLEN:
+        return torch_varlen_unavailable_reason()
+    return None
 
 
 def apply_liger_kernels(model: nn.Module, *, device_type: str) -> bool:
@@ -165,7 +209,8 @@ def build_mesh(strategy: str, dist_info: DistInfo, local_world_size: int) -> Dev
 
 def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementation: str,
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
-                use_liger_kernels: bool, local_world_size: int) -> tuple[CausalLMWithLoss, ModelSetup]:
+                use_liger_kernels: bool, local_world_size: int,
+                trust_remote_code: bool = False) -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank.
 
     Args:
@@ -177,12 +222,12 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         activation_checkpointing: recompute each block's activations in backward.
         use_liger_kernels: Liger fused linear cross-entropy (CUDA only).
         local_world_size: processes per node (HYBRID_SHARD's shard group).
+        trust_remote_code: run the modelling code a checkpoint ships (off unless the user asks).
 
     Returns:
         The FSDP2-wrapped ``CausalLMWithLoss`` and what was resolved.
     """
     device = dist_info.device
-    attn = resolve_attn_implementation(attn_implementation, device.type)
     if cpu_offload and device.type == "cpu":
         log_rank_0("--cpu-offload has nothing to offload on CPU (FSDP2's CPUOffloadPolicy needs an "
                    "accelerator): parameters already live in host memory", level=logging.WARNING)
@@ -190,20 +235,24 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     # fp32 master weights everywhere; bf16 compute only where the hardware makes it pay.
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    config = AutoConfig.from_pretrained(model_name_or_path)
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     config.use_cache = False
+    # Every rank builds the architecture on meta (no memory); its attention needs pick the backend.
+    model = _meta_model(config, trust_remote_code)
+    attn = resolve_attn_implementation(attn_implementation, device.type, attention_needs(model))
+    if attn != "eager":
+        model.set_attn_implementation(attn)
     if dist_info.rank == 0:
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, config=config, dtype=torch.float32,
-                                                     attn_implementation=attn)
-        full_state = model.state_dict()
-        real_buffers = {name: buf.clone() for name, buf in model.named_buffers()}
-        # Rank 0 keeps only the state dict in host memory; the module itself is rebuilt on meta
-        # so every rank runs the identical sharding code below.
-        del model
+        # The stored dtype (bf16 for most checkpoints): one copy of the weights in host memory, at its
+        # smallest. The loaded module is dropped; its tensors live on in the state dict until broadcast.
+        loaded = AutoModelForCausalLM.from_pretrained(model_name_or_path, config=copy.deepcopy(config), dtype="auto",
+                                                      attn_implementation="eager",
+                                                      trust_remote_code=trust_remote_code)
+        full_state = loaded.state_dict()
+        real_buffers = dict(loaded.named_buffers())
+        del loaded
     else:
         full_state, real_buffers = {}, {}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     model.generation_config.use_cache = False
     if use_liger_kernels:
         # Rebinds RMSNorm/SwiGLU forwards (parameters untouched) and Liger's RoPE: before AC and fully_shard.
@@ -240,6 +289,11 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     )
     del full_state
     _broadcast_buffers(wrapper.model, real_buffers, device)
+    del real_buffers
+    log_rank_0(f"objective: logit processing {wrapper.logit_transform.describe()}; router loss "
+               + (f"coef {wrapper.router_loss.coef:g} x per-sample load balancing over "
+                  f"{wrapper.router_loss.num_experts} experts (top {wrapper.router_loss.top_k})"
+                  if wrapper.router_loss else "none"))
 
     return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
                                block_class=block_class, mesh_shape=tuple(mesh.shape))
@@ -248,7 +302,9 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
 def _broadcast_buffers(model: nn.Module, real_buffers: dict[str, torch.Tensor], device: torch.device) -> None:
     """Fill buffers (e.g. rotary inv_freq, often non-persistent) from rank 0's loaded model."""
     for name, buffer in model.named_buffers():
-        staging = real_buffers[name].to(device) if name in real_buffers else torch.empty_like(buffer, device=device)
+        # Rank 0's buffers are in the stored dtype; every rank stages in the module's dtype so sizes agree.
+        staging = (real_buffers[name].to(device=device, dtype=buffer.dtype) if name in real_buffers
+                   else torch.empty_like(buffer, device=device))
         dist.broadcast(staging, src=0)
         with torch.no_grad():
             buffer.copy_(staging)

@@ -51,7 +51,9 @@ from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, StepCounts, step_record
 from checkpoint import save_hf_checkpoint
 from full_state import PreemptionFlag, TrainState, remove_leftover_tmp, resume_train_state, save_full_state
-from setup_model_fsdp import setup_model
+from objective import router_aux_weight
+from selfcheck import check_data_fits_model, check_objective
+from setup_model_fsdp import attention_preflight, setup_model
 from trackers import make_tracker
 
 from utils import (
@@ -122,9 +124,13 @@ class TrainConfig:
                            "HYBRID_SHARD (shard within a node, replicate across nodes)")
     cpu_offload: bool = config_field(False, help="keep sharded params, grads and optimizer state in host memory")
     attn_implementation: str = config_field(
-        "auto", help="auto (flash_attention_2 if flash_attn imports on CUDA, else torch_varlen on CUDA with "
-                     "torch>=2.10, else sdpa), sdpa, eager, flash_attention_2, flash_attention_3, torch_varlen, "
-                     "reference_varlen (CPU, slow)")
+        "auto", help="auto (the fastest backend the architecture accepts: flash_attention_2, torch_varlen, "
+                     "sdpa, eager on CUDA; sdpa, eager on CPU), sdpa, eager, flash_attention_2, flash_attention_3, "
+                     "torch_varlen, reference_varlen (CPU, slow)")
+    trust_remote_code: bool = config_field(
+        False, help="run the modelling and tokenizer code a checkpoint ships (only for sources you trust)")
+    skip_objective_check: bool = config_field(
+        False, help="skip the start-up check that the trainer's loss equals the model's own forward(labels=...)")
     weight_decay: float = config_field(0.0, help="AdamW weight decay")
     adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
     max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
@@ -262,6 +268,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         for leftover in remove_leftover_tmp(config.output_dir):
             logger.warning("removed %s, left behind by a save that was interrupted", leftover)
     dataset = _load_dataset_rank0_first(config, dist_info)
+    _fail_together(dist_info, _check_data_fits_model(config, dataset) if dist_info.is_main else None)
     dataset, val_dataset, val_source = _validation_set(config, dataset, dist_info)
     total_steps = _total_steps(config, len(dataset))
     _check_scheduler(config, total_steps, dist_info)
@@ -277,7 +284,11 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
         use_liger_kernels=config.use_liger_kernels,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
+        trust_remote_code=config.trust_remote_code,
     )
+    if not config.skip_objective_check:
+        check_objective(model, dataset, attn_implementation=resolved.attn_implementation,
+                        compute_dtype=resolved.param_dtype, device=dist_info.device)
     max_tokens = config.max_tokens_per_gpu
     if max_tokens == "auto":
         max_tokens = probe_token_budget(
@@ -289,7 +300,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                                               max_tokens_per_rank=max_tokens, num_ranks=dist_info.world_size,
                                               group_size=config.batch_size, balance=config.balance)
         validation.announce(val_plan, val_source)
-    tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path) if dist_info.is_main else None
+    tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+                 if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
                                   weight_decay=config.weight_decay)
@@ -386,13 +398,20 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         scale = dist_info.world_size / max(batch.batch_num_loss_counted_tokens, 1)
         loss_sum = torch.zeros((), device=dist_info.device)
         backward_sum = torch.zeros((), device=dist_info.device)
+        router_aux_sum = torch.zeros((), device=dist_info.device)
         local_loss_tokens = 0
         for minibatch in batch.minibatches:
-            mb_loss = model(**_model_inputs(minibatch, resolved.attn_implementation, dist_info.device))
+            # MoE router loss (objective.py): per-sample, averaged over the batch's samples.
+            aux_weight = router_aux_weight(
+                model.router_loss, batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
+                batch_num_samples=batch.num_samples, minibatch_num_samples=minibatch.num_samples)
+            mb_loss = model(**_model_inputs(minibatch, resolved.attn_implementation, dist_info.device),
+                            router_aux_weight=aux_weight)
             mb_loss = _test_inject_nan(mb_loss, state.step + 1, dist_info.rank)
             scaled = mb_loss * scale
             scaled.backward()
-            loss_sum += mb_loss.detach()
+            loss_sum += model.last_ce_sum
+            router_aux_sum += model.last_router_aux_sum
             backward_sum += scaled.detach()
             local_loss_tokens += minibatch.num_loss_counted_tokens
         synchronize()  # so the forward/backward time below is the device's, not the launch queue's
@@ -415,7 +434,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         state.num_bad_steps = 0 if finite else state.num_bad_steps + 1
         _test_after_step_hooks(state.step, dist_info.rank)
         counts, preempted = _reduce_step_counts(loss_sum, backward_sum, local_loss_tokens, forward_backward_time,
-                                                batch, dist_info, preemption.requested)
+                                                batch, dist_info, preemption.requested,
+                                                router_aux_sum if model.router_loss is not None else None)
         synchronize()
         record = _step_metrics(dist_info, state, batch, counts, grad_norm, scheduler,
                                time.perf_counter() - start, skipped=not finite or empty)
@@ -491,9 +511,13 @@ def _preflight(config: TrainConfig) -> str | None:
     if config.validation_data_path and not Path(config.validation_data_path).exists():
         return f"--validation-data-path {config.validation_data_path}: no such file or folder"
     try:
-        AutoConfig.from_pretrained(config.model_name_or_path)
+        AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError) as err:
         return f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
+    attention_error = attention_preflight(config.model_name_or_path, config.attn_implementation,
+                                          trust_remote_code=config.trust_remote_code)
+    if attention_error is not None:
+        return attention_error
     for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
                                  ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
         if value is not None and importlib.util.find_spec(package) is None:
@@ -614,6 +638,18 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
     return dataset
 
 
+def _check_data_fits_model(config: TrainConfig, dataset) -> str | None:
+    """Every source of the data against the model's vocabulary and tokenizer (selfcheck.py)."""
+    parts = ([(source.path, part) for source, part in zip(dataset.sources, dataset.datasets)]
+             if isinstance(dataset, data_mix.MixedDataset) else [(config.data_path, dataset)])
+    for path, part in parts:
+        error = check_data_fits_model(part, path, config.model_name_or_path,
+                                      trust_remote_code=config.trust_remote_code)
+        if error:
+            return error
+    return None
+
+
 def _total_steps(config: TrainConfig, num_dataset_samples: int) -> int | None:
     """Optimizer steps until the first stop condition, or None for infinite sampling."""
     candidates = []
@@ -723,24 +759,26 @@ def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def _reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local_loss_tokens: int,
-                        forward_backward_time: float, batch, dist_info: DistInfo,
-                        preempt_requested: bool) -> tuple[StepCounts, bool]:
+                        forward_backward_time: float, batch, dist_info: DistInfo, preempt_requested: bool,
+                        router_aux_sum: torch.Tensor | None = None) -> tuple[StepCounts, bool]:
     """All-reduce this step's sums and the preemption flags (any rank's signal stops all).
 
     Counts travel as int64 so they stay exact past 2**24 tokens, where fp32 rounds.
     """
+    aux = loss_sum.new_zeros(()) if router_aux_sum is None else router_aux_sum.float().reshape(())
     sums = torch.stack([loss_sum.float(), backward_sum.float(),
-                        torch.tensor(forward_backward_time, device=loss_sum.device)])
+                        torch.tensor(forward_backward_time, device=loss_sum.device), aux.float()])
     integers = torch.tensor([local_loss_tokens, int(preempt_requested)], dtype=torch.int64, device=loss_sum.device)
     dist.all_reduce(sums)
     dist.all_reduce(integers)
-    loss_total, backward_total, time_total = sums.tolist()  # CPU-GPU sync point
+    loss_total, backward_total, time_total, router_aux_total = sums.tolist()  # CPU-GPU sync point
     loss_tokens, preempts = integers.tolist()
     counts = StepCounts(loss_sum=loss_total, backward_loss_sum=backward_total,
                         batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
                         num_loss_counted_tokens=loss_tokens, num_samples=batch.num_samples,
                         num_total_tokens=batch.num_total_tokens, num_dropped_samples=batch.num_dropped_samples,
-                        num_minibatches=len(batch.minibatches), forward_backward_time_sum=time_total)
+                        num_minibatches=len(batch.minibatches), forward_backward_time_sum=time_total,
+                        router_aux_loss_sum=None if router_aux_sum is None else router_aux_total)
     return counts, preempts > 0
 
 

@@ -1,0 +1,242 @@
+"""Start-up checks that the user's data and the trainer's objective fit the model.
+
+* ``check_data_fits_model`` (rank 0, before the model is built): every token id
+  in the data is below the model's vocabulary size, and the tokenizer
+  ``process_data.py`` recorded in its ``summary.json`` agrees with the model's
+  (a warning naming both otherwise). A bad id would otherwise end in an index
+  error deep inside the forward pass (a device-side assert on GPU).
+* ``check_objective`` (every rank, before the first step): on a few short real
+  rows, one at a time and unpacked, the trainer's loss (``loss.CausalLMWithLoss``:
+  decoder, chunked or fused cross-entropy, the model's logit processing and
+  router loss as ``objective.py`` reads them) equals the Hugging Face model's
+  own ``forward(input_ids, labels=...).loss``. Both run through the same sharded
+  module in the same compute dtype, so for a 70B model it costs a few forward
+  passes of short rows: seconds. The same rows packed into one row must give
+  the sum of their losses alone: attention keeps packed samples apart. Every rank runs the same rows (FSDP gathers
+  collectively) and reaches the same verdict; ``--skip-objective-check`` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from attention import attention_inputs
+from objective import router_aux_weight
+from utils import IGNORE_INDEX, log_rank_0
+
+NUM_ROWS = 3
+MAX_ROW_TOKENS = 256
+MIN_LOSS_TOKENS = 4
+RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+"""Largest relative loss difference accepted per compute dtype: a few roundings of the loss's
+reductions, far below what a skipped logit scale or router loss costs on a real checkpoint."""
+
+
+# ----------------------------------------------------------------------------
+# Data against model
+
+
+def check_data_fits_model(dataset, data_path: str, model_name: str, *, trust_remote_code: bool = False) -> str | None:
+    """Rank 0: an error line when a token id is out of the model's vocabulary; warns on a tokenizer mismatch.
+
+    Args:
+        dataset: a ``sampler.TokenizedDataset``.
+        model_name: the model's ``--model-name-or-path``.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None) or config.vocab_size
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        tokenizer = None  # a bare model folder: nothing to compare the recorded tokenizer with
+
+    max_id = dataset.max_token_id()
+    if max_id is not None and max_id >= vocab_size:
+        return (f"--data-path {data_path} holds token id {max_id}, but {model_name} has a vocabulary of "
+                f"{vocab_size}: the data was tokenized for another model. Re-run process_data.py with "
+                f"--model-name-or-path {model_name}")
+    recorded = _recorded_tokenizer(Path(data_path))
+    if recorded is None or tokenizer is None:
+        return None
+    ours = {"num_tokens": len(tokenizer), "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token}
+    differs = [f"{key} {recorded.get(key)!r} vs {value!r}" for key, value in ours.items()
+               if key in recorded and recorded[key] != value]
+    if differs:
+        log_rank_0(f"the data was tokenized with {recorded.get('name_or_path')!r} but the model is {model_name!r}, "
+                   f"and their tokenizers differ ({'; '.join(differs)}): the model will learn from ids that mean "
+                   "something else to it; re-run process_data.py with this model's tokenizer",
+                   level=logging.WARNING)
+    elif recorded.get("name_or_path") != model_name:
+        log_rank_0(f"the data was tokenized with {recorded.get('name_or_path')!r}, the model is {model_name!r}: "
+                   "their tokenizers agree in size and special tokens")
+    return None
+
+
+def _recorded_tokenizer(data_path: Path) -> dict | None:
+    """The ``tokenizer`` block of the ``summary.json`` process_data.py wrote beside the data, if any."""
+    if data_path.is_dir():
+        candidates = [data_path / "summary.json"]
+    else:
+        candidates = [data_path.with_name(data_path.stem + ".summary.json"), data_path.parent / "summary.json"]
+    for path in candidates:
+        if path.is_file():
+            try:
+                return json.loads(path.read_text()).get("tokenizer")
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Trainer objective against the model's own forward
+
+
+def pick_rows(dataset, *, num_rows: int = NUM_ROWS, max_tokens: int = MAX_ROW_TOKENS) -> list[int]:
+    """The shortest rows with at least ``MIN_LOSS_TOKENS`` loss tokens (any loss token if too few have that)."""
+    order = np.argsort(dataset.lengths, kind="stable")
+    picked, fallback = [], []
+    for index in order:
+        if len(picked) == num_rows or dataset.lengths[index] > max_tokens:
+            break
+        _, labels = dataset.sample_arrays(int(index))
+        num_loss = int((labels[1:] != IGNORE_INDEX).sum())
+        if num_loss >= MIN_LOSS_TOKENS:
+            picked.append(int(index))
+        elif num_loss and len(fallback) < num_rows:
+            fallback.append(int(index))
+    return picked or fallback
+
+
+def _row_tensors(dataset, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, unshifted labels, shifted labels)`` of one row, each [1, T]."""
+    ids, labels = dataset.sample_arrays(index)
+    input_ids = torch.tensor(ids.tolist(), dtype=torch.long, device=device).unsqueeze(0)
+    unshifted = torch.tensor(labels.tolist(), dtype=torch.long, device=device).unsqueeze(0)
+    shifted = torch.cat([unshifted[:, 1:], unshifted.new_full((1, 1), IGNORE_INDEX)], dim=1)
+    return input_ids, unshifted, shifted
+
+
+@torch.no_grad()
+def packed_versus_alone(wrapper, dataset, rows: list[int], *, attn_implementation: str,
+                        device: torch.device) -> tuple[float, float]:
+    """Summed token loss of ``rows`` packed into one row, and of each row alone (no router loss).
+
+    Attention must keep packed samples apart; an architecture whose forward
+    builds its mask without ``position_ids`` lets them see each other under
+    sdpa/eager, and the sums differ.
+    """
+    pieces = [_row_tensors(dataset, index, device) for index in rows]
+    was_training = wrapper.training
+    wrapper.eval()
+    try:
+        alone = 0.0
+        for input_ids, _, shifted in pieces:
+            position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)
+            row = SimpleNamespace(cu_seqlens=None, max_seqlen=None, position_ids=position_ids)
+            alone += float(wrapper(input_ids, position_ids, shifted,
+                                   **attention_inputs(row, attn_implementation, device)))
+        input_ids = torch.cat([p[0] for p in pieces], dim=1)
+        shifted = torch.cat([p[2] for p in pieces], dim=1)
+        position_ids = torch.cat([torch.arange(p[0].shape[1], device=device) for p in pieces]).unsqueeze(0)
+        row = SimpleNamespace(cu_seqlens=None, max_seqlen=None, position_ids=position_ids)
+        packed = float(wrapper(input_ids, position_ids, shifted, **attention_inputs(row, attn_implementation, device)))
+    finally:
+        wrapper.train(was_training)
+        _reshard(wrapper)
+    return packed, alone
+
+
+@torch.no_grad()
+def compare_losses(wrapper, dataset, rows: list[int], *, attn_implementation: str,
+                   device: torch.device) -> list[tuple[int, float, float]]:
+    """``(row, trainer loss, model's own loss)`` per row, each row alone and unpacked."""
+    results = []
+    was_training = wrapper.training
+    wrapper.eval()  # no dropout or router jitter: both sides must see the same function
+    try:
+        for index in rows:
+            input_ids, unshifted, shifted = _row_tensors(dataset, index, device)
+            num_loss = int((shifted != IGNORE_INDEX).sum())
+            position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)
+            row = SimpleNamespace(cu_seqlens=torch.tensor([0, input_ids.shape[1]], dtype=torch.int32),
+                                  max_seqlen=input_ids.shape[1], position_ids=position_ids)
+            boundaries = attention_inputs(row, attn_implementation, device)
+            weight = router_aux_weight(wrapper.router_loss, batch_num_loss_counted_tokens=num_loss,
+                                       batch_num_samples=1, minibatch_num_samples=1)
+            ours = wrapper(input_ids, position_ids, shifted, router_aux_weight=weight, **boundaries)
+            reference = wrapper(input_ids, position_ids, unshifted, own_forward=True, **boundaries)
+            results.append((index, float(ours) / num_loss, float(reference)))
+    finally:
+        wrapper.train(was_training)
+        _reshard(wrapper)
+    return results
+
+
+def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype: torch.dtype,
+                    device: torch.device) -> None:
+    """Stop every rank (SystemExit) when the trainer's loss is not the model's own; log the outcome."""
+    began = time.perf_counter()
+    model = wrapper.model
+    name = f"{type(model).__name__} (model_type {model.config.model_type!r})"
+    rows = pick_rows(dataset)
+    if not rows:
+        log_rank_0("objective self-check skipped: no row short enough with a loss token", level=logging.WARNING)
+        return
+    tolerance = RELATIVE_TOLERANCE.get(compute_dtype, 2e-2)
+    results = compare_losses(wrapper, dataset, rows, attn_implementation=attn_implementation, device=device)
+    worst = max(results, key=lambda r: _relative_error(r[1], r[2]))
+    error = _relative_error(worst[1], worst[2])
+    if error > tolerance:
+        index, ours, reference = worst
+        router = wrapper.router_loss
+        log_rank_0(
+            f"objective self-check failed for {name}: on data row {index} ({int(dataset.lengths[index])} tokens, "
+            f"alone, {str(compute_dtype).removeprefix('torch.')}) the trainer's loss is {ours:.6f} but the model's "
+            f"own forward(labels=...) gives {reference:.6f} (relative error {error:.1e} > {tolerance:.0e}). The "
+            "trainer would optimise a different objective than this architecture's (it applied logit processing "
+            f"{wrapper.logit_transform.describe()}, router loss {'coef %g' % router.coef if router else 'none'}). "
+            "Please report it with the model's config.json; --skip-objective-check trains anyway.",
+            level=logging.ERROR)
+        raise SystemExit(1)
+    if len(rows) > 1:
+        packed, alone = packed_versus_alone(wrapper, dataset, rows, attn_implementation=attn_implementation,
+                                            device=device)
+        packing_error = _relative_error(packed, alone)
+        if packing_error > tolerance:
+            log_rank_0(
+                f"objective self-check failed for {name}: {len(rows)} rows packed into one give a summed loss of "
+                f"{packed:.6f} but {alone:.6f} each alone (relative error {packing_error:.1e}): attention "
+                f"{attn_implementation} lets packed samples see each other in this architecture (its forward builds "
+                "the attention mask without position_ids). Choose a backend that takes explicit boundaries "
+                "(flash_attention_2, torch_varlen) if the model accepts one on this device, or report it; "
+                "--skip-objective-check trains anyway.", level=logging.ERROR)
+            raise SystemExit(1)
+    log_rank_0(f"objective self-check: the trainer's loss equals {name}'s own forward(labels=...) on {len(rows)} "
+               f"rows (max relative error {error:.1e}, tolerance {tolerance:.0e}, "
+               f"{time.perf_counter() - began:.2f}s)")
+
+
+def _reshard(wrapper) -> None:
+    """Free what no-grad forwards left gathered: with SHARD_GRAD_OP (reshard_after_forward=False) nothing
+    else would, and the first training step then meets unsharded parameters (a crash on gloo)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in wrapper.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _relative_error(ours: float, reference: float) -> float:
+    if not (math.isfinite(ours) and math.isfinite(reference)):
+        return math.inf
+    return abs(ours - reference) / max(abs(reference), 1e-6)

@@ -1,0 +1,81 @@
+"""Test-side architecture matrix: tiny random causal LMs of many families, sharing one tokenizer.
+
+Each is built with ``AutoConfig.for_model(model_type, ...)`` and ``save_pretrained``
+into its own folder beside a copy of the chatml tokenizer, then loaded through
+``from_pretrained`` like any downloaded checkpoint. ``initializer_range`` is
+large enough that logits are far from uniform, so a skipped logit transform
+or router loss moves the loss well beyond float noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.3,
+              attention_dropout=0.0)
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    model_type: str
+    exercises: str
+    overrides: dict = field(default_factory=dict)
+    moe: bool = False
+    stored_dtype: torch.dtype = torch.float32  # bf16 exercises rank 0's load in the stored dtype
+
+
+ARCHITECTURES = (
+    Arch("llama", "llama", "dense baseline, stored in bf16", {"tie_word_embeddings": False},
+         stored_dtype=torch.bfloat16),
+    Arch("qwen2_tied_swa", "qwen2", "tied embeddings, sliding window on one layer",
+         {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    Arch("qwen3", "qwen3", "dense, q/k norm", {"tie_word_embeddings": False}),
+    Arch("mistral_swa", "mistral", "sliding window attention", {"sliding_window": 8}),
+    Arch("phi3", "phi3", "fused qkv / gate-up projections", {"pad_token_id": 0}),
+    Arch("olmo2", "olmo2", "post-norm blocks", {}),
+    Arch("granite", "granite", "logits_scaling (divide), residual/embedding multipliers",
+         {"logits_scaling": 0.25, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+          "attention_multiplier": 0.2}),
+    Arch("cohere", "cohere", "logit_scale (multiply), tied embeddings", {"logit_scale": 3.0}),
+    Arch("gemma2", "gemma2", "final + attention logit softcapping, sliding window, refuses sdpa",
+         {"final_logit_softcapping": 2.0, "attn_logit_softcapping": 5.0, "sliding_window": 8,
+          "query_pre_attn_scalar": 8}),
+    Arch("gemma3", "gemma3_text", "sliding window layer pattern, final softcapping",
+         {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+          "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 8}),
+    Arch("qwen3_moe_aux", "qwen3_moe", "MoE with router load-balancing loss",
+         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+          "mlp_only_layers": [], "output_router_logits": True, "router_aux_loss_coef": 0.5}, moe=True),
+    Arch("mixtral", "mixtral", "MoE without router loss",
+         {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": False,
+          "sliding_window": None}, moe=True),
+    Arch("granitemoe_aux", "granitemoe", "MoE with router loss + logits_scaling",
+         {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+          "router_aux_loss_coef": 0.5, "logits_scaling": 0.5}, moe=True),
+    Arch("gpt_oss", "gpt_oss", "attention sinks, sliding window, MoE with biases, refuses sdpa",
+         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+          "layer_types": ["sliding_attention", "full_attention"], "output_router_logits": False}, moe=True),
+)
+ARCH_BY_NAME = {arch.name: arch for arch in ARCHITECTURES}
+
+
+def build_architecture(arch: Arch, tokenizer_dir: Path, output_dir: Path, *, seed: int = 0) -> Path:
+    """Save ``arch`` as a random tiny model with the tokenizer of ``tokenizer_dir``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.save_pretrained(output_dir)
+    config = AutoConfig.for_model(arch.model_type, vocab_size=len(tokenizer), **{**COMMON, **arch.overrides})
+    config.eos_token_id = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(arch.stored_dtype)
+    model.config.dtype = arch.stored_dtype
+    model.save_pretrained(output_dir)
+    return output_dir

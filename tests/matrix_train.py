@@ -1,0 +1,53 @@
+"""Test driver, launched by tests/test_architectures.py under ``torchrun --nproc-per-node=2``.
+
+Trains several architectures one after another in the same torchrun job
+(``train.train`` per run: its own process group, model, data loader and
+output folder), so the matrix pays Python, torch and transformers start-up
+once instead of once per architecture. Each run is given as a JSON object
+on the command line: ``{"name", "args": [train.py flags], "env": {...}}``;
+the exit code of every run (0, or ``SystemExit``'s) goes to
+``<first run's --output-dir>/../results_<rank>.json``.
+
+The process group is created by the first run and kept for the next ones
+(``train.cleanup`` is replaced for the job's duration): destroying and
+re-creating it under one torchrun agent hangs on the third creation here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import train  # noqa: E402
+
+
+def main() -> None:
+    runs = [json.loads(arg) for arg in sys.argv[1:]]
+    destroy = train.cleanup
+    train.cleanup = lambda: None
+    results = {}
+    for run in runs:
+        saved = {key: os.environ.get(key) for key in run.get("env", {})}
+        os.environ.update(run.get("env", {}))
+        try:
+            train.main(run["args"])
+            results[run["name"]] = 0
+        except SystemExit as stop:
+            results[run["name"]] = stop.code if isinstance(stop.code, int) else 1
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    destroy()
+    out = Path(runs[0]["args"][runs[0]["args"].index("--output-dir") + 1]).parent
+    (out / f"results_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The objective's pieces and the start-up checks, in one process (no torchrun).
+
+    .venv/bin/python -m pytest -q tests/test_objective.py
+
+Liger's fused linear cross-entropy runs on CPU tensors under Triton's
+interpreter (``TRITON_INTERPRET=1``, set in a subprocess before triton is
+imported); with the logit scale folded into the hidden states it must equal
+the chunked PyTorch loss, loss and gradients (Liger's softcap branch does not
+run under the interpreter: its argument is checked). The per-sample router loss must equal
+transformers' ``load_balancing_loss_func`` on each sample alone, whatever the
+packing. Attention selection follows what the architecture accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from architectures import ARCH_BY_NAME, COMMON
+from attention import attention_needs, backend_refusal, reference_varlen_attention_forward
+from e2e import ROOT, write_tokenized_jsonl
+from objective import LogitTransform, router_aux_sum
+from sampler import load_tokenized_dataset
+from selfcheck import check_data_fits_model
+from setup_model_fsdp import explicit_attention_refusal, resolve_attn_implementation
+from utils import logger
+
+LIGER_SCRIPT = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from loss import chunked_cross_entropy_sum, make_liger_fused_loss
+from objective import LogitTransform
+torch.manual_seed(0)
+T, H, V = 24, 16, 64
+results = {}
+for scale, softcap in ((1.0, None), (0.0625, None), (3.0, None)):
+    transform = LogitTransform(scale=scale, softcap=softcap)
+    hidden = torch.randn(T, H, requires_grad=True)
+    weight = (torch.randn(V, H) * 0.5).requires_grad_()
+    labels = torch.randint(0, V, (T,)); labels[:5] = -100
+    plain = chunked_cross_entropy_sum(hidden, weight, None, labels, transform=transform, chunk_tokens=7)
+    g_plain = torch.autograd.grad(plain, (hidden, weight))
+    h2 = hidden.detach().clone().requires_grad_(); w2 = weight.detach().clone().requires_grad_()
+    fused = make_liger_fused_loss(transform)(w2, h2 * scale if scale != 1.0 else h2, labels, None)
+    fused.backward()
+    results[f"{scale}/{softcap}"] = {
+        "loss": [plain.item(), fused.item()],
+        "grad_hidden": (g_plain[0] - h2.grad).abs().max().item(),
+        "grad_weight": (g_plain[1] - w2.grad).abs().max().item(),
+        "accum_dtype": str(make_liger_fused_loss(transform).accum_dtype)}
+results["softcap_argument"] = make_liger_fused_loss(LogitTransform(softcap=2.0)).softcap
+print("RESULTS" + json.dumps(results))
+"""
+
+
+def test_liger_fused_loss_equals_plain_path_under_triton_interpreter():
+    pytest.importorskip("liger_kernel")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", LIGER_SCRIPT, str(ROOT)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULTS")]
+    results = json.loads(line.removeprefix("RESULTS"))
+    # Liger 0.8.5's softcap branch casts a scalar argument, which Triton's interpreter cannot: the cap
+    # is checked to reach Liger's own argument; its kernel math runs on GPUs only.
+    assert results.pop("softcap_argument") == 2.0
+    for case, r in results.items():
+        plain, fused = r["loss"]
+        assert fused == pytest.approx(plain, rel=1e-5), case
+        assert r["grad_hidden"] < 1e-5 and r["grad_weight"] < 1e-5, case
+        assert r["accum_dtype"] == "torch.float32"
+
+
+def test_logit_transform_matches_the_forward_order():
+    logits = torch.randn(5, 7) * 4
+    t = LogitTransform(scale=0.5, softcap=3.0)
+    torch.testing.assert_close(t.apply(logits), 3.0 * torch.tanh(logits * 0.5 / 3.0))
+    assert LogitTransform().is_identity and LogitTransform().apply(logits) is logits
+
+
+@pytest.mark.parametrize("lengths", [[7], [3, 9, 1, 5], [1, 1, 1]])
+def test_router_aux_sum_is_each_samples_own_load_balancing_loss(lengths):
+    torch.manual_seed(len(lengths))
+    num_experts, top_k, layers = 6, 2, 3
+    total = sum(lengths)
+    logits = tuple(torch.randn(total, num_experts) for _ in range(layers))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = router_aux_sum(logits, cu, num_experts=num_experts, top_k=top_k)
+    expected = sum(load_balancing_loss_func(tuple(layer[s:e] for layer in logits), num_experts, top_k)
+                   for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()))
+    torch.testing.assert_close(packed, torch.as_tensor(expected, dtype=torch.float32))
+
+
+def _meta(name: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch = ARCH_BY_NAME[name]
+    config = AutoConfig.for_model(arch.model_type, vocab_size=64, **{**COMMON, **arch.overrides})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("name,cpu,cuda", [("llama", "sdpa", "torch_varlen"), ("gemma2", "eager", "eager"),
+                                           ("gpt_oss", "eager", "eager"), ("mistral_swa", "sdpa", "torch_varlen")])
+def test_auto_picks_what_the_architecture_accepts(name, cpu, cuda):
+    from attention import flash_attn_unavailable_reason, torch_varlen_unavailable_reason
+
+    needs = attention_needs(_meta(name))
+    assert resolve_attn_implementation("auto", "cpu", needs) == cpu
+    if flash_attn_unavailable_reason("flash_attention_2") is None or torch_varlen_unavailable_reason():
+        pytest.skip("the CUDA choice depends on flash_attn / torch varlen here")
+    assert resolve_attn_implementation("auto", "cuda", needs) == cuda
+
+
+def test_needs_are_read_from_the_model():
+    gemma2, gpt_oss, llama = (attention_needs(_meta(n)) for n in ("gemma2", "gpt_oss", "llama"))
+    assert gemma2.softcap == 5.0 and not gemma2.supports_sdpa and not gemma2.sinks
+    assert gpt_oss.sinks and not gpt_oss.supports_sdpa
+    assert llama.supports_sdpa and llama.softcap is None and not llama.sinks
+    assert backend_refusal("reference_varlen", gemma2) and backend_refusal("flash_attention_2", gpt_oss)
+    assert backend_refusal("flash_attention_2", gemma2) is None  # flash-attn implements softcapping
+
+
+def test_explicit_refused_choice_is_one_line_naming_the_accepted():
+    needs = attention_needs(_meta("gemma2"))
+    error = explicit_attention_refusal("sdpa", needs)
+    assert error == ("--attn-implementation sdpa: Gemma2ForCausalLM does not support sdpa; this model accepts "
+                     "auto, eager, flash_attention_2, flash_attention_3")
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM does not support sdpa"):
+        resolve_attn_implementation("sdpa", "cpu", needs)
+    with pytest.raises(ValueError, match="attention sinks"):
+        resolve_attn_implementation("reference_varlen", "cpu", attention_needs(_meta("gpt_oss")))
+
+
+def test_varlen_backend_refuses_sinks_instead_of_dropping_them():
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="sinks"):
+        reference_varlen_attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(2),
+                                           position_ids=torch.arange(4)[None])
+
+
+def test_out_of_vocabulary_data_is_refused_and_tokenizer_mismatch_warned(tmp_path, chatml_model, llama3_model,
+                                                                       caplog):
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(chatml_model))
+    too_big = write_tokenized_jsonl(tmp_path / "big" / "data.jsonl", num_samples=4, vocab_size=vocab + 50, seed=0)
+    error = check_data_fits_model(load_tokenized_dataset(str(too_big)), str(too_big), str(chatml_model))
+    assert error is not None and "vocabulary of" in error and str(chatml_model) in error
+
+    ok = write_tokenized_jsonl(tmp_path / "ok" / "data.jsonl", num_samples=4, vocab_size=vocab, seed=0)
+    other = AutoTokenizer.from_pretrained(llama3_model)
+    (tmp_path / "ok" / "summary.json").write_text(json.dumps({"tokenizer": {
+        "name_or_path": str(llama3_model), "num_tokens": len(other), "eos_token": other.eos_token,
+        "bos_token": other.bos_token}}))
+    logger.addHandler(caplog.handler)  # the toolkit's logger does not propagate once setup_logging ran
+    try:
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            assert check_data_fits_model(load_tokenized_dataset(str(ok)), str(ok), str(chatml_model)) is None
+    finally:
+        logger.removeHandler(caplog.handler)
+    warned = [r.getMessage() for r in caplog.records if "tokenized with" in r.getMessage()]
+    assert warned and str(llama3_model) in warned[0] and str(chatml_model) in warned[0]
