@@ -7,6 +7,12 @@ when there is more than one shard), ``config.json``, ``generation_config.json``
 and the tokenizer files. It is written into ``samples_<N>.tmp`` and renamed
 only when complete, so a crash mid-save never leaves a folder that looks
 finished.
+
+With LoRA (``--lora-rank``) the folder holds the merged model (``W + scaling *
+B @ A``, the form vLLM serves) and the adapter in ``adapter/``
+(``adapter_config.json`` + ``adapter_model.safetensors`` for
+``peft.PeftModel.from_pretrained``); with ``--no-lora-merge-on-export`` only the
+adapter, at the top of the folder.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from full_state import complete_checkpoints
+from lora import export_states, lora_scaling
 from loss import CausalLMWithLoss
 from setup_model_fsdp import gather_full_state_dict
 
@@ -47,7 +54,8 @@ def _tied_output_key(model: torch.nn.Module) -> str | None:
 
 def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num_samples: int, tokenizer,
                        generation_config, rank: int, keep_last_n: int | None = None,
-                       max_shard_size: str = MAX_SHARD_SIZE) -> Path:
+                       max_shard_size: str = MAX_SHARD_SIZE, lora_merge: bool = True,
+                       base_model_name_or_path: str | None = None) -> Path:
     """Gather the full model (collective: every rank calls this) and write it from rank 0.
 
     Args:
@@ -59,6 +67,8 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
         rank: this process's rank; only rank 0 writes.
         keep_last_n: once the new export is complete, delete all but the newest N.
         max_shard_size: safetensors shard size (Hugging Face's 5 GB by default).
+        lora_merge: with LoRA, also write the merged model (else the adapter alone).
+        base_model_name_or_path: recorded in the adapter's config (LoRA only).
 
     Returns:
         The final folder path.
@@ -67,29 +77,22 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
     final = hf_checkpoint_dir(output_dir, num_samples)
     if rank == 0:
         model = wrapper.model
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        lora_config = getattr(wrapper, "lora_config", None)
+        if lora_config is not None:
+            state, adapter = export_states(state, scaling=lora_scaling(lora_config),
+                                           fan_in_fan_out=lora_config.fan_in_fan_out)
+            _save_adapter(adapter, lora_config, (tmp / "adapter") if lora_merge else tmp, base_model_name_or_path)
         tied_key = _tied_output_key(model)
         state = {
             name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
             for name, tensor in state.items()
             if name != tied_key
         }
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
-                                                   max_shard_size=max_shard_size)
-        for filename, names in split.filename_to_tensors.items():
-            save_file({name: state[name] for name in names}, tmp / filename, metadata={"format": "pt"})
-        if split.is_sharded:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                     "weight_map": split.tensor_to_filename}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-        config = copy.deepcopy(model.config)
-        config.use_cache = True  # training turned the KV cache off; inference wants it back
-        config.dtype = torch.bfloat16
-        config.save_pretrained(tmp)
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
+        if lora_config is None or lora_merge:
+            _save_model(state, model.config, generation_config, tmp, max_shard_size)
         tokenizer.save_pretrained(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -99,3 +102,33 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _save_model(state: dict[str, torch.Tensor], model_config, generation_config, folder: Path,
+                max_shard_size: str) -> None:
+    """bf16 safetensors shards (with an index when sharded), config and generation config."""
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state[name] for name in names}, folder / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    config = copy.deepcopy(model_config)
+    config.use_cache = True  # training turned the KV cache off; inference wants it back
+    config.dtype = torch.bfloat16
+    config.save_pretrained(folder)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+
+
+def _save_adapter(adapter: dict[str, torch.Tensor], lora_config, folder: Path,
+                  base_model_name_or_path: str | None) -> None:
+    """peft's adapter files, in fp32 (small, and exact for resuming or merging elsewhere)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(lora_config)
+    config.base_model_name_or_path = base_model_name_or_path
+    config.save_pretrained(folder)
+    save_file({name: tensor.float().contiguous() for name, tensor in adapter.items()},
+              folder / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -32,12 +32,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from utils import DistInfo, log_rank_0, logger, rng_state, set_rng_state
 
 TRAINER_STATE = "trainer_state.json"
 FORMAT_VERSION = 1
+# Frozen weights (LoRA's base model) never change, so resume reloads them from the
+# model itself; the checkpoint holds only what training moves.
+# dcp.load fills exactly the keys get_state_dict listed, so a non-strict set only lets the
+# frozen keys be absent.
+STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass
@@ -97,7 +103,7 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
     if not agree(error is None, dist_info.device):
         _abort_save(error, final, dist_info)
     try:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         torch.save(rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")
         if dist_info.is_main:
@@ -168,9 +174,10 @@ def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, mode
             raise ValueError(f"{path} was written for another model or dataset ({details}); "
                              "use --no-resume or another --output-dir")
         try:
-            model_state, optim_state = get_state_dict(model, optimizer)
+            model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
             dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
-            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                           options=LOAD_OPTIONS)
         except (OSError, dcp.CheckpointException, RuntimeError, pickle.UnpicklingError) as err:
             logger.warning("skipping unreadable checkpoint %s: %s", path, str(err).splitlines()[0])
             continue

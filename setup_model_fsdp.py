@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from attention import (FLASH_BACKENDS, TORCH_VARLEN, flash_attn_unavailable_reason, register_attention_backends,
                        torch_varlen_unavailable_reason)
+from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss
 from utils import DistInfo, log_rank_0
 
@@ -46,6 +47,8 @@ class ModelSetup:
     num_blocks: int
     block_class: str
     mesh_shape: tuple[int, ...]
+    num_trainable_params: int
+    num_params: int
 
 
 def resolve_attn_implementation(requested: str, device_type: str) -> str:
@@ -165,7 +168,8 @@ def build_mesh(strategy: str, dist_info: DistInfo, local_world_size: int) -> Dev
 
 def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementation: str,
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
-                use_liger_kernels: bool, local_world_size: int) -> tuple[CausalLMWithLoss, ModelSetup]:
+                use_liger_kernels: bool, local_world_size: int,
+                lora: LoraSettings | None = None) -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank.
 
     Args:
@@ -177,6 +181,7 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         activation_checkpointing: recompute each block's activations in backward.
         use_liger_kernels: Liger fused linear cross-entropy (CUDA only).
         local_world_size: processes per node (HYBRID_SHARD's shard group).
+        lora: inject LoRA adapters and freeze the base weights (None: full fine-tuning).
 
     Returns:
         The FSDP2-wrapped ``CausalLMWithLoss`` and what was resolved.
@@ -195,6 +200,9 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     if dist_info.rank == 0:
         model = AutoModelForCausalLM.from_pretrained(model_name_or_path, config=config, dtype=torch.float32,
                                                      attn_implementation=attn)
+        if lora is not None:
+            # Adapters are initialised here, on rank 0, and reach the other ranks with the weights.
+            apply_lora(model, lora)
         full_state = model.state_dict()
         real_buffers = {name: buf.clone() for name, buf in model.named_buffers()}
         # Rank 0 keeps only the state dict in host memory; the module itself is rebuilt on meta
@@ -205,6 +213,7 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     model.generation_config.use_cache = False
+    lora_config = apply_lora(model, lora) if lora is not None else None
     if use_liger_kernels:
         # Rebinds RMSNorm/SwiGLU forwards (parameters untouched) and Liger's RoPE: before AC and fully_shard.
         apply_liger_kernels(model, device_type=device.type)
@@ -216,6 +225,8 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels)
+    wrapper.lora_config = lora_config
+    num_trainable, num_params = count_parameters(model)
 
     mesh = build_mesh(sharding_strategy, dist_info, local_world_size)
     fsdp_kwargs = {
@@ -242,7 +253,8 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     _broadcast_buffers(wrapper.model, real_buffers, device)
 
     return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
-                               block_class=block_class, mesh_shape=tuple(mesh.shape))
+                               block_class=block_class, mesh_shape=tuple(mesh.shape),
+                               num_trainable_params=num_trainable, num_params=num_params)
 
 
 def _broadcast_buffers(model: nn.Module, real_buffers: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -46,6 +46,7 @@ from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, StepCounts, step_record
 from checkpoint import save_hf_checkpoint
 from full_state import PreemptionFlag, TrainState, resume_train_state, save_full_state
+from lora import ALL_LINEAR, LoraSettings, lora_preflight
 from setup_model_fsdp import setup_model
 from trackers import make_tracker
 
@@ -129,6 +130,20 @@ class TrainConfig:
                                                           "folder (pip install tensorboard)")
     max_bad_steps: int = config_field(5, help="abort after this many consecutive steps with a non-finite "
                                               "loss or gradient norm (each one is skipped)")
+    lora_rank: int = config_field(0, help="LoRA rank r: train low-rank adapters on a frozen base model "
+                                          "(0 = full fine-tuning)")
+    lora_alpha: float | None = config_field(None, help="LoRA alpha; adapters are scaled by alpha / r "
+                                                        "(default: 2 x --lora-rank)")
+    lora_dropout: float = config_field(0.0, help="dropout on the adapters' input")
+    lora_target_modules: str = config_field(
+        ALL_LINEAR, help="comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear: every "
+                         "linear layer of the decoder blocks (the LM head excluded)")
+    lora_use_rslora: bool = config_field(False, help="rank-stabilised LoRA: scale by alpha / sqrt(r)")
+    lora_merge_on_export: bool = config_field(
+        True, help="Hugging Face exports hold the merged model (loads with transformers and vLLM as is) plus "
+                   "the adapter in adapter/; --no-lora-merge-on-export writes the adapter alone")
+    lora_quantize_data_type: Literal["none", "nf4"] = config_field(
+        "none", help="QLoRA base-weight quantization: only none is supported (nf4 is refused, see README)")
 
     def __post_init__(self) -> None:
         self.logging_level = self.logging_level.upper()
@@ -158,7 +173,25 @@ class TrainConfig:
             errors.append("--keep-last-n-checkpoints must be at least 1")
         if self.max_bad_steps < 1:
             errors.append("--max-bad-steps must be at least 1")
+        if self.lora_rank < 0:
+            errors.append(f"--lora-rank must be positive (or 0 for full fine-tuning), got {self.lora_rank}")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            errors.append(f"--lora-alpha must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            errors.append(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_quantize_data_type != "none":
+            errors.append("--lora-quantize-data-type nf4 (QLoRA) is not supported: 4-bit base weights need "
+                          "bitsandbytes' CUDA kernels under FSDP2, which this trainer has not been validated with; "
+                          "use plain LoRA (bf16 base weights)")
         collect_errors(errors)
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        if self.lora_rank == 0:
+            return None
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+        return LoraSettings(rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout,
+                            target_modules=self.lora_target_modules, use_rslora=self.lora_use_rslora)
 
     @property
     def has_stop_condition(self) -> bool:
@@ -190,7 +223,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         attn_implementation=config.attn_implementation, sharding_strategy=config.fsdp_sharding_strategy,
         cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
         use_liger_kernels=config.use_liger_kernels,
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)), lora=config.lora,
     )
     max_tokens = config.max_tokens_per_gpu
     if max_tokens == "auto":
@@ -199,8 +232,9 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
             model_inputs=lambda mb: _model_inputs(mb, resolved.attn_implementation, dist_info.device))
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path) if dist_info.is_main else None
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
-                                  weight_decay=config.weight_decay)
+    # Only trainable parameters get optimizer state (with LoRA: the adapters alone).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
+                                  betas=config.adam_betas, weight_decay=config.weight_decay)
     scheduler = _build_scheduler(config, optimizer, total_steps)
     model_fingerprint = fingerprint(model.model.config, dataset)
     began = time.perf_counter()
@@ -226,7 +260,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
             exported = save_hf_checkpoint(
                 model, output_dir=config.output_dir, num_samples=state.samples_seen, tokenizer=tokenizer,
                 generation_config=generation_config, rank=dist_info.rank,
-                keep_last_n=config.keep_last_n_checkpoints)
+                keep_last_n=config.keep_last_n_checkpoints, lora_merge=config.lora_merge_on_export,
+                base_model_name_or_path=config.model_name_or_path)
             log_rank_0("saved Hugging Face checkpoint %s in %.2fs (%.1f MB)", exported,
                        time.perf_counter() - began, _folder_mb(exported))
         began = time.perf_counter()
@@ -339,9 +374,13 @@ def _preflight(config: TrainConfig) -> str | None:
     if not Path(config.data_path).exists():
         return f"--data-path {config.data_path}: no such file or folder"
     try:
-        AutoConfig.from_pretrained(config.model_name_or_path)
+        model_config = AutoConfig.from_pretrained(config.model_name_or_path)
     except (OSError, ValueError) as err:
         return f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
+    if config.lora is not None:
+        error = lora_preflight(model_config, config.lora)
+        if error:
+            return error
     for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
                                  ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
         if value is not None and importlib.util.find_spec(package) is None:
@@ -423,6 +462,10 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_sa
                resolved.block_class, config.fsdp_sharding_strategy, resolved.mesh_shape,
                str(resolved.param_dtype).removeprefix("torch."), resolved.attn_implementation,
                "on" if config.activation_checkpointing else "off")
+    log_rank_0("trainable parameters: %s of %s (%.2f%%)%s", f"{resolved.num_trainable_params:,}",
+               f"{resolved.num_params:,}", 100.0 * resolved.num_trainable_params / max(resolved.num_params, 1),
+               f", LoRA rank {config.lora.rank}, alpha {config.lora.alpha:g} on {config.lora_target_modules}"
+               if config.lora else "")
     log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
                "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
                config.batch_size, max_tokens)
