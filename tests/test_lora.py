@@ -20,11 +20,13 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from api import config_to_argv
 from e2e import read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from lora import LoraSettings, apply_lora, export_states, lora_preflight
 from sampler import InfiniteSampler, load_tokenized_dataset
 from train import TrainConfig
+from utils import parse_config
 
 BATCH = 12
 BUDGET = 64  # forces several packed minibatches per rank
@@ -156,6 +158,8 @@ def test_base_weights_untouched_and_exports_load(two_step_run, chatml_model):
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chatml_model, dtype=torch.float32),
                                            export / "adapter")
     merged_model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    params = json.loads((two_step_run / "training_params.json").read_text())
+    assert (params["lora_rank"], params["lora_alpha"], params["lora_target_modules"]) == (4, 8.0, "all-linear")
     config = json.loads((export / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == SETTINGS.rank and config["base_model_name_or_path"] == str(chatml_model)
     input_ids = torch.arange(3, 40).unsqueeze(0)
@@ -197,6 +201,9 @@ def test_full_state_holds_only_adapters_and_resume_is_exact(tmp_path, chatml_mod
 
 
 def test_bad_lora_settings_are_one_line_errors(tmp_path, chatml_model, data_path):
+    lora = TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=8, lora_target_modules="q_proj,v_proj",
+                       lora_merge_on_export=False)
+    assert parse_config(TrainConfig, config_to_argv(lora)) == lora  # the Python API carries LoRA settings
     with pytest.raises(ValueError, match="--lora-rank must be positive"):
         TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=-2)
     with pytest.raises(ValueError, match="QLoRA"):
