@@ -7,6 +7,12 @@ when there is more than one shard), ``config.json``, ``generation_config.json``
 and the tokenizer files. It is written into ``samples_<N>.tmp`` and renamed
 only when complete, so a crash mid-save never leaves a folder that looks
 finished.
+
+With LoRA (``--lora-rank``) the folder holds the merged model (``W + scaling *
+B @ A``, the form vLLM serves) and the adapter in ``adapter/``
+(``adapter_config.json`` + ``adapter_model.safetensors`` for
+``peft.PeftModel.from_pretrained``); with ``--no-lora-merge-on-export`` only the
+adapter, at the top of the folder.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from full_state import complete_checkpoints
+from lora import export_states, lora_scaling
 from loss import CausalLMWithLoss
 from setup_model_fsdp import gather_full_state_dict
 from utils import logger
@@ -95,29 +102,23 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
     if os.environ.get("MINI_TRAINER_TEST_FAIL_EXPORT") == final.name:
         raise OSError(errno.ENOSPC, "No space left on device (test hook MINI_TRAINER_TEST_FAIL_EXPORT)")
     model = wrapper.model
-    tied_key = _tied_output_key(model)
-    state = {
-        name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
-        for name, tensor in state.items()
-        if name != tied_key
-    }
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({name: state[name] for name in names}, tmp / filename, metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-    config = copy.deepcopy(model.config)
-    config.use_cache = True  # training turned the KV cache off; inference wants it back
-    config.dtype = torch.bfloat16
-    config.save_pretrained(tmp)
-    if generation_config is not None:
-        generation_config.save_pretrained(tmp)
+    lora_config = getattr(wrapper, "lora_config", None)
+    merge = getattr(wrapper, "lora_merge_on_export", True)
+    if lora_config is not None:
+        state, adapter = export_states(state, scaling=lora_scaling(lora_config),
+                                       fan_in_fan_out=lora_config.fan_in_fan_out)
+        _save_adapter(adapter, lora_config, (tmp / "adapter") if merge else tmp)
+    if lora_config is None or merge:
+        tied_key = _tied_output_key(model)
+        state = {
+            name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
+            for name, tensor in state.items()
+            if name != tied_key
+        }
+        _save_model(state, model.config, generation_config, tmp, max_shard_size)
     tokenizer.save_pretrained(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -125,3 +126,30 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
     if keep_last_n:
         for old in complete_checkpoints(final.parent)[:-keep_last_n]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_model(state: dict[str, torch.Tensor], model_config, generation_config, folder: Path,
+                max_shard_size: str) -> None:
+    """bf16 safetensors shards (with an index when sharded), config and generation config."""
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state[name] for name in names}, folder / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    config = copy.deepcopy(model_config)
+    config.use_cache = True  # training turned the KV cache off; inference wants it back
+    config.dtype = torch.bfloat16
+    config.save_pretrained(folder)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+
+
+def _save_adapter(adapter: dict[str, torch.Tensor], lora_config, folder: Path) -> None:
+    """peft's adapter files, in fp32 (small, and exact for resuming or merging elsewhere)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lora_config.save_pretrained(folder)
+    save_file({name: tensor.float().contiguous() for name, tensor in adapter.items()},
+              folder / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -33,12 +33,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from utils import DistInfo, log_rank_0, logger, rng_state, set_rng_state
 
 TRAINER_STATE = "trainer_state.json"
 FORMAT_VERSION = 1
+# Frozen weights (LoRA's base model) never change, so resume reloads them from the
+# model itself; the checkpoint holds only what training moves.
+# dcp.load fills exactly the keys get_state_dict listed, so a non-strict set only lets the
+# frozen keys be absent.
+STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass
@@ -59,8 +65,12 @@ def full_state_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "full_state"
 
 
-def fingerprint(model_config, dataset) -> dict:
-    """What must not change between a checkpoint and its resume: model shape and data."""
+def fingerprint(model_config, dataset, lora=None) -> dict:
+    """What must not change between a checkpoint and its resume: model shape, adapters and data.
+
+    ``lora`` (``lora.LoraSettings`` or None) shapes the trainable parameters, so a
+    checkpoint of other adapters (or of full fine-tuning) cannot be resumed.
+    """
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     return {
         "model_type": model_config.model_type,
@@ -69,6 +79,7 @@ def fingerprint(model_config, dataset) -> dict:
         "num_hidden_layers": text_config.num_hidden_layers,
         "num_data_samples": len(dataset),
         "data_lengths_sha1": hashlib.sha1(np.ascontiguousarray(dataset.lengths, dtype=np.int64)).hexdigest(),
+        "lora": None if lora is None else [lora.rank, lora.alpha, lora.target_modules, lora.use_rslora],
     }
 
 
@@ -101,7 +112,7 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
     if not agree(error is None, dist_info.device):
         _abort_save(error, final, dist_info)
     try:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         torch.save(rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")  # tensors and numbers: no pickle needed
         if dist_info.is_main:
@@ -196,9 +207,10 @@ def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, mode
             raise ValueError(f"{path} was written for another model or dataset ({details}); "
                              "use --no-resume or another --output-dir")
         try:
-            model_state, optim_state = get_state_dict(model, optimizer)
+            model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
             dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
-            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                           options=LOAD_OPTIONS)
         except (OSError, dcp.CheckpointException, RuntimeError, pickle.UnpicklingError) as err:
             logger.warning("skipping unreadable checkpoint %s: %s", path, str(err).splitlines()[0])
             continue

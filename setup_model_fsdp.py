@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from attention import (FLASH_BACKENDS, TORCH_VARLEN, AttentionNeeds, attention_needs, backend_refusal,
                        flash_attn_unavailable_reason, register_attention_backends, torch_varlen_unavailable_reason)
+from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss
 from utils import DistInfo, log_rank_0
 
@@ -48,6 +49,8 @@ class ModelSetup:
     num_blocks: int
     block_class: str
     mesh_shape: tuple[int, ...]
+    num_trainable_params: int
+    num_params: int
 
 
 def resolve_attn_implementation(requested: str, device_type: str, needs: AttentionNeeds | None = None) -> str:
@@ -210,7 +213,8 @@ def build_mesh(strategy: str, dist_info: DistInfo, local_world_size: int) -> Dev
 def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementation: str,
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
                 use_liger_kernels: bool, local_world_size: int,
-                trust_remote_code: bool = False) -> tuple[CausalLMWithLoss, ModelSetup]:
+                trust_remote_code: bool = False,
+                lora: LoraSettings | None = None) -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank.
 
     Args:
@@ -223,6 +227,7 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         use_liger_kernels: Liger fused linear cross-entropy (CUDA only).
         local_world_size: processes per node (HYBRID_SHARD's shard group).
         trust_remote_code: run the modelling code a checkpoint ships (off unless the user asks).
+        lora: inject LoRA adapters and freeze the base weights (None: full fine-tuning).
 
     Returns:
         The FSDP2-wrapped ``CausalLMWithLoss`` and what was resolved.
@@ -248,12 +253,19 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         loaded = AutoModelForCausalLM.from_pretrained(model_name_or_path, config=copy.deepcopy(config), dtype="auto",
                                                       attn_implementation="eager",
                                                       trust_remote_code=trust_remote_code)
+        if lora is not None:
+            # Adapters are initialised here, on rank 0, and reach the other ranks with the weights.
+            apply_lora(loaded, lora)
         full_state = loaded.state_dict()
         real_buffers = dict(loaded.named_buffers())
         del loaded
     else:
         full_state, real_buffers = {}, {}
     model.generation_config.use_cache = False
+    lora_config = None
+    if lora is not None:
+        lora_config = apply_lora(model, lora)
+        lora_config.base_model_name_or_path = model_name_or_path  # recorded in the adapter's config
     if use_liger_kernels:
         # Rebinds RMSNorm/SwiGLU forwards (parameters untouched) and Liger's RoPE: before AC and fully_shard.
         apply_liger_kernels(model, device_type=device.type)
@@ -265,6 +277,10 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels)
+    # Read by the export (checkpoint.py): the adapter's config and whether to merge it.
+    wrapper.lora_config = lora_config
+    wrapper.lora_merge_on_export = lora is None or lora.merge_on_export
+    num_trainable, num_params = count_parameters(model)
 
     mesh = build_mesh(sharding_strategy, dist_info, local_world_size)
     fsdp_kwargs = {
@@ -296,7 +312,8 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
                   if wrapper.router_loss else "none"))
 
     return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
-                               block_class=block_class, mesh_shape=tuple(mesh.shape))
+                               block_class=block_class, mesh_shape=tuple(mesh.shape),
+                               num_trainable_params=num_trainable, num_params=num_params)
 
 
 def _broadcast_buffers(model: nn.Module, real_buffers: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -51,6 +51,7 @@ from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, StepCounts, step_record
 from checkpoint import save_hf_checkpoint
 from full_state import PreemptionFlag, TrainState, remove_leftover_tmp, resume_train_state, save_full_state
+from lora import ALL_LINEAR, LoraSettings, lora_preflight
 from objective import router_aux_weight
 from selfcheck import check_data_fits_model, check_objective
 from setup_model_fsdp import attention_preflight, setup_model
@@ -176,6 +177,20 @@ class TrainConfig:
                                                           "folder (pip install tensorboard)")
     max_bad_steps: int = config_field(5, help="abort after this many consecutive steps with a non-finite "
                                               "loss or gradient norm (each one is skipped)")
+    lora_rank: int = config_field(0, help="LoRA rank r: train low-rank adapters on a frozen base model "
+                                          "(0 = full fine-tuning)")
+    lora_alpha: float | None = config_field(None, help="LoRA alpha; adapters are scaled by alpha / r "
+                                                        "(default: 2 x --lora-rank)")
+    lora_dropout: float = config_field(0.0, help="dropout on the adapters' input")
+    lora_target_modules: str = config_field(
+        ALL_LINEAR, help="comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear: every "
+                         "linear layer of the decoder blocks (the LM head excluded)")
+    lora_use_rslora: bool = config_field(False, help="rank-stabilised LoRA: scale by alpha / sqrt(r)")
+    lora_merge_on_export: bool = config_field(
+        True, help="Hugging Face exports hold the merged model (loads with transformers and vLLM as is) plus "
+                   "the adapter in adapter/; --no-lora-merge-on-export writes the adapter alone")
+    lora_quantize_data_type: Literal["none", "nf4"] = config_field(
+        "none", help="QLoRA base-weight quantization: only none is supported (nf4 is refused, see README)")
 
     def __post_init__(self) -> None:
         self.logging_level = self.logging_level.upper()
@@ -210,7 +225,26 @@ class TrainConfig:
         if self.max_bad_steps < 1:
             errors.append("--max-bad-steps must be at least 1")
         errors += _policy_errors(self)
+        if self.lora_rank < 0:
+            errors.append(f"--lora-rank must be positive (or 0 for full fine-tuning), got {self.lora_rank}")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            errors.append(f"--lora-alpha must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            errors.append(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_quantize_data_type != "none":
+            errors.append("--lora-quantize-data-type nf4 (QLoRA) is not supported: 4-bit base weights need "
+                          "bitsandbytes' CUDA kernels under FSDP2, which this trainer has not been validated with; "
+                          "use plain LoRA (bf16 base weights)")
         collect_errors(errors)
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        if self.lora_rank == 0:
+            return None
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+        return LoraSettings(rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout,
+                            target_modules=self.lora_target_modules, use_rslora=self.lora_use_rslora,
+                            merge_on_export=self.lora_merge_on_export)
 
     @property
     def has_stop_condition(self) -> bool:
@@ -284,7 +318,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
         use_liger_kernels=config.use_liger_kernels,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
-        trust_remote_code=config.trust_remote_code,
+        trust_remote_code=config.trust_remote_code, lora=config.lora,
     )
     if not config.skip_objective_check:
         check_objective(model, dataset, attn_implementation=resolved.attn_implementation,
@@ -303,10 +337,11 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
-                                  weight_decay=config.weight_decay)
+    # Only trainable parameters get optimizer state (with LoRA: the adapters alone).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
+                                  betas=config.adam_betas, weight_decay=config.weight_decay)
     scheduler = _build_scheduler(config, optimizer, total_steps)
-    model_fingerprint = fingerprint(model.model.config, dataset)
+    model_fingerprint = fingerprint(model.model.config, dataset, config.lora)
     began = time.perf_counter()
     state = resume_train_state(model, optimizer, scheduler, output_dir=config.output_dir, resume=config.resume,
                                resume_from=config.resume_from, model_fingerprint=model_fingerprint,
@@ -511,13 +546,17 @@ def _preflight(config: TrainConfig) -> str | None:
     if config.validation_data_path and not Path(config.validation_data_path).exists():
         return f"--validation-data-path {config.validation_data_path}: no such file or folder"
     try:
-        AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+        model_config = AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError) as err:
         return f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
     attention_error = attention_preflight(config.model_name_or_path, config.attn_implementation,
                                           trust_remote_code=config.trust_remote_code)
     if attention_error is not None:
         return attention_error
+    if config.lora is not None:
+        error = lora_preflight(model_config, config.lora)
+        if error:
+            return error
     for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
                                  ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
         if value is not None and importlib.util.find_spec(package) is None:
@@ -572,7 +611,8 @@ def _resume_policy(config: TrainConfig, run_params: dict, dataset) -> str | None
         return None
     candidates = ([Path(config.resume_from)] if config.resume_from
                   else complete_checkpoints(full_state_root(config.output_dir)))
-    expected = fingerprint(AutoConfig.from_pretrained(config.model_name_or_path), dataset) if candidates else None
+    expected = (fingerprint(AutoConfig.from_pretrained(config.model_name_or_path), dataset, config.lora)
+                if candidates else None)
     error, notice = resume_policy.check_resume(candidates, run_params, allow_change=config.allow_config_change,
                                                fingerprint=expected)
     if notice:
@@ -720,6 +760,10 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_sa
                resolved.block_class, config.fsdp_sharding_strategy, resolved.mesh_shape,
                str(resolved.param_dtype).removeprefix("torch."), resolved.attn_implementation,
                "on" if config.activation_checkpointing else "off")
+    log_rank_0("trainable parameters: %s of %s (%.2f%%)%s", f"{resolved.num_trainable_params:,}",
+               f"{resolved.num_params:,}", 100.0 * resolved.num_trainable_params / max(resolved.num_params, 1),
+               f", LoRA rank {config.lora.rank}, alpha {config.lora.alpha:g} on {config.lora_target_modules}"
+               if config.lora else "")
     log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
                "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
                config.batch_size, max_tokens)

@@ -1,0 +1,120 @@
+"""LoRA against full fine-tuning, side by side: step time, peak memory, checkpoint sizes.
+
+    python bench/bench_lora.py                      # CPU: demo model, 2 gloo ranks, ~3 min
+    python bench/bench_lora.py --nproc-per-node 1 --lora-ranks 8,64 --repeats 3
+
+Both modes train the demo model (``demo.py``'s tokenizer, data and random
+Qwen2-style model) through ``torchrun train.py`` with identical flags but
+``--lora-rank``; runs alternate (full, LoRA, full, LoRA, ...) so machine load
+hits both alike. Reported per mode: median ``time_per_batch`` over the steps
+after the first, the peak RSS of the whole process tree (psutil, every 50 ms),
+the metrics' ``peak_memory_usage_GB`` (rank 0's peak GPU memory; on CPU its peak RSS),
+and the size of one full-state checkpoint and one Hugging Face export.
+
+Also printed: the training-state bytes per mode for large shapes, counted on a
+meta-device model (no memory, nothing downloaded): fp32 master weights (4 B
+per parameter) plus, per trainable parameter, a gradient and AdamW's two
+moments (12 B). Writes ``bench/lora_results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_process_data import run_timed  # noqa: E402
+
+SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
+    "Qwen2.5-1.5B": (1536, 8960, 28, 12, 2, 151936),
+    "Llama-3-8B": (4096, 14336, 32, 32, 8, 128256),
+    "Llama-3-70B": (8192, 28672, 80, 64, 8, 128256),
+}
+
+
+def state_bytes(shape: tuple[int, ...], lora_rank: int) -> tuple[int, int, float]:
+    """(parameters, trainable parameters, GiB of fp32 weights + grads + AdamW state)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lora import LoraSettings, apply_lora, count_parameters
+
+    hidden, intermediate, layers, heads, kv_heads, vocab = shape
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if lora_rank:
+        apply_lora(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0,
+                                       target_modules="all-linear", use_rslora=False))
+    trainable, total = count_parameters(model)
+    return total, trainable, (4 * total + 12 * trainable) / 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--lora-ranks", default="16", help="comma-separated LoRA ranks to compare with full")
+    parser.add_argument("--num-steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--output-json", default=str(ROOT / "bench" / "lora_results.json"))
+    args = parser.parse_args()
+
+    from demo import DemoConfig, build_demo_model
+    from process_data import ProcessDataConfig, process_data
+
+    work = Path(tempfile.mkdtemp(prefix="bench_lora_"))
+    demo = DemoConfig(output_dir=str(work))
+    model_dir = build_demo_model(work / "model", demo)
+    process_data(ProcessDataConfig(input_file=str(ROOT / "data" / "demo_chat.jsonl"), output_dir=str(work / "data"),
+                                   model_name_or_path=str(model_dir), num_proc=1, num_printed_samples=0))
+    modes = {"full": []} | {f"lora r={r}": ["--lora-rank", r] for r in args.lora_ranks.split(",")}
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for repeat in range(args.repeats):
+        for mode, extra in modes.items():
+            out = work / f"run_{mode.replace(' ', '_').replace('=', '')}_{repeat}"
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}",
+                       "--standalone", str(ROOT / "train.py"), "--model-name-or-path", str(model_dir),
+                       "--data-path", str(work / "data"), "--output-dir", str(out),
+                       "--batch-size", str(demo.batch_size), "--max-tokens-per-gpu", str(demo.max_tokens_per_gpu),
+                       "--learning-rate", "1e-3", "--max-steps", str(args.num_steps),
+                       "--min-samples-per-checkpoint", str(10**9), "--num-data-workers", "0", *extra]
+            wall, _, peak_gib, code = run_timed(command)
+            if code != 0:
+                raise SystemExit(f"{mode} failed with exit code {code}")
+            metrics = [json.loads(line) for line in (out / "training_metrics_0.jsonl").read_text().splitlines()]
+            size = {kind: sum(f.stat().st_size for f in next((out / kind).iterdir()).rglob("*") if f.is_file())
+                    for kind in ("full_state", "hf_format")}
+            runs[mode].append({"step_s": statistics.median(m["time_per_batch"] for m in metrics[1:]),
+                               "peak_rss_gib": peak_gib, "metrics_peak_gb": max(m["peak_memory_usage_GB"] for m in metrics),
+                               "full_state_mb": size["full_state"] / 2**20, "hf_export_mb": size["hf_format"] / 2**20,
+                               "wall_s": wall})
+    results = {"nproc_per_node": args.nproc_per_node, "num_steps": args.num_steps, "runs": runs, "shapes": {}}
+    full_step = statistics.median(r["step_s"] for r in runs["full"])
+    print(f"\ndemo model ({demo.hidden_size} wide, {demo.num_layers} layers), {args.nproc_per_node} ranks, "
+          f"median of {args.repeats} runs")
+    print(f"{'mode':<12} {'step s':>8} {'vs full':>8} {'peak RSS GiB':>13} {'rank-0 peak GB':>14} "
+          f"{'full state MB':>14} {'HF export MB':>13}")
+    for mode, rows in runs.items():
+        med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        print(f"{mode:<12} {med['step_s']:>8.4f} {med['step_s'] / full_step:>8.2f} {med['peak_rss_gib']:>13.3f} "
+              f"{med['metrics_peak_gb']:>14.2f} {med['full_state_mb']:>14.2f} {med['hf_export_mb']:>13.2f}")
+    print(f"\n{'shape':<14} {'mode':<12} {'params':>14} {'trainable':>14} {'weights+grads+AdamW GiB':>24}")
+    for name, shape in SHAPES.items():
+        for mode in modes:
+            rank = 0 if mode == "full" else int(mode.split("=")[1])
+            total, trainable, gib = state_bytes(shape, rank)
+            results["shapes"][f"{name} {mode}"] = {"params": total, "trainable": trainable, "state_gib": gib}
+            print(f"{name:<14} {mode:<12} {total:>14,} {trainable:>14,} {gib:>24.1f}")
+    Path(args.output_json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

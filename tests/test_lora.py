@@ -1,0 +1,218 @@
+"""LoRA: exact packed, sharded steps on a frozen base, exports peft and transformers load, exact resume.
+
+    .venv/bin/python -m pytest -q tests/test_lora.py
+
+The reference is the same peft-wrapped model run unpacked, sample by sample,
+on one process, with torch's AdamW on the adapters alone. Adapters start with
+B = 0, so A receives no gradient in step 1: the A of the step-1 export is the
+initial A, which lets the reference start from the trainer's own init.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from api import config_to_argv
+from e2e import read_metrics, torchrun, write_tokenized_jsonl
+from full_state import complete_checkpoints
+from lora import LoraSettings, apply_lora, export_states, lora_preflight
+from sampler import InfiniteSampler, load_tokenized_dataset
+from train import TrainConfig
+from utils import parse_config
+
+BATCH = 12
+BUDGET = 64  # forces several packed minibatches per rank
+SEED = 5
+LR = 1e-2
+SETTINGS = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", use_rslora=False)
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory, chatml_model) -> Path:
+    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    return write_tokenized_jsonl(tmp_path_factory.mktemp("lora_data") / "train.jsonl", num_samples=48,
+                                 vocab_size=vocab, seed=4)
+
+
+def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),
+            "--batch-size", str(BATCH), "--max-tokens-per-gpu", str(BUDGET), "--seed", str(SEED),
+            "--learning-rate", str(LR), "--num-warmup-steps", "0", "--lr-scheduler", "constant",
+            "--max-grad-norm", "0", "--num-data-workers", "0", "--lora-rank", str(SETTINGS.rank),
+            "--lora-alpha", str(SETTINGS.alpha), *extra]
+
+
+def _ok(result) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory, chatml_model, data_path) -> Path:
+    out = tmp_path_factory.mktemp("lora_run")
+    _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", "--min-samples-per-checkpoint",
+                       str(BATCH))))
+    return out
+
+
+def _adapter(export: Path) -> dict[str, torch.Tensor]:
+    return load_file(export / "adapter" / "adapter_model.safetensors")
+
+
+def _peft_reference(model_dir: Path, initial_adapter: dict[str, torch.Tensor]):
+    """The base model with the trainer's initial adapters, through peft itself."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, SETTINGS.peft_config())
+    state = model.state_dict()
+    for name, tensor in initial_adapter.items():
+        key = name.replace(".weight", ".default.weight")
+        state[key] = torch.zeros_like(tensor) if ".lora_B." in name else tensor
+    model.load_state_dict(state)
+    return model
+
+
+def _reference_steps(model, data_path: Path, num_steps: int) -> list[float]:
+    dataset = load_tokenized_dataset(str(data_path))
+    sampler = InfiniteSampler(len(dataset), SEED)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    losses = []
+    for _ in range(num_steps):
+        total, num_tokens = [], 0
+        for index in sampler.take(BATCH):
+            input_ids, labels = dataset.sample(int(index))
+            logits = model(input_ids=torch.tensor([input_ids])).logits[0]
+            targets = torch.tensor(labels[1:])
+            total.append(F.cross_entropy(logits[:-1], targets, ignore_index=-100, reduction="sum"))
+            num_tokens += int((targets != -100).sum())
+        loss = torch.stack(total).sum() / num_tokens
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_export_states_merge_equals_peft_merge_and_unload(chatml_model):
+    model = AutoModelForCausalLM.from_pretrained(chatml_model, dtype=torch.float32)
+    apply_lora(model, SETTINGS)
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    merged, adapter = export_states({k: v.detach().clone() for k, v in model.state_dict().items()},
+                                    scaling=SETTINGS.alpha / SETTINGS.rank)
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(chatml_model, dtype=torch.float32),
+                               SETTINGS.peft_config())
+    reference.load_state_dict({f"base_model.model.{k}": v for k, v in model.state_dict().items()})
+    expected = reference.merge_and_unload().state_dict()
+    assert merged.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in adapter)
+    assert len(adapter) == 2 * 7 * model.config.num_hidden_layers  # q k v o gate up down per block
+
+
+def test_packed_sharded_lora_steps_equal_unpacked_peft_reference(two_step_run, chatml_model, data_path):
+    records = read_metrics(two_step_run)
+    assert records[0]["grad_accum"] >= 2, "the budget should force gradient accumulation"
+    first, second = complete_checkpoints(two_step_run / "hf_format")
+    initial = _adapter(first)
+    model = _peft_reference(chatml_model, initial)
+    ref_losses = _reference_steps(model, data_path, 2)
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
+    trained = _adapter(second)
+    for name, tensor in trained.items():
+        expected = model.state_dict()[name.replace(".weight", ".default.weight")]
+        torch.testing.assert_close(tensor, expected, rtol=1e-4, atol=1e-6, msg=name)
+    # Step 1 moved B only (A's gradient is zero while B = 0); step 2 moved both.
+    moved_a = [n for n in initial if ".lora_A." in n and not torch.equal(initial[n], trained[n])]
+    assert moved_a
+
+
+def test_base_weights_untouched_and_exports_load(two_step_run, chatml_model):
+    export = complete_checkpoints(two_step_run / "hf_format")[-1]
+    base = AutoModelForCausalLM.from_pretrained(chatml_model, dtype=torch.float32)
+    base_state = base.state_dict()
+    adapter = _adapter(export)
+    merged = load_file(export / "model.safetensors")
+    scaling = SETTINGS.alpha / SETTINGS.rank
+    for name, tensor in merged.items():
+        module = name.removesuffix(".weight")
+        a_key = f"base_model.model.{module}.lora_A.weight"
+        if a_key in adapter:
+            delta = (adapter[a_key.replace("lora_A", "lora_B")] @ adapter[a_key]) * scaling
+            expected = (base_state[name] + delta).to(torch.bfloat16)
+            # One bf16 rounding step at most: the merge order of fp32 ops may differ by an ulp.
+            torch.testing.assert_close(tensor.float(), expected.float(), rtol=2**-7, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(tensor, base_state[name].to(torch.bfloat16)), name
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chatml_model, dtype=torch.float32),
+                                           export / "adapter")
+    merged_model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    params = json.loads((two_step_run / "training_params.json").read_text())
+    assert (params["lora_rank"], params["lora_alpha"], params["lora_target_modules"]) == (4, 8.0, "all-linear")
+    config = json.loads((export / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == SETTINGS.rank and config["base_model_name_or_path"] == str(chatml_model)
+    input_ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        adapted = peft_model(input_ids=input_ids).logits
+        reloaded = merged_model(input_ids=input_ids).logits
+        untrained = base(input_ids=input_ids).logits
+    assert not torch.allclose(adapted, untrained, atol=1e-4), "the adapter must change the model"
+    torch.testing.assert_close(reloaded, adapted, rtol=0.05, atol=0.05)
+
+
+def test_adapter_only_export(tmp_path, chatml_model, data_path):
+    out = tmp_path / "adapter_only"
+    _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "1", "--min-samples-per-checkpoint", "1000",
+                       "--no-lora-merge-on-export")))
+    [export] = complete_checkpoints(out / "hf_format")
+    names = {p.name for p in export.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names
+    assert not any(name.startswith("model") for name in names)
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chatml_model), export)
+
+
+def test_full_state_holds_only_adapters_and_resume_is_exact(tmp_path, chatml_model, data_path, two_step_run):
+    out = tmp_path / "killed"
+    args = _args(chatml_model, data_path, out, "--max-steps", "2", "--min-samples-per-checkpoint", str(BATCH))
+    killed = torchrun(args, env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(BATCH)})
+    assert killed.returncode != 0
+    [state] = complete_checkpoints(out / "full_state")
+    metadata = torch.distributed.checkpoint.FileSystemReader(str(state)).read_metadata()
+    model_keys = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:5]
+    _ok(torchrun(args))
+    a, b = read_metrics(two_step_run), read_metrics(out)
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    final_a = _adapter(complete_checkpoints(two_step_run / "hf_format")[-1])
+    final_b = _adapter(complete_checkpoints(out / "hf_format")[-1])
+    for name in final_a:
+        assert torch.equal(final_a[name], final_b[name]), name
+
+
+def test_bad_lora_settings_are_one_line_errors(tmp_path, chatml_model, data_path):
+    lora = TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=8, lora_target_modules="q_proj,v_proj",
+                       lora_merge_on_export=False)
+    assert parse_config(TrainConfig, config_to_argv(lora)) == lora  # the Python API carries LoRA settings
+    with pytest.raises(ValueError, match="--lora-rank must be positive"):
+        TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=-2)
+    with pytest.raises(ValueError, match="QLoRA"):
+        TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=4, lora_quantize_data_type="nf4")
+    model_config = AutoModelForCausalLM.from_pretrained(chatml_model).config
+    refused = LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules="input_layernorm", use_rslora=False)
+    assert "peft cannot adapt Qwen2ForCausalLM" in lora_preflight(model_config, refused)
+    result = torchrun(_args(chatml_model, data_path, tmp_path / "bad", "--max-steps", "1",
+                            "--min-samples-per-checkpoint", "100", "--lora-target-modules", "no_such_proj"))
+    assert result.returncode != 0
+    assert "--lora-target-modules no_such_proj: peft cannot adapt" in result.stderr
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
