@@ -68,7 +68,7 @@ def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, w
         "skipped": skipped,
         "peak_memory_usage_GB": peak_memory_usage_gb,
         # MoE models whose config sets output_router_logits: the mean per-sample load-balancing loss
-        # (before router_aux_loss_coef); avg_loss_backward includes coef times it.
+        # (before router_aux_loss_coef); loss_backward includes coef times it.
         **({} if counts.router_aux_loss_sum is None
            else {"router_aux_loss": counts.router_aux_loss_sum / max(counts.num_samples, 1)}),
         "timestamp": time.time(),

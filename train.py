@@ -442,7 +442,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                 batch_num_samples=batch.num_samples, minibatch_num_samples=minibatch.num_samples)
             mb_loss = model(**_model_inputs(minibatch, resolved.attn_implementation, dist_info.device),
                             router_aux_weight=aux_weight)
-            mb_loss = _test_inject_nan(mb_loss, state.step + 1, dist_info.rank)
+            mb_loss = _test_inject_nan(mb_loss, model, state.step + 1, dist_info.rank)
             scaled = mb_loss * scale
             scaled.backward()
             loss_sum += model.last_ce_sum
@@ -839,9 +839,11 @@ def _folder_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20
 
 
-def _test_inject_nan(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
-    """Test-only fault injection: MINI_TRAINER_TEST_NAN="STEP:RANK" poisons that rank's loss."""
+def _test_inject_nan(loss: torch.Tensor, model, step: int, rank: int) -> torch.Tensor:
+    """Test-only fault injection: MINI_TRAINER_TEST_NAN="STEP:RANK" poisons that rank's loss (and its
+    logged cross-entropy, as a real non-finite forward would)."""
     if os.environ.get("MINI_TRAINER_TEST_NAN") == f"{step}:{rank}":
+        model.last_ce_sum = model.last_ce_sum * float("nan")
         return loss * float("nan")
     return loss
 

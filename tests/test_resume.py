@@ -160,7 +160,7 @@ def test_preempted_on_the_last_step_still_exports(tmp_path, chatml_model, data_p
     assert _checkpoint_names(out) == _checkpoint_names(uninterrupted)
     rerun = torchrun(_args(chatml_model, data_path, out))
     _ok(rerun)
-    assert "nothing to do" in rerun.stderr
+    assert "this run is already finished" in rerun.stderr
 
 
 def test_export_failure_on_rank_0_stops_every_rank_with_its_error(tmp_path, chatml_model, data_path):
