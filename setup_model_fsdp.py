@@ -295,7 +295,9 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     block_class = type(blocks[0]).__name__
     for block in blocks:
         fully_shard(block, **fsdp_kwargs)
-    fully_shard(wrapper, **fsdp_kwargs)
+    # The root (embeddings, final norm, LM head) keeps its parameters gathered from forward to
+    # backward: backward needs the LM head first, so resharding would only gather it again.
+    fully_shard(wrapper, **{**fsdp_kwargs, "reshard_after_forward": False})
 
     wrapper.to_empty(device="cpu" if cpu_offload else device)
     set_model_state_dict(
@@ -314,6 +316,21 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
                                block_class=block_class, mesh_shape=tuple(mesh.shape),
                                num_trainable_params=num_trainable, num_params=num_params)
+
+
+def sync_gradients_on(model: nn.Module, *, sharding_strategy: str, final_minibatch: bool) -> None:
+    """Reduce gradients across ranks only where waiting for the step's last minibatch costs no memory.
+
+    NO_SHARD holds whole gradients anyway: skip every reduction until the last
+    minibatch. HYBRID_SHARD: reduce-scatter within the node every minibatch (the
+    gradients stay sharded) but all-reduce across nodes only on the last one.
+    FULL_SHARD and SHARD_GRAD_OP reduce-scatter every minibatch: deferring would
+    hold an unsharded fp32 gradient of the whole model on every rank.
+    """
+    if sharding_strategy == "NO_SHARD":
+        model.set_requires_gradient_sync(final_minibatch)
+    elif sharding_strategy == "HYBRID_SHARD":
+        model.set_requires_all_reduce(final_minibatch)
 
 
 def _broadcast_buffers(model: nn.Module, real_buffers: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -54,7 +54,7 @@ from full_state import PreemptionFlag, TrainState, remove_leftover_tmp, resume_t
 from lora import ALL_LINEAR, LoraSettings, lora_preflight
 from objective import router_aux_weight
 from selfcheck import check_data_fits_model, check_objective
-from setup_model_fsdp import attention_preflight, setup_model
+from setup_model_fsdp import attention_preflight, setup_model, sync_gradients_on
 from trackers import make_tracker
 
 from utils import (
@@ -435,7 +435,9 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         backward_sum = torch.zeros((), device=dist_info.device)
         router_aux_sum = torch.zeros((), device=dist_info.device)
         local_loss_tokens = 0
-        for minibatch in batch.minibatches:
+        for index, minibatch in enumerate(batch.minibatches):
+            sync_gradients_on(model, sharding_strategy=config.fsdp_sharding_strategy,
+                              final_minibatch=index == len(batch.minibatches) - 1)
             # MoE router loss (objective.py): per-sample, averaged over the batch's samples.
             aux_weight = router_aux_weight(
                 model.router_loss, batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,

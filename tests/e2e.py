@@ -41,6 +41,21 @@ def torchrun(args: list[str], *, nproc: int = 2, timeout: float = 300, script: s
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def torchrun_two_nodes(args: list[str], *, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Two single-process torchrun "nodes" on this host (static rendezvous), as a 2-node job runs."""
+    port = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+                               "--nproc-per-node=1", "--master-addr=127.0.0.1", "--master-port", port,
+                               str(ROOT / "train.py"), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    results = []
+    for node in nodes:
+        stdout, stderr = node.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(node.args, node.returncode, stdout, stderr))
+    return results
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     path = Path(output_dir) / "training_metrics_0.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
