@@ -45,12 +45,21 @@ class LoraSettings:
     use_rslora: bool
     merge_on_export: bool = True
 
-    def peft_config(self):
+    def peft_config(self, model: nn.Module | None = None):
+        """peft's ``LoraConfig``; with a model, ``all-linear`` becomes the names of its ``nn.Linear`` layers.
+
+        peft's own ``all-linear`` also wraps MoE experts stored as fused 3-D parameters
+        (transformers 5), whose adapters have no ``W + B @ A`` merge into the original keys.
+        """
         from peft import LoraConfig
 
         targets = self.target_modules
         if targets != ALL_LINEAR:
             targets = [name.strip() for name in targets.split(",") if name.strip()]
+        elif model is not None:
+            head = model.get_output_embeddings()
+            targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                              if isinstance(module, nn.Linear) and module is not head})
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
                           use_rslora=self.use_rslora, bias="none", task_type="CAUSAL_LM")
 
@@ -71,7 +80,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
     from peft import get_peft_model
 
     try:
-        peft_model = get_peft_model(model, settings.peft_config())
+        peft_model = get_peft_model(model, settings.peft_config(model))
     except (ValueError, TypeError, NotImplementedError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"--lora-target-modules {settings.target_modules}: peft cannot adapt "

@@ -184,7 +184,7 @@ class TrainConfig:
     lora_dropout: float = config_field(0.0, help="dropout on the adapters' input")
     lora_target_modules: str = config_field(
         ALL_LINEAR, help="comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear: every "
-                         "linear layer of the decoder blocks (the LM head excluded)")
+                         "nn.Linear layer but the LM head (fused 3-D MoE experts stay frozen)")
     lora_use_rslora: bool = config_field(False, help="rank-stabilised LoRA: scale by alpha / sqrt(r)")
     lora_merge_on_export: bool = config_field(
         True, help="Hugging Face exports hold the merged model (loads with transformers and vLLM as is) plus "

@@ -14,7 +14,8 @@ computed unpacked, sample by sample, on one process; GPT-OSS, whose packed
 rows leak across samples under the only attention that honours its sinks,
 is stopped by the self-check instead of training wrongly. The start-up self-check
 is shown to stop a run whose objective is wrong (test-only switch that drops
-the logit scale), and ``--skip-objective-check`` to skip it.
+the logit scale), and ``--skip-objective-check`` to skip it. Each trained family
+also runs with ``--lora-rank 4`` (peft adapters, base frozen): its step-1 loss is the base model's own.
 """
 
 from __future__ import annotations
@@ -30,11 +31,18 @@ from e2e import read_metrics, torchrun, write_tokenized_jsonl
 from objective import TEST_DROP_SCALE_ENV
 from sampler import InfiniteSampler, load_tokenized_dataset
 
+REFUSED = "gpt_oss"
+"""Its forward builds the attention mask without position_ids, so eager lets packed samples see each other,
+and no boundary-aware backend here implements its attention sinks: the self-check must stop it."""
+TRAINED = [arch.name for arch in ARCHITECTURES if arch.name != REFUSED]
 BATCH = 12
 BUDGET = 64
 SEED = 7
 WITH_GRADIENTS = ("llama", "qwen3_moe_aux")
 DROPPED = "granite_scale_dropped_unchecked"
+LORA = "_lora"
+"""Suffix of the same architectures trained with --lora-rank 4: adapters start with B = 0, so step 1's loss
+is the base model's own."""
 
 
 def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
@@ -56,6 +64,8 @@ def matrix(tmp_path_factory, chatml_model) -> dict:
     vocab = len(AutoTokenizer.from_pretrained(chatml_model))
     data = write_tokenized_jsonl(root / "data.jsonl", num_samples=40, vocab_size=vocab, seed=3)
     runs = [{"name": name, "args": _args(path, data, root / "runs" / name)} for name, path in models.items()]
+    runs += [{"name": f"{name}{LORA}", "args": _args(models[name], data, root / "runs" / f"{name}{LORA}",
+                                                      "--lora-rank", "4")} for name in TRAINED]
     runs.append({"name": DROPPED, "env": {TEST_DROP_SCALE_ENV: "1"},
                  "args": _args(models["granite"], data, root / "runs" / DROPPED, "--skip-objective-check")})
     result = torchrun([json.dumps(run) for run in runs], script="tests/matrix_train.py", timeout=900)
@@ -93,12 +103,6 @@ def _reference(model_dir: Path, data: Path, *, with_gradients: bool) -> dict:
             "objective": objective.item(), "grad_norm": None if grad_norm is None else grad_norm.item()}
 
 
-REFUSED = "gpt_oss"
-"""Its forward builds the attention mask without position_ids, so eager lets packed samples see each other,
-and no boundary-aware backend here implements its attention sinks: the self-check must stop it."""
-TRAINED = [arch.name for arch in ARCHITECTURES if arch.name != REFUSED]
-
-
 @pytest.mark.parametrize("name", TRAINED)
 def test_step_one_equals_the_models_own_forward(matrix, name):
     assert matrix["exits"][name] == 0
@@ -125,7 +129,7 @@ def test_attention_choice_and_objective_are_logged(matrix):
     assert "attention: eager (not sdpa: GptOssForCausalLM does not support sdpa)" in log
     assert "logit processing x 4 (from config logits_scaling=0.25)" in log
     assert "logit processing softcap 2 (from config final_logit_softcapping=2)" in log
-    assert log.count("objective self-check: the trainer's loss equals") == len(TRAINED)
+    assert log.count("objective self-check: the trainer's loss equals") == 2 * len(TRAINED)  # with and without LoRA
 
 
 def test_packing_that_leaks_across_samples_is_refused(matrix):
@@ -152,3 +156,14 @@ def test_self_check_stops_a_wrong_objective(matrix, tmp_path):
     assert "GraniteForCausalLM" in line and "'granite'" in line and "--skip-objective-check" in line
     assert "own forward(labels=...) gives" in line
     assert not (out / "training_metrics_0.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_lora_trains_every_architecture_on_its_own_objective(matrix, name):
+    """peft adapts every family of the matrix; with B = 0 at the start, step 1 is the base model's own loss
+    (self-check on, activation checkpointing on), and the adapters are all that trains."""
+    assert matrix["exits"][f"{name}{LORA}"] == 0
+    [record] = read_metrics(matrix["root"] / "runs" / f"{name}{LORA}")
+    ref = _reference(matrix["models"][name], matrix["data"], with_gradients=False)
+    assert record["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert record["loss_backward"] == pytest.approx(ref["objective"], rel=1e-5)
