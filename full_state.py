@@ -18,21 +18,26 @@ reshards on load, so a run may resume on a different number of ranks.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import errno
 import hashlib
+import importlib
 import json
 import logging
 import os
+import pathlib
 import pickle
 import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from utils import DistInfo, log_rank_0, logger, rng_state, set_rng_state
@@ -208,7 +213,7 @@ def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, mode
                              "use --no-resume or another --output-dir")
         try:
             model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
-            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+            dcp.load({"model": model_state, "optim": optim_state}, storage_reader=MetadataSafeReader(path))
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                            options=LOAD_OPTIONS)
         except (OSError, dcp.CheckpointException, RuntimeError, pickle.UnpicklingError) as err:
@@ -306,3 +311,48 @@ class PreemptionFlag:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+# DCP's .metadata is a pickle: left to ``pickle.load`` (as torch's own reader does), a crafted
+# checkpoint folder could run code at resume. It is made of a few of torch's own dataclasses and
+# enums, tensor sizes, dtypes and layouts, and the folder path; nothing else may be loaded.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_PATHS = ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+
+
+def metadata_global(module: str, name: str) -> Any:
+    """The object a DCP ``.metadata`` pickle may refer to as ``module.name``; UnpicklingError otherwise."""
+    if module in _METADATA_MODULES:
+        found = getattr(importlib.import_module(module), name, None)
+        if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+            return found
+    elif module == "torch":
+        found = getattr(torch, name, None)
+        if found is torch.Size or isinstance(found, torch.dtype):
+            return found
+    elif (module, name) == ("torch.serialization", "_get_layout"):
+        return torch.serialization._get_layout  # a lookup of a layout by its name
+    elif module == "pathlib" and name in _METADATA_PATHS:
+        return getattr(pathlib, name)
+    raise pickle.UnpicklingError(f"refusing {module}.{name}: not part of a checkpoint's metadata "
+                                 "(a checkpoint folder must not be able to run code)")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return metadata_global(module, name)
+
+
+class MetadataSafeReader(dcp.FileSystemReader):
+    """torch's FileSystemReader, reading ``.metadata`` with an allowlist instead of plain pickle
+    (the tensor files it reads already go through ``torch.load(weights_only=True)``)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with open(Path(self.path) / name, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,3 +221,37 @@ def test_keep_last_n_and_mismatched_data_refused(tmp_path, chatml_model, data_pa
     assert "another model or dataset" in result.stdout + result.stderr
     state = json.loads((complete_checkpoints(out / "full_state")[-1] / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["samples_seen"] == 36
+
+
+class _RunsCode:
+    """What a crafted checkpoint could hold: unpickling it runs a shell command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_checkpoint_metadata_cannot_run_code(tmp_path, chatml_model, data_path, uninterrupted):
+    from full_state import MetadataSafeReader
+
+    newest = complete_checkpoints(uninterrupted / "full_state")[-1]
+    with (newest / ".metadata").open("rb") as f:
+        plain = pickle.load(f)
+    assert MetadataSafeReader(newest).read_metadata().state_dict_metadata == plain.state_dict_metadata
+
+    out = tmp_path / "run_crafted"
+    shutil.copytree(uninterrupted, out)
+    crafted = complete_checkpoints(out / "full_state")[-1]
+    marker = tmp_path / "code_ran"
+    (crafted / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    pickle.loads(pickle.dumps(_RunsCode(tmp_path / "plain_pickle_runs_it")))
+    assert (tmp_path / "plain_pickle_runs_it").exists(), "torch's own reader (plain pickle.load) would run it"
+
+    result = torchrun(_args(chatml_model, data_path, out))
+    _ok(result)
+    assert not marker.exists(), "resume ran code from a checkpoint folder"
+    assert f"skipping unreadable checkpoint {crafted}" in result.stderr and "refusing posix.system" in result.stderr
+    previous = complete_checkpoints(out / "full_state")[-2]
+    assert f"resumed from {previous}" in result.stderr
