@@ -8,9 +8,12 @@ rounded down to ``resolution`` tokens.
 
 Distributed: every rank must run the same trial sizes (rows built from the
 same samples), so their FSDP collectives and allocations match and an OOM
-hits every rank at the same allocation; ``agree`` then all-reduces each
-verdict so the ranks never diverge. On CPU there is no device memory to probe:
-the documented default is returned with a warning.
+hits every rank at the same allocation; ``probe_agreement`` then all-reduces
+each verdict so the ranks never diverge. A failure on one rank only leaves the
+others inside a collective of the trial that it will never join: the failed
+rank waits for their verdicts on a side group with a short timeout, then stops
+the job with an error instead of letting it hang. On CPU there is no device
+memory to probe: the documented default is returned with a warning.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import itertools
 import logging
 import os
 from collections.abc import Callable
+from datetime import timedelta
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -105,6 +110,40 @@ def trial_fits(try_step: Callable[[int], None], num_tokens: int, *,
             raise
         ok = False
     return agree(ok) if agree is not None else ok
+
+
+PROBE_TIMEOUT_ENV = "MINI_TRAINER_PROBE_TIMEOUT_SECONDS"
+DEFAULT_PROBE_TIMEOUT_SECONDS = 120.0
+
+
+def probe_agreement(dist_info: DistInfo) -> Callable[[bool], bool]:
+    """``agree`` for the probe: every rank's verdict of a trial, combined (MIN) on a gloo side group.
+
+    Call on every rank at once (it creates a process group). The side group's timeout
+    (``MINI_TRAINER_PROBE_TIMEOUT_SECONDS``, default 120) bounds how long a rank waits for
+    the others' verdicts: ranks that ran the same trial arrive within moments of each other,
+    while ranks blocked in a collective of the trial that a failed rank left never arrive.
+    That failed rank then raises, its process exits, and torchrun stops the rest.
+    """
+    seconds = float(os.environ.get(PROBE_TIMEOUT_ENV, DEFAULT_PROBE_TIMEOUT_SECONDS))
+    if seconds <= 0:
+        raise ValueError(f"{PROBE_TIMEOUT_ENV} must be positive, got {seconds}")
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        except RuntimeError as err:
+            verdict = "failed (allocation failure)" if not ok else "fitted"
+            raise RuntimeError(
+                f"--max-tokens-per-gpu auto: a trial step {verdict} on rank {dist_info.rank}, but the other ranks "
+                f"did not report within {seconds:g} s ({PROBE_TIMEOUT_ENV}): the ranks went out of step (an "
+                "allocation failure on some ranks only) and cannot continue together. Set --max-tokens-per-gpu to "
+                "a number instead (below the size of the last trial logged)") from err
+        return bool(flag.item())
+
+    return agree
 
 
 def reset_fsdp_after_trial(model: torch.nn.Module) -> None:
@@ -222,11 +261,10 @@ def probe_token_budget(model: torch.nn.Module, dataset, *, model_inputs: Callabl
     and the ranks agree on each verdict. ``model_inputs(minibatch)`` turns a
     collated minibatch into the model's forward kwargs.
     """
-    from full_state import agree
-
     # AdamW's two fp32 moments do not exist yet during the probe: hold their memory aside.
     local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
 
     try_step = make_trial_step(model, dataset, model_inputs=model_inputs)
+    agree = probe_agreement(dist_info) if dist_info.device.type == "cuda" else None  # CPU does not probe
     return probe_max_tokens_per_gpu(try_step, device_type=dist_info.device.type, reserve_bytes=8 * local_params,
-                                    agree=lambda ok: agree(ok, dist_info.device))
+                                    agree=agree)

@@ -10,6 +10,7 @@ half-way through backward.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,19 @@ def test_failed_trial_leaves_fsdp_consistent(tmp_path, chatml_model, failing_ran
     assert results["failed"]["fitted"] is (failing_ranks == "none")
     assert results["clean"]["fitted"] is True
     assert results["failed"]["weights"] == pytest.approx(results["clean"]["weights"], rel=1e-6, abs=1e-9)
+
+
+def test_failure_on_one_rank_only_stops_the_job_without_a_hang(tmp_path, chatml_model):
+    """Rank 0 is left inside a collective of the trial that rank 1 never joins: rank 1 waits for the
+    verdicts only as long as the probe timeout, then stops the job with an error naming the way out."""
+    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=12, vocab_size=vocab, seed=2)
+    began = time.monotonic()
+    run = torchrun([str(chatml_model), str(data), str(tmp_path / "r.json")], script="tests/probe_recovery_run.py",
+                   env={"MINI_TRAINER_TEST_PROBE_FAIL": "64:1", "MINI_TRAINER_PROBE_TIMEOUT_SECONDS": "5"},
+                   timeout=240)
+    assert run.returncode != 0
+    assert time.monotonic() - began < 120, "no rank may wait for the 30-minute collective timeout"
+    assert "a trial step failed (allocation failure) on rank 1, but the other ranks did not report within 5 s" \
+        in run.stderr, run.stderr[-4000:]
+    assert "Set --max-tokens-per-gpu to a number" in run.stderr
