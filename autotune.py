@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from utils import DistInfo, log_rank_0
+from utils import DistInfo, log_rank_0, positive_env_number
 
 DEFAULT_MAX_TOKENS_PER_GPU = 10000
 """What ``auto`` means without a GPU: the original mini_trainer default."""
@@ -125,9 +125,7 @@ def probe_agreement(dist_info: DistInfo) -> Callable[[bool], bool]:
     while ranks blocked in a collective of the trial that a failed rank left never arrive.
     That failed rank then raises, its process exits, and torchrun stops the rest.
     """
-    seconds = float(os.environ.get(PROBE_TIMEOUT_ENV, DEFAULT_PROBE_TIMEOUT_SECONDS))
-    if seconds <= 0:
-        raise ValueError(f"{PROBE_TIMEOUT_ENV} must be positive, got {seconds}")
+    seconds = positive_env_number(PROBE_TIMEOUT_ENV, DEFAULT_PROBE_TIMEOUT_SECONDS)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
 
     def agree(ok: bool) -> bool:

@@ -221,6 +221,14 @@ def process_group_backend(device: str, *, cpu_offload: bool = False) -> str:
     return dist.Backend.default_device_backend_map[device]
 
 
+def positive_env_number(name: str, default: float) -> float:
+    """``float(os.environ[name])`` or ``default``; a ValueError naming the variable unless positive."""
+    value = float(os.environ.get(name, default))
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
 def init_distributed(timeout_minutes: float = 30.0, *, cpu_offload: bool = False) -> DistInfo:
     """Join the torchrun job (or become a one-process job without torchrun).
 
@@ -233,9 +241,7 @@ def init_distributed(timeout_minutes: float = 30.0, *, cpu_offload: bool = False
     import torch
     import torch.distributed as dist
 
-    timeout_minutes = float(os.environ.get("MINI_TRAINER_DIST_TIMEOUT_MINUTES", timeout_minutes))
-    if not timeout_minutes > 0:
-        raise ValueError(f"MINI_TRAINER_DIST_TIMEOUT_MINUTES must be positive, got {timeout_minutes}")
+    timeout_minutes = positive_env_number("MINI_TRAINER_DIST_TIMEOUT_MINUTES", timeout_minutes)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

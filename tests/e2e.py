@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 IGNORE_INDEX = -100
@@ -29,6 +31,20 @@ def write_tokenized_jsonl(path: Path, *, num_samples: int, vocab_size: int, seed
                    "num_loss_counted_tokens": length - prompt}
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def unpacked_loss_sum(model, samples, *, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
+    """The tests' reference: each ``(input_ids, labels)`` alone through ``model`` (no packing, no
+    sharding, one process); the summed next-token cross-entropy (logits cast to ``dtype`` if given)
+    and the number of loss-counted tokens."""
+    sums, num_tokens = [], 0
+    for input_ids, labels in samples:
+        logits = model(input_ids=torch.tensor([input_ids])).logits[0, :-1]
+        targets = torch.tensor(labels[1:])
+        sums.append(F.cross_entropy(logits if dtype is None else logits.to(dtype), targets,
+                                    ignore_index=IGNORE_INDEX, reduction="sum"))
+        num_tokens += int((targets != IGNORE_INDEX).sum())
+    return torch.stack(sums).sum(), num_tokens
 
 
 def torchrun(args: list[str], *, nproc: int = 2, timeout: float = 300, script: str = "train.py",

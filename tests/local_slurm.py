@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from e2e import _free_port
+
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo")
 
 
@@ -28,12 +30,6 @@ def unavailable_reason() -> str | None:
     if os.geteuid() != 0:
         return "a local SLURM needs root (slurmd starts job steps as the submitting user)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _binary(name: str) -> str:

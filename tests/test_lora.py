@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from api import config_to_argv
-from e2e import read_metrics, torchrun, write_tokenized_jsonl
+from e2e import read_metrics, torchrun, unpacked_loss_sum, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from lora import LoraSettings, apply_lora, export_states, lora_preflight
 from sampler import InfiniteSampler, load_tokenized_dataset
@@ -85,14 +84,8 @@ def _reference_steps(model, data_path: Path, num_steps: int) -> list[float]:
                                   weight_decay=0.0)
     losses = []
     for _ in range(num_steps):
-        total, num_tokens = [], 0
-        for index in sampler.take(BATCH):
-            input_ids, labels = dataset.sample(int(index))
-            logits = model(input_ids=torch.tensor([input_ids])).logits[0]
-            targets = torch.tensor(labels[1:])
-            total.append(F.cross_entropy(logits[:-1], targets, ignore_index=-100, reduction="sum"))
-            num_tokens += int((targets != -100).sum())
-        loss = torch.stack(total).sum() / num_tokens
+        loss_sum, num_tokens = unpacked_loss_sum(model, [dataset.sample(int(i)) for i in sampler.take(BATCH)])
+        loss = loss_sum / num_tokens
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

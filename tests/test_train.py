@@ -16,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from e2e import read_metrics, torchrun, torchrun_two_nodes, write_tokenized_jsonl
+from e2e import read_metrics, torchrun, torchrun_two_nodes, unpacked_loss_sum, write_tokenized_jsonl
 from sampler import InfiniteSampler, load_tokenized_dataset
 
 BATCH = 12
@@ -59,23 +58,14 @@ def _reference_step(model_dir: Path, data_path: Path):
     dataset = load_tokenized_dataset(str(data_path))
     indices = InfiniteSampler(len(dataset), SEED).take(BATCH)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    loss_sum, num_tokens = 0.0, 0
-    losses = []
-    for index in indices:
-        if dataset.lengths[index] > BUDGET:
-            continue
-        input_ids, labels = dataset.sample(int(index))
-        logits = model(input_ids=torch.tensor([input_ids])).logits[0]
-        targets = torch.tensor(labels[1:])
-        losses.append(F.cross_entropy(logits[:-1], targets, ignore_index=-100, reduction="sum"))
-        num_tokens += int((targets != -100).sum())
-    loss = torch.stack(losses).sum() / num_tokens
+    loss_sum, num_tokens = unpacked_loss_sum(
+        model, [dataset.sample(int(index)) for index in indices if dataset.lengths[index] <= BUDGET])
+    loss = loss_sum / num_tokens
     loss.backward()
     grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     optimizer.step()
-    loss_sum = loss.item()
-    return loss_sum, grad_norm, {k: v.detach() for k, v in model.state_dict().items()}
+    return loss.item(), grad_norm, {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def test_packed_sharded_step_equals_unpacked_reference(one_step_run, chatml_model, data_path):

@@ -14,20 +14,18 @@ launches with 2 gloo CPU processes on the tiny local model.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import checkpoint_policy
 import resume_policy
 import validation
 from batch_metrics import MetricsWriter
-from e2e import torchrun, write_tokenized_jsonl
+from e2e import torchrun, unpacked_loss_sum, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from sampler import InfiniteSampler, load_tokenized_dataset
 
@@ -67,17 +65,10 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
 def _unpacked_loss(model_dir: Path, dataset, rows) -> tuple[float, int]:
     """Per-token mean cross-entropy, one sample at a time, one process, no packing."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    total, tokens = 0.0, 0
+    samples = [dataset.sample(int(row)) for row in rows]
     with torch.no_grad():
-        for row in rows:
-            input_ids, labels = dataset.sample(int(row))
-            if len(input_ids) > BUDGET:
-                continue
-            logits = model(input_ids=torch.tensor([input_ids])).logits[0]
-            targets = torch.tensor(labels[1:])
-            total += F.cross_entropy(logits[:-1].double(), targets, ignore_index=-100, reduction="sum").item()
-            tokens += int((targets != -100).sum())
-    return total / tokens, tokens
+        total, tokens = unpacked_loss_sum(model, [s for s in samples if len(s[0]) <= BUDGET], dtype=torch.float64)
+    return total.item() / tokens, tokens
 
 
 # ----------------------------------------------------------------------------
