@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 from e2e import _free_port
@@ -34,6 +35,18 @@ def unavailable_reason() -> str | None:
 
 def _binary(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def _step_daemons(job_id: str) -> list[int]:
+    """This host's slurmstepd processes of the job (``slurmstepd: [<job>.batch]``, ``[<job>.0]``, ...)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"slurmstepd: [{job_id}.".encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:  # the process ended while we looked
+            continue
+    return pids
 
 
 class LocalSlurm:
@@ -132,9 +145,30 @@ class LocalSlurm:
         text = self.run("scontrol", "show", "job", "-o", job_id, check=False)
         return dict(field.split("=", 1) for field in text.split() if "=" in field)
 
-    def release_now(self, job_id: str) -> None:
-        """A requeued job is held back for two minutes (SLURM's fixed requeue delay); start it now instead."""
-        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    def release_now(self, job_id: str, timeout: float = 120) -> None:
+        """A requeued job is held back for two minutes (SLURM's fixed requeue delay); lift the hold.
+
+        The hold is what lets the old attempt's job steps end on the node: a new attempt launched
+        while one of them (a slurmstepd of this job) still runs is killed by slurmd ("already killed,
+        do not launch"). So: wait for the hold (until it is set the job may show an old eligible
+        time) and for the old steps to be gone, lift it, and repeat until it stays lifted.
+        """
+        deadline = time.monotonic() + timeout
+        lifted = False
+        while True:
+            job = self.job(job_id)
+            eligible = job.get("EligibleTime", "")
+            held = (job.get("JobState") == "PENDING" and eligible[:1].isdigit()
+                    and datetime.fromisoformat(eligible) > datetime.now())
+            if held and not _step_daemons(job_id):
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+                lifted = True
+            elif lifted:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job {job_id} not released ({job.get('JobState')}, {job.get('Reason')}, "
+                                   f"eligible {eligible}):\n{self.logs()}")
+            time.sleep(0.5)
 
     def stop(self) -> None:
         if self._daemons:
