@@ -332,10 +332,32 @@ def metadata_global(module: str, name: str) -> Any:
             return found
     elif (module, name) == ("torch.serialization", "_get_layout"):
         return torch.serialization._get_layout  # a lookup of a layout by its name
-    elif module == "pathlib" and name in _METADATA_PATHS:
+    elif module in ("pathlib", "pathlib._local") and name in _METADATA_PATHS:  # 3.13 names the latter
         return getattr(pathlib, name)
+    elif module in ("builtins", "__builtin__") and name == "getattr":
+        return enum_member_by_name
     raise pickle.UnpicklingError(f"refusing {module}.{name}: not part of a checkpoint's metadata "
                                  "(a checkpoint folder must not be able to run code)")
+
+
+def enum_member_by_name(owner: Any, name: Any) -> enum.Enum:
+    """The only ``getattr`` a DCP ``.metadata`` pickle may call: some CPython patch releases (Debian 12's
+    3.11.2 among them) pickle an enum member as ``getattr(EnumClass, 'MEMBER')`` where others pickle it by
+    value. So the lookup is allowed for a member name of an enum class that is itself allowed, nothing else."""
+    allowed = (isinstance(owner, type) and issubclass(owner, enum.Enum)
+               and _is_allowed_global(owner.__module__, owner.__qualname__, owner))
+    if allowed and isinstance(name, str) and name in owner.__members__:
+        return owner[name]
+    shown = owner.__qualname__ if isinstance(owner, type) else type(owner).__qualname__
+    raise pickle.UnpicklingError(f"refusing getattr({shown}, {name!r}): only a member of an allowed enum may be "
+                                 "looked up by name in a checkpoint's metadata")
+
+
+def _is_allowed_global(module: str, name: str, expected: Any) -> bool:
+    try:
+        return metadata_global(module, name) is expected
+    except pickle.UnpicklingError:
+        return False
 
 
 class _MetadataUnpickler(pickle.Unpickler):
