@@ -1,5 +1,7 @@
 # The two commands: `make demo` and `make test`. Both create .venv on first use.
 VENV ?= .venv
+# The interpreter .venv is built from (a fresh Debian 12 machine: /usr/bin/python3, 3.11.2).
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The CPU wheel of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
@@ -7,10 +9,10 @@ TORCH_CPU ?= torch==2.13.0
 DEMO_DIR ?= demo_output
 NPROC ?= 2
 
-.PHONY: install test demo clean
+.PHONY: install test test-matrix demo clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_CPU)" || \
 		$(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
@@ -22,8 +24,13 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q tests
 
+# Format, data, packing and resume tests under several interpreters, one venv each under .venv-matrix/
+# (default: /usr/bin/python3 and every pyenv 3.10-3.13; MATRIX_PYTHONS="/path/python3.12 ..." to choose).
+test-matrix:
+	TORCH_CPU="$(TORCH_CPU)" bash tests/test_matrix.sh $(MATRIX_PYTHONS)
+
 demo: install
 	$(PY) demo.py --output-dir $(DEMO_DIR) --nproc-per-node $(NPROC)
 
 clean:
-	rm -rf $(DEMO_DIR) .pytest_cache
+	rm -rf $(DEMO_DIR) .pytest_cache .venv-matrix

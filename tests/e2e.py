@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import enum
+import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +86,23 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class _EnumForm(pickle.Pickler):
+    """Writes enum members in one chosen form, whatever this interpreter's default: Python 3.11.2
+    writes ``getattr(EnumClass, 'NAME')``, 3.10/3.11.7/3.12+ write the member by value."""
+
+    def __init__(self, file, *, by_name: bool, protocol: int):
+        super().__init__(file, protocol=protocol)
+        self.by_name = by_name
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return (getattr, (type(obj), obj.name)) if self.by_name else (type(obj), (obj.value,))
+        return NotImplemented
+
+
+def pickle_enums(obj, *, by_name: bool, protocol: int = pickle.DEFAULT_PROTOCOL) -> bytes:
+    buf = io.BytesIO()
+    _EnumForm(buf, by_name=by_name, protocol=protocol).dump(obj)
+    return buf.getvalue()

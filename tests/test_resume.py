@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from e2e import ROOT, _free_port, read_metrics, torchrun, write_tokenized_jsonl
+from e2e import ROOT, _free_port, pickle_enums, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 
 BATCH = 12
@@ -90,6 +90,27 @@ def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(tmp_path, chatml_mo
     assert f"resumed from {out / 'full_state' / f'samples_{CHECKPOINT_EVERY}'}" in resumed.stderr
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
     assert _checkpoint_names(out) == _checkpoint_names(uninterrupted), "same cadence with a resume in between"
+    a, b = _final_weights(uninterrupted), _final_weights(out)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("by_name", [False, True], ids=["enum_by_value", "enum_by_name"])
+def test_resume_from_metadata_in_either_interpreters_form(tmp_path, chatml_model, data_path, uninterrupted,
+                                                          by_name):
+    """A checkpoint written by one interpreter resumes under another: its .metadata is rewritten in
+    the enum form of Python 3.11.2 (by name) or of 3.11.7/3.12 (by value), whichever runs this test."""
+    out = tmp_path / "run_form"
+    assert torchrun(_args(chatml_model, data_path, out),
+                    env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(CHECKPOINT_EVERY)}).returncode != 0
+    [saved] = complete_checkpoints(out / "full_state")
+    with (saved / ".metadata").open("rb") as f:
+        metadata = pickle.load(f)
+    (saved / ".metadata").write_bytes(pickle_enums(metadata, by_name=by_name))
+    resumed = torchrun(_args(chatml_model, data_path, out))
+    _ok(resumed)
+    assert f"resumed from {saved}" in resumed.stderr
+    _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
     a, b = _final_weights(uninterrupted), _final_weights(out)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
