@@ -213,7 +213,7 @@ def build_mesh(strategy: str, dist_info: DistInfo, local_world_size: int) -> Dev
 def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementation: str,
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
                 use_liger_kernels: bool, local_world_size: int,
-                trust_remote_code: bool = False,
+                head_learned_positions_only: bool = True, trust_remote_code: bool = False,
                 lora: LoraSettings | None = None) -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank.
 
@@ -226,6 +226,7 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         activation_checkpointing: recompute each block's activations in backward.
         use_liger_kernels: Liger fused linear cross-entropy (CUDA only).
         local_world_size: processes per node (HYBRID_SHARD's shard group).
+        head_learned_positions_only: LM head and loss on labelled positions only (``loss.learned_positions``).
         trust_remote_code: run the modelling code a checkpoint ships (off unless the user asks).
         lora: inject LoRA adapters and freeze the base weights (None: full fine-tuning).
 
@@ -276,7 +277,8 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels)
+    wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels,
+                               head_learned_positions_only=head_learned_positions_only)
     # Read by the export (checkpoint.py): the adapter's config and whether to merge it.
     wrapper.lora_config = lora_config
     wrapper.lora_merge_on_export = lora is None or lora.merge_on_export
