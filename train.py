@@ -120,6 +120,9 @@ class TrainConfig:
         True, help="run the LM head and cross-entropy only on positions with a label (same loss and gradients, "
                    "less work on prompt-heavy data); --no-head-learned-positions-only runs them on every position, "
                    "for A/B timing (make gpu-check)")
+    compile: bool = config_field(
+        False, help="torch.compile each decoder block (inductor, dynamic sequence length; after activation "
+                    "checkpointing, before FSDP); the first steps pay the compile time")
     logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     max_steps: int | None = config_field(None, help="stop after this many optimizer steps")
     max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
@@ -321,6 +324,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         attn_implementation=config.attn_implementation, sharding_strategy=config.fsdp_sharding_strategy,
         cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
         use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
+        compile=config.compile,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
         trust_remote_code=config.trust_remote_code, lora=config.lora,
     )
