@@ -17,15 +17,17 @@ load-balancing loss (``objective.RouterLoss``) as documented in ``objective.py``
 Both return the SUM of token losses; the trainer divides by the optimizer
 batch's loss-token count, known before the forward pass.
 
-Both run only on learned positions (``learned_positions``): in chat SFT most
-positions are prompt (label ``IGNORE_INDEX``), and their logits, head matmul
-and cross-entropy add exactly 0 to the loss and its gradients. Their hidden
-states are dropped before the head, so the head costs scale with the loss
-tokens, not the row length. The values are the same sums over the same terms;
-only float summation order can differ (docs/speed-head-compile.md)::
+By default both run only on learned positions (``learned_positions``; the
+old all-positions head stays behind ``--no-head-learned-positions-only`` for
+A/B timing): in chat SFT most positions are prompt (label ``IGNORE_INDEX``),
+and their logits, head matmul and cross-entropy add exactly 0 to the loss and
+its gradients. Their hidden states are dropped before the head, so the head
+costs scale with the loss tokens, not the row length. The values are the same
+sums over the same terms; only float summation order can differ
+(docs/speed-head-compile.md)::
 
     row        [p p p p a a a p p a a]   p: prompt (label -100), a: learned
-    hidden     [T, H] ---index_select(positions)---> [N, H], N = 4 here
+    hidden     [T, H] ---index_select(positions)---> [N, H], N = 5 here
     head + CE  [N, V] logits instead of [T, V]
 
 Labels arrive already shifted per sample by the collator (``sampler.py``):

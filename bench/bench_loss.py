@@ -17,7 +17,8 @@ Rounds alternate the two, so machine load hits both alike. Reported per mode:
 median time of forward + backward (``--iters`` timed calls per process after
 one warm-up), and the peak memory the calls add on top of the weight, the
 hidden states and their gradient buffers (allocated beforehand): the logits
-and their gradients (on CPU the process's peak RSS, on CUDA peak allocated). The two losses are printed to show they agree.
+and their gradients (on CPU the process's peak RSS, on CUDA peak allocated).
+The two losses are printed to show they agree.
 
 FLOPs saved per step: the head costs ``6 * H * V`` FLOPs per position in
 forward + backward (2 forward, 4 backward; the chunked path's recomputation
