@@ -17,6 +17,19 @@ load-balancing loss (``objective.RouterLoss``) as documented in ``objective.py``
 Both return the SUM of token losses; the trainer divides by the optimizer
 batch's loss-token count, known before the forward pass.
 
+By default both run only on learned positions (``learned_positions``; the
+old all-positions head stays behind ``--no-head-learned-positions-only`` for
+A/B timing): in chat SFT most positions are prompt (label ``IGNORE_INDEX``),
+and their logits, head matmul and cross-entropy add exactly 0 to the loss and
+its gradients. Their hidden states are dropped before the head, so the head
+costs scale with the loss tokens, not the row length. The values are the same
+sums over the same terms; only float summation order can differ
+(docs/speed-head-compile.md)::
+
+    row        [p p p p a a a p p a a]   p: prompt (label -100), a: learned
+    hidden     [T, H] ---index_select(positions)---> [N, H], N = 5 here
+    head + CE  [N, V] logits instead of [T, V]
+
 Labels arrive already shifted per sample by the collator (``sampler.py``):
 ``labels[t]`` is the target of position ``t``, so nothing here shifts again
 and no target crosses a packed sample boundary.
@@ -68,6 +81,18 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     return total
 
 
+def learned_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Indices of the positions of ``labels`` ([T]) that have a target, never empty.
+
+    A row without any learned position (a dummy minibatch, an all-prompt row)
+    keeps its first position, whose label is ``IGNORE_INDEX``: the head still
+    runs on one row and adds 0, so backward reaches every block and every
+    rank joins FSDP's gradient reductions, as before.
+    """
+    positions = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)  # [N]; CPU-GPU sync point (N is data-dependent)
+    return positions if positions.numel() else positions.new_zeros(1)
+
+
 class CausalLMWithLoss(nn.Module):
     """Root FSDP unit: ``model`` is the untouched Hugging Face causal LM.
 
@@ -77,9 +102,11 @@ class CausalLMWithLoss(nn.Module):
     detached parts of the returned objective, for logging.
     """
 
-    def __init__(self, model: nn.Module, *, use_liger_kernels: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, use_liger_kernels: bool = False,
+                 head_learned_positions_only: bool = True) -> None:
         super().__init__()
         self.model = model
+        self.head_learned_positions_only = head_learned_positions_only
         self.logit_transform = logit_transform(model)
         self.router_loss = router_loss(model)
         self.liger_loss = None
@@ -110,12 +137,17 @@ class CausalLMWithLoss(nn.Module):
                               **attention_kwargs).loss
         with_router = self.router_loss is not None and router_aux_weight != 0.0
         extra = {"output_router_logits": with_router} if self.router_loss is not None else {}
+        flat_labels = labels.flatten()
+        # Before the decoder: the sync then waits only for the input copies, not for the blocks' work.
+        positions = learned_positions(flat_labels) if self.head_learned_positions_only else None
         outputs = self.model.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra, **attention_kwargs
         )
         hidden = outputs.last_hidden_state.flatten(0, 1)  # [T, H]
+        if positions is not None:
+            # Backward scatters the gradient into zeros: the dropped rows' gradient was exactly 0 anyway.
+            hidden, flat_labels = hidden.index_select(0, positions), flat_labels.index_select(0, positions)  # [N, H]
         head = self.model.get_output_embeddings()
-        flat_labels = labels.flatten()
         if self.liger_loss is not None:
             scale = self.logit_transform.scale
             # The scale is folded into the hidden states (and bias): (s*h) W + s*b = s * (h W + b).

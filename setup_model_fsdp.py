@@ -7,9 +7,13 @@ Order of operations (torchtitan's ``parallelize_llama`` order):
    pretrained weights into host memory, once, in their stored dtype (bf16 for
    most checkpoints), so a 70B model is never held once per rank nor in fp32;
 2. activation checkpointing per decoder block (``gradient_checkpointing_enable``);
-3. ``fully_shard`` on every decoder block, then on the root (the loss wrapper,
+3. with ``--compile``, ``torch.compile`` per decoder block (``compile_blocks``):
+   after AC, so the checkpoint wraps the compiled block and backward recomputes
+   it compiled; before ``fully_shard``, whose hooks stay outside the compiled
+   graph (FSDP2 disables dynamo on them), as torchtitan orders it;
+4. ``fully_shard`` on every decoder block, then on the root (the loss wrapper,
    which owns embeddings, final norm and LM head);
-4. the shards are materialised on the device and filled from rank 0's copy by
+5. the shards are materialised on the device and filled from rank 0's copy by
    ``set_model_state_dict(..., broadcast_from_rank0=True)``; buffers that are
    not in the state dict (rotary ``inv_freq``) are broadcast explicitly.
 
@@ -173,6 +177,56 @@ def apply_liger_kernels(model: nn.Module, *, device_type: str) -> bool:
     return True
 
 
+def compile_refusal(device_type: str) -> str | None:
+    """Why ``--compile`` cannot work here (one line), or None."""
+    if not torch._dynamo.is_dynamo_supported():
+        try:
+            torch._dynamo.eval_frame.check_if_dynamo_supported()
+        except RuntimeError as err:
+            return f"--compile: torch.compile does not run here ({err}); train without --compile"
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return ("--compile: inductor's GPU backend needs Triton, which does not import here: "
+                    "pip install triton (the version your torch wheel pins), or train without --compile")
+        return None
+    from torch._inductor import exc
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        return ("--compile: inductor's CPU backend needs a C++ compiler (g++ or clang++ on PATH, or $CXX) and "
+                "none was found; install one (apt-get install g++) or train without --compile")
+    return None
+
+
+def compile_blocks(blocks: list[nn.Module], *, device_type: str) -> None:
+    """``torch.compile`` each decoder block in place (regional compilation), with dynamic shapes.
+
+    ``Module.compile`` keeps the module, its parameter names and its
+    activation-checkpointing ``__call__``; identical blocks share one compiled
+    graph. ``dynamic=True`` traces the token dimension symbolically from the
+    first step on: packed rows change length every step, and one graph for all
+    lengths is compiled once. (The default, automatic dynamic shapes, would
+    first compile a graph specialised to step 1's length and recompile at step
+    2; a resumed run would then specialise to another length and could round
+    differently from the run it continues.) Length bucketing was not chosen:
+    it pads every row, costing tokens, and still compiles one graph per bucket.
+
+    Raises:
+        ValueError: ``compile_refusal`` found a reason it cannot work.
+    """
+    error = compile_refusal(device_type)
+    if error is not None:
+        raise ValueError(error)
+    for block in blocks:
+        block.compile(dynamic=True)
+    log_rank_0(f"torch.compile: {len(blocks)} decoder blocks ({type(blocks[0]).__name__}), inductor, dynamic "
+               "token dimension (packed rows vary in length)")
+
+
 def find_decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks, found generically.
 
@@ -213,7 +267,7 @@ def build_mesh(strategy: str, dist_info: DistInfo, local_world_size: int) -> Dev
 def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementation: str,
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
                 use_liger_kernels: bool, local_world_size: int,
-                trust_remote_code: bool = False,
+                head_learned_positions_only: bool = True, compile: bool = False, trust_remote_code: bool = False,
                 lora: LoraSettings | None = None) -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank.
 
@@ -226,6 +280,8 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         activation_checkpointing: recompute each block's activations in backward.
         use_liger_kernels: Liger fused linear cross-entropy (CUDA only).
         local_world_size: processes per node (HYBRID_SHARD's shard group).
+        head_learned_positions_only: LM head and loss on labelled positions only (``loss.learned_positions``).
+        compile: ``torch.compile`` each decoder block (``compile_blocks``).
         trust_remote_code: run the modelling code a checkpoint ships (off unless the user asks).
         lora: inject LoRA adapters and freeze the base weights (None: full fine-tuning).
 
@@ -276,7 +332,11 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels)
+    blocks = find_decoder_blocks(model)
+    if compile:
+        compile_blocks(blocks, device_type=device.type)
+    wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels,
+                               head_learned_positions_only=head_learned_positions_only)
     # Read by the export (checkpoint.py): the adapter's config and whether to merge it.
     wrapper.lora_config = lora_config
     wrapper.lora_merge_on_export = lora is None or lora.merge_on_export
@@ -291,7 +351,6 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     }
     if cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
-    blocks = find_decoder_blocks(model)
     block_class = type(blocks[0]).__name__
     for block in blocks:
         fully_shard(block, **fsdp_kwargs)

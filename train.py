@@ -116,6 +116,13 @@ class TrainConfig:
     use_liger_kernels: bool = config_field(
         False, help="Liger fused linear cross-entropy plus RMSNorm/RoPE/SwiGLU kernels (CUDA; ignored with a "
                     "warning on CPU)")
+    head_learned_positions_only: bool = config_field(
+        True, help="run the LM head and cross-entropy only on positions with a label (same loss and gradients, "
+                   "less work on prompt-heavy data); --no-head-learned-positions-only runs them on every position, "
+                   "for A/B timing (make gpu-check)")
+    compile: bool = config_field(
+        False, help="torch.compile each decoder block (inductor, dynamic sequence length; after activation "
+                    "checkpointing, before FSDP); the first steps pay the compile time")
     logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     max_steps: int | None = config_field(None, help="stop after this many optimizer steps")
     max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
@@ -316,7 +323,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         model_name_or_path=config.model_name_or_path, dist_info=dist_info,
         attn_implementation=config.attn_implementation, sharding_strategy=config.fsdp_sharding_strategy,
         cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
-        use_liger_kernels=config.use_liger_kernels,
+        use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
+        compile=config.compile,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
         trust_remote_code=config.trust_remote_code, lora=config.lora,
     )

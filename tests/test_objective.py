@@ -9,6 +9,12 @@ the chunked PyTorch loss, loss and gradients (Liger's softcap branch does not
 run under the interpreter: its argument is checked). The per-sample router loss must equal
 transformers' ``load_balancing_loss_func`` on each sample alone, whatever the
 packing. Attention selection follows what the architecture accepts.
+
+The head on learned positions only (``loss.learned_positions``) must give the
+loss, router loss and every gradient of the head on all positions, for
+several architectures, logit scaling, softcapping, LoRA and Liger; equal up
+to fp32 summation order (the terms are the same, their grouping into sums is
+not), and the prompt positions' hidden-state gradient exactly 0 in both.
 """
 
 from __future__ import annotations
@@ -35,11 +41,24 @@ from utils import logger
 LIGER_SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from loss import chunked_cross_entropy_sum, make_liger_fused_loss
+from loss import chunked_cross_entropy_sum, learned_positions, make_liger_fused_loss
 from objective import LogitTransform
 torch.manual_seed(0)
 T, H, V = 24, 16, 64
 results = {}
+for n_masked in (14, T):
+    hidden = torch.randn(T, H, requires_grad=True)
+    weight = (torch.randn(V, H) * 0.5).requires_grad_()
+    labels = torch.randint(0, V, (T,)); labels[torch.randperm(T)[:n_masked]] = -100
+    liger = make_liger_fused_loss(LogitTransform())
+    full = liger(weight, hidden, labels, None)
+    g_full = torch.autograd.grad(full, (hidden, weight))
+    positions = learned_positions(labels)
+    only = liger(weight, hidden.index_select(0, positions), labels.index_select(0, positions), None)
+    g_only = torch.autograd.grad(only, (hidden, weight))
+    results[f"learned_only/{n_masked}"] = {
+        "loss": [full.item(), only.item()], "grad_hidden": (g_full[0] - g_only[0]).abs().max().item(),
+        "grad_weight": (g_full[1] - g_only[1]).abs().max().item(), "accum_dtype": "torch.float32"}
 for scale, softcap in ((1.0, None), (0.0625, None), (3.0, None)):
     transform = LogitTransform(scale=scale, softcap=softcap)
     hidden = torch.randn(T, H, requires_grad=True)
@@ -76,6 +95,76 @@ def test_liger_fused_loss_equals_plain_path_under_triton_interpreter():
         assert fused == pytest.approx(plain, rel=1e-5), case
         assert r["grad_hidden"] < 1e-5 and r["grad_weight"] < 1e-5, case
         assert r["accum_dtype"] == "torch.float32"
+
+
+LEARNED_ONLY_ARCHS = ("llama", "granite", "cohere", "gemma2", "qwen3_moe_aux", "granitemoe_aux")
+
+
+def _loss_and_grads(wrapper, batch: dict, *, learned_only: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    wrapper.head_learned_positions_only = learned_only
+    wrapper.zero_grad(set_to_none=True)
+    loss = wrapper(**batch, router_aux_weight=0.7)
+    loss.backward()
+    return loss.detach(), wrapper.last_router_aux_sum, {n: p.grad.clone() for n, p in wrapper.named_parameters()
+                                                        if p.grad is not None}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("name", LEARNED_ONLY_ARCHS)
+def test_head_on_learned_positions_equals_head_on_every_position(name, lora):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loss import CausalLMWithLoss
+    from lora import LoraSettings, apply_lora
+
+    arch = ARCH_BY_NAME[name]
+    vocab = 96
+    config = AutoConfig.for_model(arch.model_type, vocab_size=vocab, **{**COMMON, **arch.overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    if lora:
+        apply_lora(model, LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", use_rslora=False))
+        for module_name, param in model.named_parameters():  # B = 0 at start would hide the adapters' A gradient
+            if "lora_B" in module_name:
+                torch.nn.init.normal_(param, std=0.1)
+    wrapper = CausalLMWithLoss(model)
+    lengths = [9, 14, 5, 12]  # one packed row; 60-70% of it prompt, as in chat SFT
+    total = sum(lengths)
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, vocab, (1, total), generator=generator)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = torch.randint(0, vocab, (1, total), generator=generator)
+    labels[torch.rand(1, total, generator=generator) < 0.65] = -100
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    labels[0, ends] = -100  # a sample's last token has no target
+    batch = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+
+    old_loss, old_router, old_grads = _loss_and_grads(wrapper, batch, learned_only=False)
+    new_loss, new_router, new_grads = _loss_and_grads(wrapper, batch, learned_only=True)
+    assert wrapper.logit_transform.is_identity == (name in ("llama", "qwen3_moe_aux"))
+    assert (wrapper.router_loss is not None) == arch.overrides.get("output_router_logits", False)
+    torch.testing.assert_close(new_router, old_router, rtol=0, atol=0)  # router logits are untouched
+    # Same terms, summed in other groupings (chunks of learned positions, a shorter GEMM): fp32 rounding only.
+    torch.testing.assert_close(new_loss, old_loss, rtol=1e-6, atol=0)
+    assert new_grads.keys() == old_grads.keys() and new_grads
+    for key, old in old_grads.items():
+        torch.testing.assert_close(new_grads[key], old, rtol=1e-5, atol=1e-6 * old.abs().max().item(), msg=key)
+
+
+def test_a_row_without_learned_positions_still_reaches_every_parameter():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loss import CausalLMWithLoss, learned_positions
+
+    assert learned_positions(torch.full((5,), -100)).tolist() == [0]
+    assert learned_positions(torch.tensor([-100, 3, -100, 4])).tolist() == [1, 3]
+    config = AutoConfig.for_model("llama", vocab_size=64, **COMMON)
+    wrapper = CausalLMWithLoss(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+    loss = wrapper(torch.randint(0, 64, (1, 6)), torch.arange(6)[None], torch.full((1, 6), -100))
+    loss.backward()
+    assert loss.item() == 0.0
+    # Every parameter gets a (zero) gradient, so FSDP's reductions see the same graph on every rank.
+    assert all(p.grad is not None and not p.grad.any() for p in wrapper.parameters())
 
 
 def test_logit_transform_matches_the_forward_order():
