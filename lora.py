@@ -91,6 +91,11 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
     if not_linear:
         raise ValueError(f"--lora-target-modules {settings.target_modules} matches {', '.join(not_linear)} "
                          "layers; only linear layers can be adapted and merged here")
+    if hasattr(model.get_output_embeddings(), "lora_A"):
+        # The loss multiplies the hidden states by the head's weight itself (chunked or Liger
+        # cross-entropy), so an adapter on the head would be silently left out of every step.
+        raise ValueError(f"--lora-target-modules {settings.target_modules} adapts the LM head, which the "
+                         "loss reads as a plain weight: leave it out (all-linear already does)")
     # peft swapped the modules inside ``model`` in place; the PeftModel shell is not needed.
     return config
 

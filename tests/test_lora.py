@@ -204,6 +204,9 @@ def test_bad_lora_settings_are_one_line_errors(tmp_path, chatml_model, data_path
     model_config = AutoModelForCausalLM.from_pretrained(chatml_model).config
     refused = LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules="input_layernorm", use_rslora=False)
     assert "peft cannot adapt Qwen2ForCausalLM" in lora_preflight(model_config, refused)
+    on_head = LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules="q_proj,lm_head", use_rslora=False)
+    assert "adapts the LM head" in lora_preflight(model_config, on_head)
+    assert lora_preflight(model_config, SETTINGS) is None
     result = torchrun(_args(chatml_model, data_path, tmp_path / "bad", "--max-steps", "1",
                             "--min-samples-per-checkpoint", "100", "--lora-target-modules", "no_such_proj"))
     assert result.returncode != 0
