@@ -419,10 +419,31 @@ def test_template_rendering_old_turns_differently(tokenizers, tmp_path):
     assert sample.input_ids == list(tok.apply_chat_template(CONVERSATIONS["multi_turn_system"])["input_ids"])
 
 
-def test_non_incremental_template_is_rejected_not_guessed(tokenizers, tmp_path):
+def test_non_incremental_template_is_located_in_the_full_rendering(tokenizers, tmp_path):
+    """A template whose every rendering changes with the conversation's length: no rendering of a
+    prefix is a prefix of the whole, yet the sentinels find each reply in the whole rendering."""
     counting = ("{{- messages | length }} messages\\n"
-                "{%- for message in messages %}{{- message['role'] + ': ' + message['content'] + '<|im_end|>' }}"
-                "{%- endfor %}")
+                "{%- for message in messages %}{{- message['role'] + ':\\n' + message['content'] + '<|im_end|>' }}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant:\\n' }}{%- endif %}")
+    tok = _tokenizer_with_template(tokenizers["chatml"], counting, tmp_path / "counting")
+    sample = encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["multi_turn_system"])
+    assert sample.rule == "sentinel" and sample.num_replies == sample.num_replies_end_learned == 2
+    assert _learned_text(tok, sample.input_ids, sample.labels) == [
+        "Four.<|im_end|>", "It jumps over the lazy dog.<|im_end|>"]
+
+
+def test_template_rewriting_a_reply_falls_back_loudly(tokenizers, tmp_path):
+    """A template that cuts replies short hides the sentinels: the older incremental rule is used and
+    the row says so; a reply it cannot locate either is rejected, never guessed."""
+    cutting = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+               "message['content'][:22] + '<|im_end|>\\n' }}{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    tok = _tokenizer_with_template(tokenizers["chatml"], cutting, tmp_path / "cutting")
+    encoder = ChatEncoder(tok, max_sample_num_tokens=1 << 30)
+    sample = encode(encoder, CONVERSATIONS["multi_turn_system"])
+    assert sample.rule == "incremental"
+    assert _learned_text(tok, sample.input_ids, sample.labels) == ["Four.<|im_end|>", "It jumps over the lazy<|im_end|>"]
+    counting = "{{- messages | length }}" + cutting
     tok = _tokenizer_with_template(tokenizers["chatml"], counting, tmp_path / "counting")
     with pytest.raises(SampleError) as err:
         encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["single_turn"])
@@ -547,7 +568,7 @@ def test_output_row_carries_fields_and_counts(tiny_models, tmp_path):
     assert out["id"] == 7 and out["source"] == row["source"]
     assert out["len"] == len(out["input_ids"]) == len(out["labels"])
     assert out["num_loss_counted_tokens"] == sum(label != IGNORE_INDEX for label in out["labels"])
-    assert summary["tokenizer"]["masking"] == "generation_prompt"
+    assert summary["tokenizer"]["masking"] == "sentinel"
     assert summary["tokenizer"]["chat_template_source"] == "tokenizer"
     assert summary["config"]["model_name_or_path"] == str(tiny_models["llama3"])
 
