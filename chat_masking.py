@@ -219,7 +219,8 @@ def reasoning_text(message: dict) -> str:
 
 
 def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tuple[str, ...],
-               eos_token: str | None = None, mask_reasoning: bool = False) -> tuple[str, list[CharSpan], str]:
+               eos_token: str | None = None, special_tokens: tuple[str, ...] = (),
+               mask_reasoning: bool = False) -> tuple[str, list[CharSpan], str]:
     """The learned character spans of every assistant turn, by the learning rule (module docstring).
 
     Turns are located in the rendering of the whole conversation (``sentinel_turn_spans``); where a
@@ -233,6 +234,8 @@ def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tup
         end_of_turn: the string(s) that end an assistant turn (harmony ends the last reply with
             ``<|return|>``, earlier ones with ``<|end|>``, a tool call with ``<|call|>``).
         eos_token: learned too when the template writes it right after a turn's end-of-turn.
+        special_tokens: the tokenizer's added tokens; a generation prompt is matched in pieces
+            that end at one of them (or a newline), never inside one.
         mask_reasoning: leave each turn's reasoning text (``reasoning_text``) out of its span.
 
     Returns:
@@ -242,7 +245,8 @@ def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tup
     """
     ends = (end_of_turn,) if isinstance(end_of_turn, str) else tuple(end_of_turn)
     full = render(messages, False)
-    located = sentinel_turn_spans(render, messages, full, ends=ends, eos_token=eos_token)
+    located = sentinel_turn_spans(render, messages, full, ends=ends, eos_token=eos_token,
+                                  special_tokens=special_tokens)
     if located is not None:
         rule, turns = "sentinel", located
     else:
@@ -322,7 +326,7 @@ def _common_prefix_len(a: str, b: str) -> int:
 
 
 def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, ends: tuple[str, ...],
-                        eos_token: str | None) -> list[tuple[int, CharSpan]] | None:
+                        eos_token: str | None, special_tokens: tuple[str, ...] = ()) -> list[tuple[int, CharSpan]] | None:
     """Each assistant turn's ``(index, (start, end))`` located in ``full`` itself, or None.
 
     The conversation is rendered once more with sentinels around every message's content (and
@@ -356,27 +360,36 @@ def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, en
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        own = [pos for pos, _, index in marks if index == i]
+        own = sorted(pos for pos, _, index in marks if index == i)
         if not own:
-            return None
-        first_own, last_own = min(own), max(own)
+            if message.get("tool_calls"):
+                raise SampleError("tool_calls_not_rendered", f"assistant message {i}: the chat template did not "
+                                                             "render its tool calls")
+            raise SampleError("reply_not_rendered", f"assistant message {i}: the chat template dropped the reply")
+        first_own = own[0]
         before = [(pos, index) for pos, _, index in marks if pos <= first_own and index != i]
         prev_pos, prev_index = max(before) if before else (0, -1)
         if prev_index > i:
-            return None  # a later message's text precedes this turn: the order is the template's own
-        after = [pos for pos, _, index in marks if pos > last_own and index != i]
+            return None  # a later message's text precedes this turn: no generation prompt leads to it
+        after = [pos for pos, _, index in marks if pos > first_own and index != i]
         limit = min(after) if after else len(full)
+        # Harmony names the tool again in the tool result's header: the turn's marks end at the first
+        # end-of-turn between two of them.
+        last_own = first_own
+        for pos in own[1:]:
+            if any(full.find(end, last_own, pos) >= 0 for end in ends):
+                break
+            last_own = pos
         try:
             prompt = render(marked_messages[:i], True)
         except SampleError:
             return None
         tail_marks = list(_MARK.finditer(prompt))
         tail = prompt[tail_marks[-1].end():] if tail_marks else prompt
-        gap = full[prev_pos:first_own]
-        matched = _common_prefix_len(tail, gap)
-        if tail and not matched:
+        matched = _align_prompt(tail, full, prev_pos, first_own, special_tokens)
+        if matched is None:
             return None
-        start = max(prev_pos + matched, last_end)
+        start = max(matched, last_end)
         hits = [at for at in (full.find(end, last_own, limit) for end in ends) if at >= 0]
         if not hits:
             raise SampleError("no_end_of_turn", f"assistant message {i}: no end-of-turn "
@@ -388,6 +401,59 @@ def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, en
         turns.append((i, (start, end)))
         last_end = end
     return turns
+
+
+def _align_prompt(tail: str, full: str, begin: int, stop: int, special_tokens: tuple[str, ...]) -> int | None:
+    """Where the generation prompt ``tail`` ends in ``full[begin:stop]`` (the text between the previous
+    message and this reply), or None when nothing of it is there.
+
+    Matched piecewise, each piece ending at a special token or a newline of ``tail``: first the
+    longest common prefix, then each further piece found after text made only of whitespace and
+    special tokens (Hermes closes a tool result ``\\n<|im_end|>`` mid-conversation but
+    ``<|im_end|>`` before a generation prompt). Pieces of ``tail`` not in the text are what the
+    prompt gives the model and the rendered turn lacks (DeepSeek-R1's ``<think>\\n``).
+    """
+    def boundaries(text: str) -> list[int]:
+        """Ends of pieces of ``text``, longest first."""
+        cuts = {len(text)}
+        for k in range(1, len(text)):
+            if text[k - 1] == "\n" or any(text.endswith(token, 0, k) for token in special_tokens):
+                cuts.add(k)
+        return sorted(cuts, reverse=True)
+
+    def skippable(text: str) -> bool:
+        for token in special_tokens:
+            text = text.replace(token, "")
+        return not text.strip()
+
+    def inside_token(text: str, k: int) -> int | None:
+        """The start of a special token of ``text`` that position ``k`` cuts, if any."""
+        for token in special_tokens:
+            at = text.find(token, max(0, k - len(token) + 1), k + len(token) - 1)
+            if 0 <= at < k < at + len(token):
+                return at
+        return None
+
+    pos, rest = begin, tail
+    matched = _common_prefix_len(rest, full[begin:stop])
+    while matched and matched < len(rest):  # never stop inside a special token (<think> vs <tool_call>)
+        cut = inside_token(rest, matched)
+        cut = inside_token(full[begin:stop], matched) if cut is None else cut
+        if cut is None:
+            break
+        matched = cut
+    if rest and not matched and not skippable(full[begin:stop][:1]):
+        return None
+    pos, rest = pos + matched, rest[matched:]
+    while rest:
+        for k in boundaries(rest):
+            found = full.find(rest[:k], pos, stop)
+            if found >= 0 and skippable(full[pos:found]):
+                pos, rest = found + k, rest[k:]
+                break
+        else:
+            break
+    return pos
 
 
 def incremental_turn_spans(render: Renderer, messages: list[dict], full: str, *,
@@ -566,6 +632,7 @@ class ChatEncoder:
         self.id_strings = [str(i) for i in range(max(len(tokenizer), self.backend.get_vocab_size(with_added_tokens=True)))]
         # The same variables apply_chat_template passes to the template.
         self._template_kwargs = dict(tokenizer.special_tokens_map)
+        self.added_tokens = tuple(token.content for token in tokenizer.added_tokens_decoder.values() if token.content)
         self.end_of_turn_tokens: tuple[str, ...] = (end_of_turn_token,) if end_of_turn_token else ()
         if self.chat_template and end_of_turn_token is None:
             special = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
@@ -605,7 +672,7 @@ class ChatEncoder:
                                                          "pass --chat-template with one that does")
         render = self.render if tools is None else (lambda msgs, gen: self.render(msgs, gen, tools))
         return turn_spans(render, messages, end_of_turn=self.end_of_turn_tokens, eos_token=self.eos_token,
-                          mask_reasoning=self.mask_reasoning)
+                          special_tokens=self.added_tokens, mask_reasoning=self.mask_reasoning)
 
     def encode_rows(self, lines: list[bytes]) -> list[Sample | SampleError]:
         """Encode a chunk of JSONL lines; one ``Sample`` or ``SampleError`` per line, in order.
