@@ -85,7 +85,7 @@ class Sample:
     extra: dict[str, Any]
     rule: str | None = None  # how the replies were located: "sentinel", "incremental"; None for pretrain
     num_replies: int = 0
-    num_replies_end_learned: int = 0  # replies whose last learned token is an end-of-turn (or EOS) token
+    num_replies_end_learned: int = 0  # replies whose end-of-turn (and an EOS right after it) is learned
 
     @property
     def labels(self) -> list[int]:
@@ -518,7 +518,7 @@ def detect_end_of_turn(render: Renderer, special_tokens: list[str], eos_token: s
             for arguments in ({"q": _SENTINEL}, json.dumps({"q": _SENTINEL})):
                 call = {"type": "function", "function": {"name": name, "arguments": arguments}}
                 probes.append(system + [user, {"role": "assistant", "content": "", "tool_calls": [call]},
-                                        {"role": "tool", "content": "ok"}, reply[1]])
+                                        {"role": "tool", "content": _TOOL_SENTINEL}, reply[1]])
     for messages in probes:
         for with_tools in ((tools, None) if tools else (None,)):
             try:
@@ -531,14 +531,19 @@ def detect_end_of_turn(render: Renderer, special_tokens: list[str], eos_token: s
                 if token and token not in found:
                     found.append(token) if n == 0 else found.insert(0, token)
             at = text.find(_SENTINEL)
-            if at >= 0 and not text.startswith(f"{_SENTINEL} ", at):  # the tool call's arguments
-                token = following(text, at + len(_SENTINEL), skip_text=True)
-                if token and token not in found:
-                    found.append(token)
+            result = text.find(_TOOL_SENTINEL, at)
+            if at >= 0 and not text.startswith(f"{_SENTINEL} ", at) and result > at:  # the tool call's arguments
+                # A call closed by a token of its own (harmony's <|call|>, Command-R's <|END_ACTION|>):
+                # the first special token after the arguments, unless a reply's end-of-turn closes it.
+                if not any(token in text[at:result] for token in found):
+                    token = following(text, at + len(_SENTINEL), skip_text=True)
+                    if token and token not in found:
+                        found.append(token)
     return tuple(found)
 
 
 _SENTINEL = "Sentinel reply 42"
+_TOOL_SENTINEL = "Sentinel result 43"
 
 
 # ----------------------------------------------------------------------------
@@ -605,8 +610,9 @@ class ChatEncoder:
     Args:
         tokenizer: a fast tokenizer; its chat template renders the rows.
         max_sample_num_tokens: longer samples are rejected.
-        end_of_turn_token: the string that ends an assistant turn; ``None``
-            finds it from the template's rendering (``detect_end_of_turn``).
+        end_of_turn_token: the string(s) that end an assistant turn; ``None``
+            finds them from the template's rendering (``detect_end_of_turn``).
+        probe_tools: the rows' ``tools``, so that the probe renders as the rows will.
         mask_reasoning: mask each turn's reasoning text instead of learning it.
 
     Raises:
@@ -615,7 +621,7 @@ class ChatEncoder:
 
     masking_method = "sentinel"
 
-    def __init__(self, tokenizer, *, max_sample_num_tokens: int, end_of_turn_token: str | None = None,
+    def __init__(self, tokenizer, *, max_sample_num_tokens: int, end_of_turn_token: str | tuple[str, ...] | None = None,
                  mask_reasoning: bool = False, probe_tools: list[dict] | None = None):
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -633,7 +639,9 @@ class ChatEncoder:
         # The same variables apply_chat_template passes to the template.
         self._template_kwargs = dict(tokenizer.special_tokens_map)
         self.added_tokens = tuple(token.content for token in tokenizer.added_tokens_decoder.values() if token.content)
-        self.end_of_turn_tokens: tuple[str, ...] = (end_of_turn_token,) if end_of_turn_token else ()
+        if isinstance(end_of_turn_token, str):
+            end_of_turn_token = (end_of_turn_token,)
+        self.end_of_turn_tokens: tuple[str, ...] = tuple(end_of_turn_token or ())
         if self.chat_template and end_of_turn_token is None:
             special = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
             self.end_of_turn_tokens = detect_end_of_turn(self.render, special, self.eos_token, tools=probe_tools)
@@ -641,10 +649,6 @@ class ChatEncoder:
                 raise ValueError("cannot find the chat template's end-of-turn token: no special token follows a "
                                  "reply in its rendering; pass --end-of-turn-token")
         self.end_of_turn_token = self.end_of_turn_tokens[0] if self.end_of_turn_tokens else None
-        # Token ids that may close a learned span: the audit checks every reply's last learned token.
-        self.end_of_turn_ids = {self.backend.token_to_id(token) for token in self.end_of_turn_tokens} - {None}
-        if self.eos_token_id is not None:
-            self.end_of_turn_ids.add(self.eos_token_id)
         self._reply_end_strings = self.end_of_turn_tokens + ((self.eos_token,) if self.eos_token else ())
 
     def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
@@ -710,14 +714,17 @@ class ChatEncoder:
         num_loss = sum(t1 - t0 for t0, t1 in token_spans)
         if num_loss == 0:
             return SampleError("no_loss_tokens", "no assistant token is learned in this conversation")
-        # The audit: a reply's span ends at its end-of-turn (mask_reasoning may split one reply in
-        # two spans; only the spans ending at a reply's end count).
+        # The audit: the token holding the last character of a reply's end-of-turn is its last learned
+        # token, and no EOS the template writes right after is left unlearned (the model must learn to
+        # stop). mask_reasoning may split a reply in two spans: only spans ending at a reply's end count.
         num_replies = num_eot_learned = 0
         if spans is not None:
             for (a, b), (t0, t1) in zip(spans, token_spans):
                 if text.endswith(self._reply_end_strings, 0, b):
                     num_replies += 1
-                    num_eot_learned += t1 > t0 and input_ids[t1 - 1] in self.end_of_turn_ids
+                    num_eot_learned += (t1 > t0 and encoding.char_to_token(b - 1) == t1 - 1
+                                        and not (t1 < len(input_ids) and input_ids[t1] == self.eos_token_id
+                                                 and text.startswith(self.eos_token, b)))
         return Sample(input_ids, [span for span in token_spans if span[1] > span[0]], num_loss,
                       is_pretrain=spans is None, extra=extra, rule=rule, num_replies=num_replies,
                       num_replies_end_learned=num_eot_learned)
