@@ -344,7 +344,8 @@ def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, en
     the turn's last sentinel, plus ``eos_token`` when it follows at once (Command-R's
     ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``). Returns None where a turn cannot be told apart.
     """
-    if any(_MARK_OPEN in m["content"] or _MARK_OPEN in json.dumps(m.get("tool_calls", ""), ensure_ascii=False)
+    if any(_MARK_OPEN in m["content"]
+           or ("tool_calls" in m and _MARK_OPEN in json.dumps(m["tool_calls"], ensure_ascii=False))
            for m in messages):
         return None
     marked_messages = _with_sentinels(messages)
