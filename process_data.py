@@ -21,7 +21,12 @@ Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
                     ``len``, ``num_loss_counted_tokens`` + the row's other fields
   D/rejected.jsonl  ``{"line": N, "reason": ..., "detail": ...}`` per unusable line
   D/summary.json    counts by outcome and reason, length statistics,
-                    tokenizer and arguments; written last
+                    tokenizer, arguments and the label audit; written last
+
+The label audit (docs/data.md) is on by default: the run exits non-zero, after
+writing everything, when a reply's end-of-turn is not learned or more than
+``--max-rejected-fraction`` of the chat rows is rejected (``--allow-audit-failures``
+keeps going).
 
 How replies are found and masked: see ``chat_masking.py``. Output files are
 written under temporary names and renamed when complete; ``--num-proc N``
