@@ -530,7 +530,7 @@ def detect_end_of_turn(render: Renderer, special_tokens: list[str], eos_token: s
                 at = text.find(f"{_SENTINEL} {n}.")
                 token = following(text, at + len(f"{_SENTINEL} {n}."), skip_text=False) if at >= 0 else None
                 if token and token not in found:
-                    found.append(token) if n == 0 else found.insert(0, token)
+                    found.insert(len(found) if n == 0 else 0, token)  # the last reply's token comes first
             at = text.find(_SENTINEL)
             result = text.find(_TOOL_SENTINEL, at)
             if at >= 0 and not text.startswith(f"{_SENTINEL} ", at) and result > at:  # the tool call's arguments
