@@ -3,30 +3,35 @@
 ``process_data.py`` drives these over a file with worker processes; everything
 here works on one row or one chunk of rows and holds no global state.
 
-The learning rule: what the model must generate after a generation prompt, up
-to and including its end-of-turn token. For each assistant message ``i``::
-
-    before = render(messages[:i], add_generation_prompt=True)
-    learned characters = [len(before), end of the turn's end-of-turn token)
-
-in ``full = render(messages)``. For a ChatML template (``M`` = ``IGNORE_INDEX``)::
+The learning rule: what the model generates for each assistant turn in the
+rendering of the whole conversation, ``full = render(messages)``: from the end
+of that turn's assistant header through its end-of-turn token (and an EOS the
+template writes right after it). Turns are located in ``full`` itself: the
+conversation is rendered once more with private-use sentinels around every
+message's content, and removing them must give ``full`` exactly
+(``sentinel_turn_spans``); the header ends where the generation prompt
+``render(messages[:i], add_generation_prompt=True)`` stops matching the text
+after the previous message. No rendering of a prefix needs to be a prefix of
+``full``, so reasoning templates (earlier reasoning stripped, ``<think>\\n`` in
+the generation prompt), harmony (earlier turns closed by ``<|end|>``, the last
+by ``<|return|>``) and templates moving the system prompt work. For a ChatML
+template (``M`` = ``IGNORE_INDEX``)::
 
     text    <|im_start|> user \\n Hi <|im_end|> \\n <|im_start|> assistant \\n Hello ! <|im_end|> \\n
     labels       M        M   M  M      M      M       M           M      M  Hello ! <|im_end|>  M
 
-Role headers, system/user/tool text, text the template injects before the
-generation prompt (a default system prompt, a date) and whatever it emits
-after the end-of-turn token stay masked; a rendered tool call and reasoning
-are learned like the reply (``mask_reasoning`` masks the reasoning text). A
-pretrain row is ``encode(content) + [eos]``, every token learned.
+Role headers, system/user/tool text, text the template injects and whatever
+it emits after the end-of-turn token stay masked; a rendered tool call and
+reasoning are learned like the reply (``mask_reasoning`` masks the reasoning
+text). A pretrain row is ``encode(content) + [eos]``, every token learned.
 
-The end-of-turn token is the tokenizer's special token the template writes
-right after a reply (``detect_end_of_turn``), not necessarily ``eos_token``
-(Gemma's ``<end_of_turn>``). Inside the turn it is the last occurrence in
-``render(messages[:i + 1])`` after ``before``; when the full render shows the
-turn differently (Qwen3 dropping an earlier turn's reasoning), the first one in
-``full`` after ``before``. ``before`` must be a prefix of ``full``, else the
-row is rejected (``template_not_incremental``); it never guesses.
+The end-of-turn tokens are the tokenizer's special tokens the template writes
+right after a reply (``detect_end_of_turn``, probed with and without a system
+prompt and with the rows' ``tools``), not necessarily ``eos_token`` (Gemma's
+``<end_of_turn>``). Where a template rewrites a reply beyond recognition (the
+sentinels do not survive) the older incremental rule is used and the row
+records it (``Sample.rule``); where that fails too the row is rejected
+(``template_not_incremental``); it never guesses.
 
 Character spans become token spans through one tokenization of ``full``
 (its offsets). Boundary rule: a token belongs to the side of its first
@@ -37,6 +42,7 @@ ChatML's newline after ``<|im_end|>`` is not.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -77,6 +83,9 @@ class Sample:
     num_loss_counted_tokens: int
     is_pretrain: bool
     extra: dict[str, Any]
+    rule: str | None = None  # how the replies were located: "sentinel", "incremental"; None for pretrain
+    num_replies: int = 0
+    num_replies_end_learned: int = 0  # replies whose end-of-turn (and an EOS right after it) is learned
 
     @property
     def labels(self) -> list[int]:
@@ -209,45 +218,42 @@ def reasoning_text(message: dict) -> str:
     return reasoning.strip()
 
 
-def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str,
-               mask_reasoning: bool = False) -> tuple[str, list[CharSpan]]:
+def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tuple[str, ...],
+               eos_token: str | None = None, special_tokens: tuple[str, ...] = (),
+               mask_reasoning: bool = False) -> tuple[str, list[CharSpan], str]:
     """The learned character spans of every assistant turn, by the learning rule (module docstring).
+
+    Turns are located in the rendering of the whole conversation (``sentinel_turn_spans``); where a
+    template rewrites a message beyond recognition the older incremental rule is used instead, and
+    the row says so (its third value).
 
     Args:
         render: ``render(messages, add_generation_prompt) -> text``; raises
             ``SampleError`` when the template refuses the messages.
         messages: the conversation.
-        end_of_turn: the string that ends an assistant turn.
+        end_of_turn: the string(s) that end an assistant turn (harmony ends the last reply with
+            ``<|return|>``, earlier ones with ``<|end|>``, a tool call with ``<|call|>``).
+        eos_token: learned too when the template writes it right after a turn's end-of-turn.
+        special_tokens: the tokenizer's added tokens; a generation prompt is matched in pieces
+            that end at one of them (or a newline), never inside one.
         mask_reasoning: leave each turn's reasoning text (``reasoning_text``) out of its span.
 
     Returns:
-        ``(full_text, spans)``: sorted, disjoint ``[start, end)`` spans in ``full_text``.
+        ``(full_text, spans, rule)``: sorted, disjoint ``[start, end)`` spans in ``full_text``, a
+        reply's last span ending at its end-of-turn; ``rule`` is ``"sentinel"`` or
+        ``"incremental"`` (the fallback).
     """
+    ends = (end_of_turn,) if isinstance(end_of_turn, str) else tuple(end_of_turn)
     full = render(messages, False)
+    located = sentinel_turn_spans(render, messages, full, ends=ends, eos_token=eos_token,
+                                  special_tokens=special_tokens)
+    if located is not None:
+        rule, turns = "sentinel", located
+    else:
+        rule, turns = "incremental", incremental_turn_spans(render, messages, full, ends=ends)
     spans: list[CharSpan] = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = render(messages[:i], True)
-        start = len(before)
-        after = full if i == len(messages) - 1 else render(messages[: i + 1], False)
-        if not full.startswith(before) or not after.startswith(before):
-            raise SampleError("template_not_incremental",
-                              f"rendering messages[:{i}] is not a prefix of the conversation; cannot locate reply {i}")
-        if spans and start < spans[-1][1]:
-            raise SampleError("template_not_incremental", f"assistant message {i} overlaps the previous reply")
-        eot = after.rfind(end_of_turn, start)
-        if eot < 0:
-            raise SampleError("no_end_of_turn", f"assistant message {i}: no {end_of_turn!r} after the generation "
-                                                "prompt in its rendered turn")
-        if after is not full and not full.startswith(after):
-            # The template renders this turn differently once later turns follow (Qwen3 drops
-            # the reasoning of turns before the last user message): learn the turn as shown.
-            eot = full.find(end_of_turn, start)
-            if eot < 0:
-                raise SampleError("template_not_incremental", f"assistant message {i} has no {end_of_turn!r} "
-                                                              "inside the full conversation")
-        end = eot + len(end_of_turn)
+    for i, (start, end) in turns:
+        message = messages[i]
         for call in message.get("tool_calls", ()):
             if call["function"]["name"] not in full[start:end]:
                 raise SampleError("tool_calls_not_rendered", f"assistant message {i}: the chat template did not "
@@ -258,32 +264,287 @@ def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str,
             spans += [(start, hidden), (hidden + len(reasoning), end)]
         else:
             spans.append((start, end))
-    return full, spans
+    return full, spans, rule
 
 
-def detect_end_of_turn(render: Renderer, special_tokens: list[str], eos_token: str | None) -> str | None:
-    """The special token the template writes right after an assistant reply, or None.
+# Sentinels: private-use characters no tokenizer sees (they are removed before tokenizing), so a
+# template copies them through unchanged; ``_MARK`` finds them again.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARK = re.compile("\ue000([a-z])(\\d+)\ue001")
 
-    Renders a one-exchange conversation with a sentinel reply and reads what
-    follows it (whitespace skipped: Llama-2 writes ``' ' + eos``); ``eos_token``
-    wins a tie, else the longest special token.
+
+def _mark(kind: str, index: int) -> str:
+    return f"{_MARK_OPEN}{kind}{index}{_MARK_CLOSE}"
+
+
+def _wrap(text: str, index: int, kinds: str = "oc") -> str:
+    """``text`` between two sentinels, inside its leading and trailing whitespace (a template's
+    ``trim`` then removes the same characters as on the plain text)."""
+    core = text.strip()
+    if not core:
+        return text
+    lead = text[: len(text) - len(text.lstrip())]
+    trail = text[len(text.rstrip()):]
+    return f"{lead}{_mark(kinds[0], index)}{core}{_mark(kinds[1], index)}{trail}"
+
+
+def _with_sentinels(messages: list[dict]) -> list[dict]:
+    """A copy of ``messages`` with each content and each tool call's name between sentinels."""
+    marked = []
+    for index, message in enumerate(messages):
+        message = dict(message)
+        message["content"] = _wrap(message["content"], index)
+        if "tool_calls" in message:
+            calls = []
+            for call in message["tool_calls"]:
+                call = dict(call)
+                call["function"] = {**call["function"], "name": _wrap(call["function"]["name"], index, "nm")}
+                calls.append(call)
+            message["tool_calls"] = calls
+        marked.append(message)
+    return marked
+
+
+def _strip_marks(text: str) -> tuple[str, list[tuple[int, str, int]]]:
+    """``text`` without sentinels, and ``(position in that text, kind, message index)`` of each."""
+    pieces, marks, pos, removed = [], [], 0, 0
+    for match in _MARK.finditer(text):
+        pieces.append(text[pos:match.start()])
+        marks.append((match.start() - removed, match.group(1), int(match.group(2))))
+        removed += match.end() - match.start()
+        pos = match.end()
+    pieces.append(text[pos:])
+    return "".join(pieces), marks
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, ends: tuple[str, ...],
+                        eos_token: str | None, special_tokens: tuple[str, ...] = ()) -> list[tuple[int, CharSpan]] | None:
+    """Each assistant turn's ``(index, (start, end))`` located in ``full`` itself, or None.
+
+    The conversation is rendered once more with sentinels around every message's content (and
+    tool-call names); removing them must give ``full`` exactly, else None (the caller falls
+    back). For assistant message ``i``, with ``prev`` the last sentinel of an earlier message
+    before its content::
+
+        full    ... user text | <|im_end|>\n<|im_start|>assistant\n | <think>..</think>\n\n reply <|im_end|> | \n ...
+                          prev ^   generation prompt tail (matched)  ^ start                          end ^
+
+    ``start`` is where the generation prompt (``render(messages[:i], True)`` after its last
+    sentinel) stops matching the text after ``prev``: a prompt that opens ``<think>\n`` where the
+    rendered turn has no reasoning (DeepSeek-R1) stops at the header, one that matches whole
+    leaves the reasoning that follows it learned (Qwen3). ``end`` is the first end-of-turn after
+    the turn's last sentinel, plus ``eos_token`` when it follows at once (Command-R's
+    ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``). Returns None where a turn cannot be told apart.
     """
-    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": _SENTINEL}]
+    if any(_MARK_OPEN in m["content"]
+           or ("tool_calls" in m and _MARK_OPEN in json.dumps(m["tool_calls"], ensure_ascii=False))
+           for m in messages):
+        return None
+    marked_messages = _with_sentinels(messages)
     try:
-        text = render(messages, False)
+        marked = render(marked_messages, False)
     except SampleError:
         return None
-    at = text.rfind(_SENTINEL)
-    if at < 0:
+    plain, marks = _strip_marks(marked)
+    if plain != full:
         return None
-    tail = text[at + len(_SENTINEL):].lstrip()
-    if eos_token and tail.startswith(eos_token):
-        return eos_token
-    matches = [token for token in special_tokens if token and tail.startswith(token)]
-    return max(matches, key=len) if matches else None
+    turns: list[tuple[int, CharSpan]] = []
+    last_end = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        own = sorted(pos for pos, _, index in marks if index == i)
+        if not own:
+            if message.get("tool_calls"):
+                raise SampleError("tool_calls_not_rendered", f"assistant message {i}: the chat template did not "
+                                                             "render its tool calls")
+            raise SampleError("reply_not_rendered", f"assistant message {i}: the chat template dropped the reply")
+        first_own = own[0]
+        before = [(pos, index) for pos, _, index in marks if pos <= first_own and index != i]
+        prev_pos, prev_index = max(before) if before else (0, -1)
+        if prev_index > i:
+            return None  # a later message's text precedes this turn: no generation prompt leads to it
+        after = [pos for pos, _, index in marks if pos > first_own and index != i]
+        limit = min(after) if after else len(full)
+        # Harmony names the tool again in the tool result's header: the turn's marks end at the first
+        # end-of-turn between two of them.
+        last_own = first_own
+        for pos in own[1:]:
+            if any(full.find(end, last_own, pos) >= 0 for end in ends):
+                break
+            last_own = pos
+        try:
+            prompt = render(marked_messages[:i], True)
+        except SampleError:
+            return None
+        tail_marks = list(_MARK.finditer(prompt))
+        tail = prompt[tail_marks[-1].end():] if tail_marks else prompt
+        matched = _align_prompt(tail, full, prev_pos, first_own, special_tokens)
+        if matched is None:
+            return None
+        start = max(matched, last_end)
+        hits = [at for at in (full.find(end, last_own, limit) for end in ends) if at >= 0]
+        if not hits:
+            raise SampleError("no_end_of_turn", f"assistant message {i}: no end-of-turn "
+                                                f"({', '.join(map(repr, ends))}) after the reply in the rendering")
+        at = min(hits)
+        end = at + len(next(e for e in ends if full.startswith(e, at)))
+        if eos_token and eos_token not in ends and full.startswith(eos_token, end) and end + len(eos_token) <= limit:
+            end += len(eos_token)
+        turns.append((i, (start, end)))
+        last_end = end
+    return turns
 
 
-_SENTINEL = "Sentinel reply 42."
+def _align_prompt(tail: str, full: str, begin: int, stop: int, special_tokens: tuple[str, ...]) -> int | None:
+    """Where the generation prompt ``tail`` ends in ``full[begin:stop]`` (the text between the previous
+    message and this reply), or None when nothing of it is there.
+
+    Matched piecewise, each piece ending at a special token or a newline of ``tail``: first the
+    longest common prefix, then each further piece found after text made only of whitespace and
+    special tokens (Hermes closes a tool result ``\\n<|im_end|>`` mid-conversation but
+    ``<|im_end|>`` before a generation prompt). Pieces of ``tail`` not in the text are what the
+    prompt gives the model and the rendered turn lacks (DeepSeek-R1's ``<think>\\n``).
+    """
+    def boundaries(text: str) -> list[int]:
+        """Ends of pieces of ``text``, longest first."""
+        cuts = {len(text)}
+        for k in range(1, len(text)):
+            if text[k - 1] == "\n" or any(text.endswith(token, 0, k) for token in special_tokens):
+                cuts.add(k)
+        return sorted(cuts, reverse=True)
+
+    def skippable(text: str) -> bool:
+        for token in special_tokens:
+            text = text.replace(token, "")
+        return not text.strip()
+
+    def inside_token(text: str, k: int) -> int | None:
+        """The start of a special token of ``text`` that position ``k`` cuts, if any."""
+        for token in special_tokens:
+            at = text.find(token, max(0, k - len(token) + 1), k + len(token) - 1)
+            if 0 <= at < k < at + len(token):
+                return at
+        return None
+
+    pos, rest = begin, tail
+    matched = _common_prefix_len(rest, full[begin:stop])
+    while matched and matched < len(rest):  # never stop inside a special token (<think> vs <tool_call>)
+        cut = inside_token(rest, matched)
+        cut = inside_token(full[begin:stop], matched) if cut is None else cut
+        if cut is None:
+            break
+        matched = cut
+    if rest and not matched and not skippable(full[begin:stop][:1]):
+        return None
+    pos, rest = pos + matched, rest[matched:]
+    while rest:
+        for k in boundaries(rest):
+            found = full.find(rest[:k], pos, stop)
+            if found >= 0 and skippable(full[pos:found]):
+                pos, rest = found + k, rest[k:]
+                break
+        else:
+            break
+    return pos
+
+
+def incremental_turn_spans(render: Renderer, messages: list[dict], full: str, *,
+                           ends: tuple[str, ...]) -> list[tuple[int, CharSpan]]:
+    """The older rule, for templates that rewrite a reply beyond recognition: learned =
+    ``[len(render(messages[:i], True)), end of the turn's end-of-turn)`` in ``full``; needs
+    every ``render(messages[:i], True)`` to be a prefix of ``full``."""
+    turns: list[tuple[int, CharSpan]] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(messages[:i], True)
+        start = len(before)
+        if not full.startswith(before):
+            raise SampleError("template_not_incremental",
+                              f"reply {i} cannot be located: the template rewrites it and rendering "
+                              f"messages[:{i}] is not a prefix of the conversation")
+        if turns and start < turns[-1][1][1]:
+            raise SampleError("template_not_incremental", f"assistant message {i} overlaps the previous reply")
+        hits = [at for at in (full.find(end, start) for end in ends) if at >= 0]
+        if not hits:
+            raise SampleError("no_end_of_turn", f"assistant message {i}: no end-of-turn after the generation prompt")
+        at = min(hits)
+        turns.append((i, (start, at + len(next(e for e in ends if full.startswith(e, at))))))
+    return turns
+
+
+def detect_end_of_turn(render: Renderer, special_tokens: list[str], eos_token: str | None, *,
+                       tools: list[dict] | None = None) -> tuple[str, ...]:
+    """The special tokens the template writes right after an assistant reply; the first is the
+    one after the last reply.
+
+    Renders probe conversations the way rows are rendered: with and without a system prompt,
+    with ``tools`` when given (tool-use templates raise without them), a reply followed by
+    another exchange (harmony closes earlier replies differently) and, with tools, a tool call.
+    It reads what follows each sentinel (whitespace skipped: Llama-2 writes ``' ' + eos``);
+    ``eos_token`` wins a tie, else the longest special token. A probe the template refuses is
+    skipped; nothing found gives ``()``.
+    """
+    def following(text: str, at: int, *, skip_text: bool) -> str | None:
+        tail = text[at:].lstrip()
+        while tail:
+            if eos_token and tail.startswith(eos_token):
+                return eos_token
+            matches = [token for token in special_tokens if token and tail.startswith(token)]
+            if matches:
+                return max(matches, key=len)
+            if not skip_text:
+                return None
+            tail = tail[1:]
+        return None
+
+    found: list[str] = []
+    user = {"role": "user", "content": "Hello"}
+    reply = [{"role": "assistant", "content": f"{_SENTINEL} {n}."} for n in range(2)]
+    probes = []
+    for system in ([], [{"role": "system", "content": "Be brief."}]):
+        probes.append(system + [user, reply[0], {"role": "user", "content": "And?"}, reply[1]])
+        probes.append(system + [user, reply[1]])
+        if tools:
+            name = tools[0].get("function", tools[0]).get("name", "probe_tool")
+            for arguments in ({"q": _SENTINEL}, json.dumps({"q": _SENTINEL})):
+                call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+                probes.append(system + [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                        {"role": "tool", "content": _TOOL_SENTINEL}, reply[1]])
+    for messages in probes:
+        for with_tools in ((tools, None) if tools else (None,)):
+            try:
+                text = render(messages, False, with_tools)
+            except SampleError:
+                continue
+            for n in range(2):
+                at = text.find(f"{_SENTINEL} {n}.")
+                token = following(text, at + len(f"{_SENTINEL} {n}."), skip_text=False) if at >= 0 else None
+                if token and token not in found:
+                    found.insert(len(found) if n == 0 else 0, token)  # the last reply's token comes first
+            at = text.find(_SENTINEL)
+            result = text.find(_TOOL_SENTINEL, at)
+            if at >= 0 and not text.startswith(f"{_SENTINEL} ", at) and result > at:  # the tool call's arguments
+                # A call closed by a token of its own (harmony's <|call|>, Command-R's <|END_ACTION|>):
+                # the first special token after the arguments, unless a reply's end-of-turn closes it.
+                if not any(token in text[at:result] for token in found):
+                    token = following(text, at + len(_SENTINEL), skip_text=True)
+                    if token and token not in found:
+                        found.append(token)
+    return tuple(found)
+
+
+_SENTINEL = "Sentinel reply 42"
+_TOOL_SENTINEL = "Sentinel result 43"
 
 
 # ----------------------------------------------------------------------------
@@ -350,18 +611,19 @@ class ChatEncoder:
     Args:
         tokenizer: a fast tokenizer; its chat template renders the rows.
         max_sample_num_tokens: longer samples are rejected.
-        end_of_turn_token: the string that ends an assistant turn; ``None``
-            finds it from the template's rendering (``detect_end_of_turn``).
+        end_of_turn_token: the string(s) that end an assistant turn; ``None``
+            finds them from the template's rendering (``detect_end_of_turn``).
+        probe_tools: the rows' ``tools``, so that the probe renders as the rows will.
         mask_reasoning: mask each turn's reasoning text instead of learning it.
 
     Raises:
         ValueError: the template's end-of-turn token cannot be found (one line naming the flag that fixes it).
     """
 
-    masking_method = "generation_prompt"
+    masking_method = "sentinel"
 
-    def __init__(self, tokenizer, *, max_sample_num_tokens: int, end_of_turn_token: str | None = None,
-                 mask_reasoning: bool = False):
+    def __init__(self, tokenizer, *, max_sample_num_tokens: int, end_of_turn_token: str | tuple[str, ...] | None = None,
+                 mask_reasoning: bool = False, probe_tools: list[dict] | None = None):
         from transformers.utils.chat_template_utils import render_jinja_template
 
         self.tokenizer = tokenizer
@@ -377,13 +639,18 @@ class ChatEncoder:
         self.id_strings = [str(i) for i in range(max(len(tokenizer), self.backend.get_vocab_size(with_added_tokens=True)))]
         # The same variables apply_chat_template passes to the template.
         self._template_kwargs = dict(tokenizer.special_tokens_map)
-        self.end_of_turn_token = end_of_turn_token
+        self.added_tokens = tuple(token.content for token in tokenizer.added_tokens_decoder.values() if token.content)
+        if isinstance(end_of_turn_token, str):
+            end_of_turn_token = (end_of_turn_token,)
+        self.end_of_turn_tokens: tuple[str, ...] = tuple(end_of_turn_token or ())
         if self.chat_template and end_of_turn_token is None:
-            special = [token.content for token in tokenizer.added_tokens_decoder.values()]
-            self.end_of_turn_token = detect_end_of_turn(self.render, special, self.eos_token)
-            if self.end_of_turn_token is None:
+            special = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+            self.end_of_turn_tokens = detect_end_of_turn(self.render, special, self.eos_token, tools=probe_tools)
+            if not self.end_of_turn_tokens:
                 raise ValueError("cannot find the chat template's end-of-turn token: no special token follows a "
                                  "reply in its rendering; pass --end-of-turn-token")
+        self.end_of_turn_token = self.end_of_turn_tokens[0] if self.end_of_turn_tokens else None
+        self._reply_end_strings = self.end_of_turn_tokens + ((self.eos_token,) if self.eos_token else ())
 
     def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         if self.chat_template is None:
@@ -403,13 +670,14 @@ class ChatEncoder:
             raise SampleError("template_error", f"the chat template refused the conversation: {err}") from None
         return texts[0]
 
-    def reply_spans(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[CharSpan]]:
-        """The full rendered text and the learned character spans."""
+    def reply_spans(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[CharSpan], str]:
+        """The full rendered text, the learned character spans and the rule that located them."""
         if not self.renders_tool_calls and any("tool_calls" in message for message in messages):
             raise SampleError("tool_calls_not_rendered", "the chat template does not render tool_calls; "
                                                          "pass --chat-template with one that does")
         render = self.render if tools is None else (lambda msgs, gen: self.render(msgs, gen, tools))
-        return turn_spans(render, messages, end_of_turn=self.end_of_turn_token, mask_reasoning=self.mask_reasoning)
+        return turn_spans(render, messages, end_of_turn=self.end_of_turn_tokens, eos_token=self.eos_token,
+                          special_tokens=self.added_tokens, mask_reasoning=self.mask_reasoning)
 
     def encode_rows(self, lines: list[bytes]) -> list[Sample | SampleError]:
         """Encode a chunk of JSONL lines; one ``Sample`` or ``SampleError`` per line, in order.
@@ -422,29 +690,42 @@ class ChatEncoder:
             try:
                 messages, tools, extra = parse_chat_row(line)
                 if messages[0]["role"] == "pretrain":
-                    pending.append((index, messages[0]["content"], None, extra))
+                    pending.append((index, messages[0]["content"], None, extra, None))
                 else:
-                    text, spans = self.reply_spans(messages, tools)
-                    pending.append((index, text, spans, extra))
+                    text, spans, rule = self.reply_spans(messages, tools)
+                    pending.append((index, text, spans, extra, rule))
             except SampleError as err:
                 results[index] = err
-        encodings = self.backend.encode_batch([text for _, text, _, _ in pending], add_special_tokens=False)
-        for (index, text, spans, extra), encoding in zip(pending, encodings):
-            results[index] = self._finish(encoding, len(text), spans, extra)
+        encodings = self.backend.encode_batch([text for _, text, _, _, _ in pending], add_special_tokens=False)
+        for (index, text, spans, extra, rule), encoding in zip(pending, encodings):
+            results[index] = self._finish(encoding, text, spans, extra, rule)
         return results
 
-    def _finish(self, encoding, text_len: int, spans: list[CharSpan] | None, extra: dict) -> Sample | SampleError:
+    def _finish(self, encoding, text: str, spans: list[CharSpan] | None, extra: dict,
+                rule: str | None) -> Sample | SampleError:
         input_ids = encoding.ids
         if spans is None:
             input_ids.append(self.eos_token_id)
             token_spans = [(0, len(input_ids))]
         else:
-            token_spans = [token_span(encoding, len(input_ids), text_len, span) for span in spans]
+            token_spans = [token_span(encoding, len(input_ids), len(text), span) for span in spans]
         if len(input_ids) > self.max_sample_num_tokens:
             return SampleError("too_long", f"{len(input_ids)} tokens > --max-sample-num-tokens "
                                            f"{self.max_sample_num_tokens}")
         num_loss = sum(t1 - t0 for t0, t1 in token_spans)
         if num_loss == 0:
             return SampleError("no_loss_tokens", "no assistant token is learned in this conversation")
+        # The audit: the token holding the last character of a reply's end-of-turn is its last learned
+        # token, and no EOS the template writes right after is left unlearned (the model must learn to
+        # stop). mask_reasoning may split a reply in two spans: only spans ending at a reply's end count.
+        num_replies = num_eot_learned = 0
+        if spans is not None:
+            for (a, b), (t0, t1) in zip(spans, token_spans):
+                if text.endswith(self._reply_end_strings, 0, b):
+                    num_replies += 1
+                    num_eot_learned += (t1 > t0 and encoding.char_to_token(b - 1) == t1 - 1
+                                        and not (t1 < len(input_ids) and input_ids[t1] == self.eos_token_id
+                                                 and text.startswith(self.eos_token, b)))
         return Sample(input_ids, [span for span in token_spans if span[1] > span[0]], num_loss,
-                      is_pretrain=spans is None, extra=extra)
+                      is_pretrain=spans is None, extra=extra, rule=rule, num_replies=num_replies,
+                      num_replies_end_learned=num_eot_learned)

@@ -21,7 +21,12 @@ Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
                     ``len``, ``num_loss_counted_tokens`` + the row's other fields
   D/rejected.jsonl  ``{"line": N, "reason": ..., "detail": ...}`` per unusable line
   D/summary.json    counts by outcome and reason, length statistics,
-                    tokenizer and arguments; written last
+                    tokenizer, arguments and the label audit; written last
+
+The label audit (docs/data.md) is on by default: the run exits non-zero, after
+writing everything, when a reply's end-of-turn is not learned or more than
+``--max-rejected-fraction`` of the chat rows is rejected (``--allow-audit-failures``
+keeps going).
 
 How replies are found and masked: see ``chat_masking.py``. Output files are
 written under temporary names and renamed when complete; ``--num-proc N``
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chat_masking import ChatEncoder, Sample, SampleError, parse_row
+from chat_masking import ChatEncoder, Sample, SampleError, parse_chat_row, parse_row
 from utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
 
 
@@ -75,6 +80,10 @@ class ProcessDataConfig:
     seed: int = config_field(42, help="seed for choosing the printed samples")
     chunk_size: int = config_field(256, help="lines per worker task (output is the same for any value)")
     logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR")
+    max_rejected_fraction: float = config_field(0.01, help="label audit: fail when more than this fraction of the "
+                                                           "chat rows is rejected (blank lines not counted)")
+    allow_audit_failures: bool = config_field(False, help="label audit: write the dataset and exit 0 even when a "
+                                                          "rule is broken (a warning instead of an error)")
 
     def __post_init__(self):
         errors = []
@@ -94,6 +103,8 @@ class ProcessDataConfig:
             errors.append("--string-for-printing-masks must not be empty")
         if self.end_of_turn_token == "":
             errors.append("--end-of-turn-token must not be empty")
+        if not 0.0 <= self.max_rejected_fraction <= 1.0:
+            errors.append(f"--max-rejected-fraction must be in [0, 1], got {self.max_rejected_fraction}")
         collect_errors(errors)
 
 
@@ -128,6 +139,43 @@ class ChunkResult:
     num_pretrain: int
     reasons: Counter
     first_rejection: tuple[int, str] | None  # (line, "reason: detail")
+    audit: ChunkAudit
+
+
+NUM_AUDIT_EXAMPLES = 3  # decoded examples kept per rejection reason and per broken rule
+EXAMPLE_CHARS = 400  # an example's text is cut to this many characters
+
+
+@dataclass
+class ChunkAudit:
+    """The label audit's counts of one chunk (chat rows only; pretrain rows learn every token)."""
+
+    num_chat_tokens: int = 0
+    num_chat_loss_tokens: int = 0
+    num_replies: int = 0
+    num_replies_end_learned: int = 0
+    rules: Counter = dataclasses.field(default_factory=Counter)  # rows by how their replies were located
+    # reason (a rejection reason or "reply_end_not_learned") -> [{"line", "detail", "text"}]
+    examples: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
+
+    def add_example(self, reason: str, example: dict) -> None:
+        kept = self.examples.setdefault(reason, [])
+        if len(kept) < NUM_AUDIT_EXAMPLES:
+            kept.append(example)
+
+    def merge(self, other: ChunkAudit) -> None:
+        self.num_chat_tokens += other.num_chat_tokens
+        self.num_chat_loss_tokens += other.num_chat_loss_tokens
+        self.num_replies += other.num_replies
+        self.num_replies_end_learned += other.num_replies_end_learned
+        self.rules.update(other.rules)
+        for reason, examples in other.examples.items():
+            for example in examples:
+                self.add_example(reason, example)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + f"... ({len(text)} chars)"
 
 
 # ----------------------------------------------------------------------------
@@ -137,18 +185,21 @@ class ChunkResult:
 _ENCODER: ChatEncoder | None = None  # one per worker process, set by _init_worker (the Pool initializer pattern)
 
 
-def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_token: str | None) -> None:
+def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_tokens: tuple[str, ...]) -> None:
     global _ENCODER
     # N worker processes already use the cores; Rust threads inside each would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenizer = load_tokenizer(config.model_name_or_path)
     tokenizer.chat_template = chat_template
-    _ENCODER = make_encoder(config, tokenizer, end_of_turn_token)
+    # The main process probed the end-of-turn tokens once: workers take them as given.
+    _ENCODER = make_encoder(config, tokenizer, end_of_turn=end_of_turn_tokens)
 
 
-def make_encoder(config: ProcessDataConfig, tokenizer, end_of_turn_token: str | None) -> ChatEncoder:
-    return ChatEncoder(tokenizer, max_sample_num_tokens=config.max_sample_num_tokens,
-                       end_of_turn_token=end_of_turn_token, mask_reasoning=config.mask_reasoning)
+def make_encoder(config: ProcessDataConfig, tokenizer, *, end_of_turn: str | tuple[str, ...] | None,
+                 probe_tools: list[dict] | None = None) -> ChatEncoder:
+    """The encoder; ``probe_tools`` (the rows' tools) make tool-only templates renderable when probing."""
+    return ChatEncoder(tokenizer, max_sample_num_tokens=config.max_sample_num_tokens, end_of_turn_token=end_of_turn,
+                       mask_reasoning=config.mask_reasoning, probe_tools=probe_tools)
 
 
 def _process_chunk(first_line: int, lines: list[bytes]) -> ChunkResult:
@@ -162,14 +213,18 @@ def encode_chunk(encoder: ChatEncoder, first_line: int, lines: list[bytes]) -> C
     reasons: Counter = Counter()
     first_rejection = None
     num_pretrain = 0
+    audit = ChunkAudit()
     for offset, result in enumerate(encoder.encode_rows(lines)):
+        line_no = first_line + offset
         if isinstance(result, SampleError):
-            line_no = first_line + offset
             reasons[result.reason] += 1
             rejected.append(json.dumps({"line": line_no, "reason": result.reason, "detail": result.detail},
                                        ensure_ascii=False) + "\n")
             if first_rejection is None:
                 first_rejection = (line_no, f"{result.reason}: {result.detail}")
+            if len(audit.examples.get(result.reason, ())) < NUM_AUDIT_EXAMPLES:
+                audit.add_example(result.reason, {"line": line_no, "detail": result.detail,
+                                                  "text": _cut(lines[offset].decode("utf-8", "replace").strip())})
             continue
         encoded = result.to_json_line(encoder.id_strings)
         data.append(encoded)
@@ -177,8 +232,19 @@ def encode_chunk(encoder: ChatEncoder, first_line: int, lines: list[bytes]) -> C
         lengths.append(len(result.input_ids))
         num_loss.append(result.num_loss_counted_tokens)
         num_pretrain += result.is_pretrain
+        if not result.is_pretrain:
+            audit.num_chat_tokens += len(result.input_ids)
+            audit.num_chat_loss_tokens += result.num_loss_counted_tokens
+            audit.num_replies += result.num_replies
+            audit.num_replies_end_learned += result.num_replies_end_learned
+            audit.rules[result.rule] += 1
+            if result.num_replies_end_learned < result.num_replies:
+                audit.add_example("reply_end_not_learned", {
+                    "line": line_no, "detail": f"{result.num_replies - result.num_replies_end_learned} of "
+                                               f"{result.num_replies} replies have no learned end-of-turn",
+                    "text": _cut(render_labels(encoder.tokenizer, result.input_ids, result.labels, "<|mAsK|>"))})
     return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss,
-                       num_pretrain, reasons, first_rejection)
+                       num_pretrain, reasons, first_rejection, audit)
 
 
 # ----------------------------------------------------------------------------
@@ -282,12 +348,16 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     start = time.perf_counter()
     paths = OutputPaths.from_config(config)
     tokenizer = check_run(config, paths)
-    encoder = make_encoder(config, tokenizer, config.end_of_turn_token)
+    probe_tools = _rows_tools(Path(config.input_file))
+    encoder = make_encoder(config, tokenizer, end_of_turn=config.end_of_turn_token, probe_tools=probe_tools)
     num_lines = _count_lines(Path(config.input_file))
     num_proc = min(config.num_proc, max(1, -(-num_lines // config.chunk_size)))
-    logger.info("tokenizer %s (%s, %d tokens, eos %r), chat template from %s, end of turn %r",
-                config.model_name_or_path, type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token, config.chat_template or "the tokenizer",
-                encoder.end_of_turn_token)
+    logger.info("tokenizer %s (%s, %d tokens, eos %r), chat template from %s, end of turn %s (%s)",
+                config.model_name_or_path, type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token,
+                config.chat_template or "the tokenizer", " or ".join(map(repr, encoder.end_of_turn_tokens)),
+                "--end-of-turn-token" if config.end_of_turn_token else
+                "probed " + ("with the rows' tools" if probe_tools else "without tools") + ", with and without "
+                "a system prompt")
     logger.info("%d lines from %s, %d worker process(es)%s", num_lines, config.input_file, num_proc,
                 "" if num_proc == config.num_proc else f" (--num-proc {config.num_proc}: fewer chunks than that)")
 
@@ -325,7 +395,32 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
         raise ValueError(f"no sample written from {num_lines} line(s); rejected: "
                          + ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items())
                          + f" (see {paths.rejected})")
+    _log_audit(summary["audit"], config)
+    if summary["audit"]["broken_rules"] and not config.allow_audit_failures:
+        raise ValueError(f"label audit failed: {'; '.join(summary['audit']['broken_rules'])} (details in "
+                         f"{paths.summary} under 'audit'; --allow-audit-failures keeps the dataset anyway)")
     return summary
+
+
+_PROBE_SCAN_LINES = 1000  # lines read for the rows' tools before the end-of-turn probe
+_PROBE_TOOL = [{"type": "function", "function": {"name": "probe_tool", "description": "A tool.", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def _rows_tools(path: Path) -> list[dict] | None:
+    """The first ``tools`` of the file's first lines (a stand-in schema when rows call tools without
+    one), so the end-of-turn probe renders the way the rows will be rendered."""
+    calls_tools = False
+    with open(path, "rb") as f:
+        for _, line in zip(range(_PROBE_SCAN_LINES), f):
+            try:
+                messages, tools, _ = parse_chat_row(line)
+            except SampleError:
+                continue
+            if tools:
+                return tools
+            calls_tools = calls_tools or any("tool_calls" in message for message in messages)
+    return _PROBE_TOOL if calls_tools else None
 
 
 def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, num_proc: int, num_lines: int):
@@ -342,7 +437,7 @@ def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, num_proc: int, 
         # fork: workers inherit the imported modules instead of importing transformers again.
         context = multiprocessing.get_context("fork")
         with context.Pool(num_proc, initializer=_init_worker,
-                          initargs=(config, encoder.chat_template, encoder.end_of_turn_token)) as pool:
+                          initargs=(config, encoder.chat_template, encoder.end_of_turn_tokens)) as pool:
             in_flight: deque = deque()
             for first_line, lines in chunks:
                 in_flight.append((len(lines), pool.apply_async(_process_chunk, (first_line, lines))))
@@ -366,6 +461,7 @@ class _Totals:
         self.row_offsets = array.array("q", [0])
         self.reasons: Counter = Counter()
         self.num_pretrain = 0
+        self.audit = ChunkAudit()
 
     def add(self, chunk: ChunkResult) -> None:
         self.lengths.extend(chunk.lengths)
@@ -374,6 +470,7 @@ class _Totals:
             self.row_offsets.append(self.row_offsets[-1] + size)
         self.reasons.update(chunk.reasons)
         self.num_pretrain += chunk.num_pretrain
+        self.audit.merge(chunk.audit)
 
 
 def _stats(values: array.array) -> dict[str, float]:
@@ -415,14 +512,70 @@ def _summary(config, tokenizer, encoder, paths, totals, num_lines, elapsed) -> d
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
             "chat_template": template or None,
             "end_of_turn_token": encoder.end_of_turn_token,
+            "end_of_turn_tokens": list(encoder.end_of_turn_tokens),
             "mask_reasoning": config.mask_reasoning,
             "masking": encoder.masking_method,
         },
+        "audit": _audit(config, totals, num_lines),
         "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
         "config": dataclasses.asdict(config),
         "elapsed_s": round(elapsed, 3),
         "lines_per_s": round(num_lines / elapsed, 1) if elapsed > 0 else None,
     }
+
+
+def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int) -> dict[str, Any]:
+    """The label audit: what is learned, per dataset, and which rule is broken.
+
+    Rules: every reply's end-of-turn is learned (else the model never learns to stop), and at most
+    ``max_rejected_fraction`` of the chat rows is rejected (blank lines and pretrain rows aside).
+    """
+    audit = totals.audit
+    num_blank = totals.reasons.get("blank_line", 0)
+    num_rejected = sum(totals.reasons.values()) - num_blank
+    num_chat_in = num_lines - num_blank - totals.num_pretrain
+    rejected_fraction = num_rejected / num_chat_in if num_chat_in else 0.0
+    broken = []
+    if audit.num_replies_end_learned < audit.num_replies:
+        broken.append(f"{audit.num_replies - audit.num_replies_end_learned} of {audit.num_replies} replies have no "
+                      "learned end-of-turn (see --end-of-turn-token)")
+    if rejected_fraction > config.max_rejected_fraction:
+        broken.append(f"{num_rejected} of {num_chat_in} chat rows rejected ({rejected_fraction:.1%} > "
+                      f"--max-rejected-fraction {config.max_rejected_fraction:g})")
+    return {
+        "num_chat_rows_in": num_chat_in,
+        "num_chat_rows_written": len(totals.lengths) - totals.num_pretrain,
+        "learned_token_fraction": round(audit.num_chat_loss_tokens / audit.num_chat_tokens, 4)
+        if audit.num_chat_tokens else 0.0,
+        "num_replies": audit.num_replies,
+        "num_replies_end_of_turn_learned": audit.num_replies_end_learned,
+        "num_rows_zero_learned": totals.reasons.get("no_loss_tokens", 0),
+        "num_rejected": num_rejected,
+        "rejected_fraction": round(rejected_fraction, 4),
+        "max_rejected_fraction": config.max_rejected_fraction,
+        "rejected_by_reason": {reason: count for reason, count in sorted(totals.reasons.items())
+                               if reason != "blank_line"},
+        "rows_by_rule": dict(sorted(audit.rules.items())),
+        "examples": {reason: audit.examples[reason] for reason in sorted(audit.examples)},
+        "broken_rules": broken,
+        "passed": not broken,
+    }
+
+
+def _log_audit(audit: dict[str, Any], config: ProcessDataConfig) -> None:
+    logger.info("label audit: %.1f%% of chat tokens learned; %d of %d replies end with a learned end-of-turn; "
+                "%d chat rows with zero learned tokens; %d of %d chat rows rejected (%.2f%%, max %.2f%%)%s",
+                100 * audit["learned_token_fraction"], audit["num_replies_end_of_turn_learned"], audit["num_replies"],
+                audit["num_rows_zero_learned"], audit["num_rejected"], audit["num_chat_rows_in"],
+                100 * audit["rejected_fraction"], 100 * audit["max_rejected_fraction"],
+                "" if audit["rows_by_rule"].get("incremental", 0) == 0 else
+                f"; {audit['rows_by_rule']['incremental']} rows located by the incremental fallback "
+                "(the template rewrites replies)")
+    for reason, examples in audit["examples"].items():
+        for example in examples:
+            logger.info("audit example %s, line %d: %s\n%s", reason, example["line"], example["detail"], example["text"])
+    for rule in audit["broken_rules"]:
+        (logger.warning if config.allow_audit_failures else logger.error)("label audit: %s", rule)
 
 
 def _log_summary(summary: dict[str, Any]) -> None:

