@@ -1,4 +1,5 @@
 # The two commands: `make demo` and `make test`. Both create .venv on first use.
+# `make gpu-check` (see docs/speed.md) uses .venv when there is one, else python3.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -6,8 +7,12 @@ PIP := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 DEMO_DIR ?= demo_output
 NPROC ?= 2
+GPU_CHECK_DIR ?= gpu_check
+DEVICE ?= auto
+# gpu-check also runs where no venv can be made (a GPU machine without internet): the image's python3.
+GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
-.PHONY: install test demo clean
+.PHONY: install test demo clean gpu-check
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,5 +30,9 @@ test: install
 demo: install
 	$(PY) demo.py --output-dir $(DEMO_DIR) --nproc-per-node $(NPROC)
 
+# Tests, exactness, speed and memory on a CUDA GPU in about 12 minutes; DEVICE=cpu rehearses it at tiny sizes.
+gpu-check:
+	$(GPU_CHECK_PY) bench/gpu_check.py --output-dir "$(GPU_CHECK_DIR)" --device $(DEVICE)
+
 clean:
-	rm -rf $(DEMO_DIR) .pytest_cache
+	rm -rf $(DEMO_DIR) gpu_check .pytest_cache

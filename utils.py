@@ -357,12 +357,15 @@ def peak_bf16_tflops_for(name: str) -> float | None:
 def measure_bf16_matmul_tflops(device: Any, *, n: int = 8192, iters: int = 20) -> float | None:
     """Sustained rate of an ``n``^3 bf16 matmul on ``device`` in TFLOP/s; None on CPU, where no
     meaningful peak exists (MFU is reported as null there rather than guessed)."""
+    return time_bf16_matmul(device, n=n, iters=iters) if device.type == "cuda" else None
+
+
+def time_bf16_matmul(device: Any, *, n: int, iters: int = 20) -> float:
+    """TFLOP/s of ``iters`` ``n``^3 bf16 matmuls on any device (gpu_check times the CPU too)."""
     import time
 
     import torch
 
-    if device.type != "cuda":
-        return None
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):

@@ -19,6 +19,21 @@ from tiny_model import TEMPLATES, build_tiny_model  # noqa: E402
 TEMPLATE_NAMES = sorted(TEMPLATES)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; `make gpu-check` runs them)")
+
+
+def pytest_collection_modifyitems(config, items):
+    from utils import device_type
+
+    if device_type() == "cuda":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """One folder per chat template: tokenizer plus a matching random causal LM."""
