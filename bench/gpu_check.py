@@ -51,22 +51,28 @@ sys.path.insert(0, str(ROOT))
 from utils import collect_errors, config_field, parse_config  # noqa: E402
 
 OPTIONAL_WHEELS = ("liger-kernel", "peft", "flash-attn")
+REQUIRED_WHEELS = ("torch", "transformers", "datasets", "tokenizers", "safetensors", "numpy", "tqdm", "jinja2",
+                   "psutil", "pytest")  # requirements.txt and pytest: a missing one fails the checks that need it
 
 
 @dataclass(frozen=True)
 class Lever:
-    """A train.py speed lever: the flags that turn it on and off."""
+    """A train.py speed lever: the flags that turn it on and off (a TrainConfig boolean)."""
 
     name: str
-    field: str  # the TrainConfig field; absent = not available in this build
     on: tuple[str, ...]
     off: tuple[str, ...]
+
+    @property
+    def field(self) -> str:
+        """The TrainConfig field behind the first "on" flag; absent = not available in this build."""
+        return self.on[0].removeprefix("--").replace("-", "_")
 
 
 # Adding a lever is one line.
 LEVERS = (
-    Lever("compile", "compile", on=("--compile",), off=("--no-compile",)),
-    Lever("head_learned_positions_only", "head_learned_positions_only", on=("--head-learned-positions-only",),
+    Lever("compile", on=("--compile",), off=("--no-compile",)),
+    Lever("head_learned_positions_only", on=("--head-learned-positions-only",),
           off=("--no-head-learned-positions-only",)),
 )
 
@@ -209,6 +215,7 @@ def check_environment(runner: Runner, deadline: float) -> dict:
             wheels[name] = None
     figures["optional_wheels"] = wheels
     figures["missing_wheels"] = [name for name, version in wheels.items() if version is None]
+    figures["missing_required"] = [name for name in REQUIRED_WHEELS if not _installed(name)]
     if shutil.which("nvidia-smi"):
         try:
             smi = runner.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -370,8 +377,8 @@ def check_levers(runner: Runner, deadline: float) -> dict:
         try:
             off = runs[()] if not default_on else run(lever.off)
             on = runs[()] if default_on else run(lever.on)
-        except CheckFailed as err:
-            figures[lever.name] = {"status": f"failed: {err}"}
+        except (CheckFailed, CheckTimeout) as err:  # recorded; the next lever still gets what time is left
+            figures[lever.name] = {"status": f"{'timeout' if isinstance(err, CheckTimeout) else 'failed'}: {err}"}
             continue
         figures[lever.name] = {"status": "ok", "off": off, "on": on,
                                "speedup": on["tokens_per_second_per_gpu"] / off["tokens_per_second_per_gpu"],
@@ -600,7 +607,7 @@ def gpu_check(config: GpuCheckConfig) -> dict:
     print(f"gpu-check on {device} into {output_dir} (budget {sizes.time_budget_s:.0f} s)", flush=True)
     report = {"device_kind": device, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "time_budget_s": sizes.time_budget_s, "sizes": dataclasses.asdict(sizes), "exact_rtol": EXACT_RTOL,
-              "levers": [dataclasses.asdict(lever) for lever in LEVERS], "checks": {}}
+              "levers": [{**dataclasses.asdict(lever), "field": lever.field} for lever in LEVERS], "checks": {}}
     try:
         for name, check in CHECKS:
             if config.only_list and name not in config.only_list:

@@ -47,6 +47,7 @@ def test_every_sub_check_ran_and_passed_on_cpu(rehearsal):
     env = checks["environment"]["figures"]
     assert env["torch"] == torch.__version__ and env["device"] == "cpu" and env["driver"] is None
     assert set(env["optional_wheels"]) == {"liger-kernel", "peft", "flash-attn"}
+    assert env["missing_required"] == []
     assert checks["matmul_peak"]["figures"]["bf16_matmul_tflops"] > 0
 
     for name in gpu_check.EXACT_ARCHS:
