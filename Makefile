@@ -1,4 +1,5 @@
 # The two commands: `make demo` and `make test`. Both create .venv on first use.
+# `make gpu-check` (see docs/speed.md) uses .venv when there is one, else python3.
 VENV ?= .venv
 # The interpreter .venv is built from (a fresh Debian 12 machine: /usr/bin/python3, 3.11.2).
 PYTHON ?= python3
@@ -8,8 +9,12 @@ PIP := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 DEMO_DIR ?= demo_output
 NPROC ?= 2
+GPU_CHECK_DIR ?= gpu_check
+DEVICE ?= auto
+# gpu-check also runs where no venv can be made (a GPU machine without internet): the image's python3.
+GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
-.PHONY: install test test-matrix demo clean
+.PHONY: install test test-matrix demo clean gpu-check
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,5 +37,9 @@ test-matrix:
 demo: install
 	$(PY) demo.py --output-dir $(DEMO_DIR) --nproc-per-node $(NPROC)
 
+# Tests, exactness, speed and memory on a CUDA GPU in about 12 minutes; DEVICE=cpu rehearses it at tiny sizes.
+gpu-check:
+	$(GPU_CHECK_PY) bench/gpu_check.py --output-dir "$(GPU_CHECK_DIR)" --device $(DEVICE)
+
 clean:
-	rm -rf $(DEMO_DIR) .pytest_cache .venv-matrix
+	rm -rf $(DEMO_DIR) gpu_check .pytest_cache .venv-matrix

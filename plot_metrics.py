@@ -10,7 +10,8 @@ Reads every ``training_metrics_*.jsonl`` in the output folder (rank 0 writes
                            the validation loss (its own lines, with ``val_loss``)
                            as points; samples seen on the top axis
   metrics_by_step.png      loss, learning rate, grad norm, tokens/s, peak
-                           memory and gradient-accumulation steps over steps
+                           memory, gradient-accumulation steps, tokens/s and
+                           loss-counted tokens/s per GPU, and MFU over steps
   metrics_by_samples.png   the same panels over samples seen
 
 Needs matplotlib, an optional dependency: ``pip install matplotlib``.
@@ -32,6 +33,9 @@ PANELS = (
     ("tokens_per_second", "tokens / s (whole job)"),
     ("peak_memory_usage_GB", "peak memory (GB, rank 0)"),
     ("grad_accum", "grad-accumulation steps"),
+    ("tokens_per_second_per_gpu", "tokens / s per GPU"),
+    ("loss_tokens_per_second_per_gpu", "loss-counted tokens / s per GPU"),
+    ("mfu", "MFU (model FLOPs / peak bf16; null on CPU)"),
 )
 
 
@@ -141,13 +145,13 @@ def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, s
 
     for x_key, x_label, filename in (("step", "optimizer step", "metrics_by_step.png"),
                                      ("samples", "samples seen", "metrics_by_samples.png")):
-        fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+        fig, axes = plt.subplots(3, 3, figsize=(15, 11))
         for ax, (key, title) in zip(axes.flat, PANELS):
             for name, records in runs.items():
                 x = _samples(records) if x_key == "samples" else _series(records, "step")
                 y = _series(records, key)
                 if np.isnan(y).all():
-                    ax.text(0.5, 0.5, "n/a (not in the metrics file)", ha="center", va="center",
+                    ax.text(0.5, 0.5, "n/a (null or not in the metrics file)", ha="center", va="center",
                             transform=ax.transAxes)
                     continue
                 label = f"rank {name}" if label_ranks else None

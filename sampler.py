@@ -333,6 +333,7 @@ class StepBatch:
     end_position: int  # stream position after the batch: resume from here
     epoch: int  # epoch of the batch's first sample
     dropped_indices: list[int] = dataclasses.field(default_factory=list)  # dataset rows dropped
+    sample_lengths: list[int] = dataclasses.field(default_factory=list)  # real samples' lengths, all ranks (FLOPs)
 
     @property
     def num_minibatches(self) -> int:
@@ -443,6 +444,7 @@ class _StepDataset(torch.utils.data.Dataset):
             end_position=start + self.batch_size,
             epoch=start // len(self.dataset),
             dropped_indices=dropped.tolist(),
+            sample_lengths=kept_lengths.tolist(),
         )
 
 

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 import checkpoint_policy
 import data_mix
+import flops
 import resume_policy
 import sampler
 import validation
@@ -62,6 +63,7 @@ from utils import (
     cleanup,
     collect_errors,
     config_field,
+    device_peak_tflops,
     init_distributed,
     log_rank_0,
     logger,
@@ -328,6 +330,9 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
         trust_remote_code=config.trust_remote_code, lora=config.lora,
     )
+    model_shape = flops.model_flops(model.model.config)
+    peak_tflops, peak_reason = device_peak_tflops(dist_info.device)
+    log_rank_0("MFU denominator: %s", peak_reason)
     if not config.skip_objective_check:
         check_objective(model, dataset, attn_implementation=resolved.attn_implementation,
                         compute_dtype=resolved.param_dtype, device=dist_info.device)
@@ -484,6 +489,10 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         synchronize()
         record = _step_metrics(dist_info, state, batch, counts, grad_norm, scheduler,
                                time.perf_counter() - start, skipped=not finite or empty)
+        record.update(flops.speed_metrics(
+            model_shape, batch.sample_lengths, num_loss_counted_tokens=counts.num_loss_counted_tokens,
+            seconds=record["time_per_batch"], world_size=dist_info.world_size, peak_tflops=peak_tflops,
+            frozen_base=config.lora is not None))
         if isinstance(dataset, data_mix.MixedDataset):
             record.update(dataset.source_metrics(config.seed, state.samples_seen))
         if metrics is not None:

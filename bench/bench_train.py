@@ -29,9 +29,10 @@ minibatch (the timed samples are one optimizer batch: forward and backward per
 minibatch, one AdamW step, as ``train.py`` runs a batch), peak memory, and with
 ``--find-max-tokens`` the largest ``--max-tokens-per-gpu`` that trains (packed
 only, GPU only, no safety margin). MFU = model FLOPs / time / the GPU's bf16
-matmul rate, measured first on an 8192^3 matmul; model FLOPs per sample of L tokens = 6 N L plus causal
-attention 6 n_layers d_attn L^2 (half the square: flash kernels skip the
-masked half), N = parameters without the input embedding. Padded batches are
+matmul rate, measured first on an 8192^3 matmul; model FLOPs are ``flops.py``'s:
+6 N L plus causal attention 12 d_attn L (L + 1) / 2 per layer and sample of L
+tokens (the masked half is not credited: flash kernels skip it), N = weight
+matrices without the input embedding. Padded batches are
 credited only their real tokens. On CPU MFU and peak memory read "n/a".
 Writes the table and a JSON file (``--output-json``).
 """
@@ -58,10 +59,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, flash_attn_unavailable_reason,  # noqa: E402
                        register_attention_backends)
 from autotune import longest_first_plan, probe_max_tokens_per_gpu  # noqa: E402
+from flops import model_flops, training_flops  # noqa: E402
 from loss import CausalLMWithLoss  # noqa: E402
 from utils import (IGNORE_INDEX, DistInfo, cleanup, collect_errors, config_field, gpu_name,  # noqa: E402
-                   init_distributed, log_rank_0, parse_config, peak_memory_gb, reset_peak_memory,
-                   setup_logging, synchronize)
+                   init_distributed, log_rank_0, measure_bf16_matmul_tflops, parse_config, peak_memory_gb,
+                   reset_peak_memory, setup_logging, synchronize)
 
 SHAPES: dict[str, dict] = {
     # Published configs of the named models (architecture = the transformers model type).
@@ -197,9 +199,13 @@ def collate_padded(batch: list[Sample], pad_id: int = 0) -> dict[str, torch.Tens
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "attention_mask": mask}
 
 
-def sample_flops(lengths: list[int], *, num_params: int, num_layers: int, attn_dim: int) -> float:
-    """Training FLOPs: 6 N per token plus causal attention 6 n_layers d_attn L^2 per sample."""
-    return float(sum(6 * num_params * n + 6 * num_layers * attn_dim * n * n for n in lengths))
+def model_config(shape: str, *, max_position_embeddings: int = 32768):
+    """The transformers config of a named shape (random init, nothing downloaded)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    fields = dict(SHAPES[shape])
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[fields.pop("architecture")]
+    return config_cls(**fields, max_position_embeddings=max_position_embeddings, use_cache=False)
 
 
 # ----------------------------------------------------------------------------
@@ -210,20 +216,15 @@ def build_model(config: BenchConfig, *, attn: str, liger: bool, ac: bool, dist_i
     """Random init on the device, then the setup_model order: Liger, AC, fully_shard blocks, root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     from setup_model_fsdp import apply_liger_kernels, find_decoder_blocks
 
     register_attention_backends()
-    shape = dict(SHAPES[config.shape])
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[shape.pop("architecture")]
-    model_config = config_cls(**shape, max_position_embeddings=max(32768, config.max_probe_tokens), use_cache=False)
+    hf_config = model_config(config.shape, max_position_embeddings=max(32768, config.max_probe_tokens))
     torch.manual_seed(config.seed)
     with dist_info.device:
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32, attn_implementation=attn)
-    embedding = model.get_input_embeddings().weight
-    num_params = sum(p.numel() for p in model.parameters()) - (0 if model_config.tie_word_embeddings
-                                                              else embedding.numel())
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn)
     if liger:
         apply_liger_kernels(model, device_type=dist_info.device.type)
     if ac:  # as setup_model does: transformers 5 renamed the switch
@@ -241,10 +242,7 @@ def build_model(config: BenchConfig, *, attn: str, liger: bool, ac: bool, dist_i
     fully_shard(wrapper, **fsdp)
     wrapper.train()
     optimizer = torch.optim.AdamW(wrapper.parameters(), lr=1e-6)
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    attn_dim = model_config.num_attention_heads * head_dim
-    return wrapper, optimizer, {"num_params": num_params, "num_layers": model_config.num_hidden_layers,
-                                "attn_dim": attn_dim}
+    return wrapper, optimizer, model_flops(hf_config)
 
 
 def train_batch(wrapper, optimizer, minibatches: list, to_inputs) -> None:
@@ -265,7 +263,7 @@ def run_configuration(config: BenchConfig, dist_info: DistInfo, *, layout: str, 
                       warmup: list[Sample], timed: list[Sample], peak_tflops: float | None) -> dict:
     """Train on ``timed`` (after ``warmup``) in one layout; returns the table row."""
     device = dist_info.device
-    wrapper, optimizer, dims = build_model(config, attn=attn, liger=liger, ac=ac, dist_info=dist_info)
+    wrapper, optimizer, shape = build_model(config, attn=attn, liger=liger, ac=ac, dist_info=dist_info)
     padded_batch = config.padded_batch_size or max(1, config.max_tokens_per_gpu // config.max_len)
     if layout == "padded":
         steps = [collate_padded(timed[i:i + padded_batch]) for i in range(0, len(timed), padded_batch)]
@@ -290,7 +288,7 @@ def run_configuration(config: BenchConfig, dist_info: DistInfo, *, layout: str, 
         synchronize()  # CPU-GPU sync point: the timed region ends here
         elapsed = min(elapsed, time.perf_counter() - start)
     peak = peak_memory_gb() if device.type == "cuda" else None
-    totals = torch.tensor([float(sum(lengths)), sample_flops(lengths, **dims), elapsed], dtype=torch.float64,
+    totals = torch.tensor([float(sum(lengths)), training_flops(shape, lengths), elapsed], dtype=torch.float64,
                           device=device)
     dist.all_reduce(totals[:2])
     dist.all_reduce(totals[2:], op=dist.ReduceOp.MAX)
@@ -330,22 +328,6 @@ def _all_ranks(ok: bool, device: torch.device) -> bool:
     flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def measure_matmul_tflops(device: torch.device, *, n: int = 8192, iters: int = 20) -> float | None:
-    """Sustained dense bf16 matmul rate of this GPU in TFLOP/s (None on CPU: no MFU there)."""
-    if device.type != "cuda":
-        return None
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    synchronize()  # CPU-GPU sync point
-    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
 
 
 # ----------------------------------------------------------------------------
@@ -402,7 +384,7 @@ def bench(config: BenchConfig) -> list[dict]:
     setup_logging("INFO", rank=dist_info.rank)
     try:
         device = dist_info.device
-        peak_tflops = measure_matmul_tflops(device)
+        peak_tflops = measure_bf16_matmul_tflops(device)
         log_rank_0(f"device {gpu_name()}, world size {dist_info.world_size}, bf16 matmul "
                    f"{'n/a' if peak_tflops is None else f'{peak_tflops:.0f} TFLOP/s'}")
         vocab_size = SHAPES[config.shape]["vocab_size"]

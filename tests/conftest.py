@@ -23,6 +23,21 @@ TEMPLATE_NAMES = sorted(TEMPLATES)
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; `make gpu-check` runs them)")
+
+
+def pytest_collection_modifyitems(config, items):
+    from utils import device_type
+
+    if device_type() == "cuda":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """One folder per chat template: tokenizer plus a matching random causal LM (where torch is)."""

@@ -27,8 +27,7 @@ from loss import CausalLMWithLoss
 from setup_model_fsdp import apply_liger_kernels, resolve_attn_implementation
 from utils import IGNORE_INDEX, logger
 
-CUDA = torch.cuda.is_available()
-gpu_test = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+gpu_test = pytest.mark.gpu  # conftest.py skips it without a GPU; make gpu-check runs `pytest -m gpu`
 
 
 @dataclass

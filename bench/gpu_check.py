@@ -1,0 +1,660 @@
+"""One-command GPU acceptance: tests, exactness, speed, memory, written to one folder.
+
+    make gpu-check                                   # CUDA machine, about 12 minutes, into gpu_check/
+    make gpu-check GPU_CHECK_DIR=$OUT/gpu_check      # choose the folder (e.g. one the caller collects)
+    make gpu-check DEVICE=cpu                        # the CPU rehearsal: same code path, tiny sizes, ~2 min
+    python bench/gpu_check.py --output-dir gpu_check --device cpu
+
+Every sub-check runs as its own subprocess with its own time limit (``CHECKS``); one
+that fails or runs out of time is recorded and the next one runs. The sub-checks:
+
+* ``environment``: device, driver, torch/CUDA/transformers versions, the optional
+  wheels (liger-kernel, peft, flash-attn: missing ones are reported, not fatal);
+* ``matmul_peak``: an 8192^3 bf16 matmul (256^3 on CPU) as the device's measured peak;
+* ``gpu_tests``: pytest of the tests marked ``gpu`` (``-m gpu``; all skip on CPU);
+* ``exactness``: ``train.py``'s step-1 loss over a packed batch of several
+  minibatches against the model's own unpacked loss, a dense and a MoE model,
+  in the trainer's compute dtype (bf16 on GPU, fp32 on CPU; tolerances in ``EXACT_RTOL``);
+* ``bench_32k``, ``bench_16k``: ``bench/bench_train.py`` on the Qwen2.5-1.5B shape (random
+  init), packed vs padded at 32k and 16k tokens per GPU, Liger on/off, activation
+  checkpointing on; the 16k run then searches the largest ``--max-tokens-per-gpu`` that
+  trains, with and without Liger;
+* ``levers``: ``train.py`` steps with each speed lever of ``LEVERS`` off and on (tokens/s,
+  MFU and step-1 loss from the metrics lines); a flag this build's ``train.py`` does not
+  know is recorded as "not available in this build".
+
+Writes ``report.md`` (every figure with its command), ``report.json`` and
+``log.txt`` (each command's output) into ``--output-dir``; models and data go to a
+temporary folder that is removed at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from utils import collect_errors, config_field, parse_config  # noqa: E402
+
+OPTIONAL_WHEELS = ("liger-kernel", "peft", "flash-attn")
+REQUIRED_WHEELS = ("torch", "transformers", "datasets", "tokenizers", "safetensors", "numpy", "tqdm", "jinja2",
+                   "psutil", "pytest")  # requirements.txt and pytest: a missing one fails the checks that need it
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A train.py speed lever: the flags that turn it on and off (a TrainConfig boolean)."""
+
+    name: str
+    on: tuple[str, ...]
+    off: tuple[str, ...]
+
+    @property
+    def field(self) -> str:
+        """The TrainConfig field behind the first "on" flag; absent = not available in this build."""
+        return self.on[0].removeprefix("--").replace("-", "_")
+
+
+# Adding a lever is one line.
+LEVERS = (
+    Lever("compile", on=("--compile",), off=("--no-compile",)),
+    Lever("head_learned_positions_only", on=("--head-learned-positions-only",),
+          off=("--no-head-learned-positions-only",)),
+)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each sub-check runs: the GPU sizes are the issue's; the CPU ones only rehearse."""
+
+    shape: str                    # bench_train.py shape (random init)
+    budgets: tuple[int, ...]      # --max-tokens-per-gpu of the bench runs
+    median_len: int
+    p99_len: int
+    max_len: int
+    num_steps: int                # timed rows per bench configuration
+    num_warmup_steps: int
+    max_probe_tokens: int         # upper end of the largest-budget search
+    matmul_size: int
+    lever_budget: int             # --max-tokens-per-gpu of the lever runs
+    lever_steps: int              # train.py steps per lever run; the first is not timed
+    time_budget_s: float          # the whole check
+    limits_s: dict = dataclasses.field(default_factory=dict)  # per sub-check
+
+
+GPU_SIZES = Sizes(shape="Qwen2.5-1.5B", budgets=(16384, 32768), median_len=600, p99_len=8000, max_len=16384,
+                  num_steps=4, num_warmup_steps=1, max_probe_tokens=262144, matmul_size=8192, lever_budget=32768,
+                  lever_steps=6, time_budget_s=690,
+                  limits_s=dict(environment=60, matmul_peak=60, gpu_tests=150, exactness=150, bench_32k=150,
+                                bench_16k=300, levers=240))
+CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, max_len=256, num_steps=1,
+                  num_warmup_steps=0, max_probe_tokens=1024, matmul_size=256, lever_budget=512, lever_steps=2,
+                  time_budget_s=1800,  # generous: CI machines are shared; about 2 minutes on 2 idle cores
+                  limits_s=dict(environment=120, matmul_peak=120, gpu_tests=300, exactness=600, bench_32k=300,
+                                bench_16k=300, levers=600))
+
+# bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.4%). The packed path (varlen attention,
+# one long row, FSDP, several minibatches) and the unpacked reference (sdpa, one sample at a time)
+# round every activation to bf16 in different kernels and orders, so per-token log-probs differ by
+# a few roundoffs without bias; the step loss is their mean over the batch. 1% bounds that noise
+# with margin, while a packing bug (attention across samples, a lost or double-counted sample, a
+# wrong denominator) moves the loss of these sharp-logit test models by well over 1%. fp32 (CPU)
+# differs only in summation order: 1e-4.
+EXACT_RTOL = {"bfloat16": 1e-2, "float32": 1e-4}
+EXACT_ARCHS = ("llama", "qwen3_moe_aux")  # dense, and MoE with the router loss (tests/architectures.py)
+
+TARGETS = {"mfu_32k_liger": 0.50, "packed_over_padded": 1.5, "max_tokens_liger_ac": 131072}
+
+
+@dataclass
+class GpuCheckConfig:
+    """What to check and where to write it; every field is a CLI flag."""
+
+    output_dir: str = config_field("gpu_check", help="folder for report.md, report.json and log.txt")
+    device: Literal["auto", "cuda", "cpu"] = config_field(
+        "auto", help="cuda: the full check; cpu: the tiny rehearsal (hides GPUs); auto: cuda when visible")
+    only: str = config_field("", help="comma-separated sub-checks to run (default: all of CHECKS)")
+    sub: str = config_field("", help="internal: run one device-side helper (env, matmul, reference_loss)")
+    args: str = config_field("", help="internal: JSON arguments of --sub")
+
+    def __post_init__(self) -> None:
+        errors = []
+        unknown = set(self.only_list) - {name for name, _ in CHECKS}
+        if unknown:
+            errors.append(f"--only: unknown {', '.join(sorted(unknown))}")
+        collect_errors(errors)
+
+    @property
+    def only_list(self) -> list[str]:
+        return [name.strip() for name in self.only.split(",") if name.strip()]
+
+
+# ----------------------------------------------------------------------------
+# Running commands with limits
+
+
+class Runner:
+    """Runs each sub-check's commands, keeping the time budget, the commands and their output."""
+
+    def __init__(self, sizes: Sizes, device: str, output_dir: Path, scratch: Path):
+        self.sizes, self.device, self.output_dir, self.scratch = sizes, device, output_dir, scratch
+        self.started = time.monotonic()
+        self.log = (output_dir / "log.txt").open("w", encoding="utf-8")
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if device == "cpu":
+            self.env["CUDA_VISIBLE_DEVICES"] = ""  # the rehearsal must take the CPU path even on a GPU machine
+        self.commands: list[str] = []
+
+    def remaining(self) -> float:
+        return self.sizes.time_budget_s - (time.monotonic() - self.started)
+
+    def run(self, cmd: list[str], *, deadline: float) -> subprocess.CompletedProcess:
+        """Run ``cmd`` (from the repository root) until the sub-check's ``deadline``; raises on failure."""
+        shown = shlex.join(str(part) for part in cmd).replace(sys.executable, "python")
+        self.commands.append(shown)
+        self.log.write(f"\n$ {shown}\n")
+        self.log.flush()
+        limit = max(1.0, deadline - time.monotonic())
+        try:
+            result = subprocess.run([str(part) for part in cmd], cwd=ROOT, env=self.env, capture_output=True,
+                                    text=True, timeout=limit)
+        except subprocess.TimeoutExpired as err:
+            self.log.write(_text(err.stdout) + _text(err.stderr) + f"\n[timed out after {limit:.0f} s]\n")
+            raise CheckTimeout(f"timed out after {limit:.0f} s: {shown}") from None
+        self.log.write(result.stdout + result.stderr + f"\n[exit {result.returncode}]\n")
+        self.log.flush()
+        if result.returncode != 0:
+            tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+            raise CheckFailed(f"exit {result.returncode}: {shown}: {' | '.join(tail)}")
+        return result
+
+    def helper(self, sub: str, args: dict, *, deadline: float) -> dict:
+        """Run one ``--sub`` helper of this script in a fresh process; its last stdout line is JSON."""
+        result = self.run([sys.executable, "bench/gpu_check.py", "--sub", sub, "--args", json.dumps(args)],
+                          deadline=deadline)
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+class CheckFailed(RuntimeError):
+    pass
+
+
+class CheckTimeout(RuntimeError):
+    pass
+
+
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+
+
+# ----------------------------------------------------------------------------
+# Sub-checks: each returns its figures (a dict); the Runner records commands and status
+
+
+def check_environment(runner: Runner, deadline: float) -> dict:
+    figures = runner.helper("env", {}, deadline=deadline)
+    wheels = {}
+    for name in OPTIONAL_WHEELS:
+        try:
+            wheels[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            wheels[name] = None
+    figures["optional_wheels"] = wheels
+    figures["missing_wheels"] = [name for name, version in wheels.items() if version is None]
+    figures["missing_required"] = [name for name in REQUIRED_WHEELS if not _installed(name)]
+    if shutil.which("nvidia-smi"):
+        try:
+            smi = runner.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             deadline=deadline)
+            figures["driver"] = smi.stdout.strip().splitlines()[0]
+        except (CheckFailed, CheckTimeout) as err:
+            figures["driver"] = f"unknown ({err})"
+    else:
+        figures["driver"] = None
+    return figures
+
+
+def check_matmul_peak(runner: Runner, deadline: float) -> dict:
+    return runner.helper("matmul", {"n": runner.sizes.matmul_size}, deadline=deadline)
+
+
+def check_gpu_tests(runner: Runner, deadline: float) -> dict:
+    result = runner.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+                        deadline=deadline)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    counts = {}
+    for part in summary.strip("= ").split(","):
+        words = part.split()
+        if len(words) >= 2 and words[0].isdigit():
+            counts[words[1]] = int(words[0])
+    return {"summary": summary, **{f"num_{key}": value for key, value in counts.items()}}
+
+
+def check_exactness(runner: Runner, deadline: float) -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from architectures import ARCH_BY_NAME, build_architecture
+    from e2e import write_tokenized_jsonl
+
+    from tiny_model import build_tokenizer
+
+    tokenizer_dir = runner.scratch / "tokenizer"
+    tokenizer = build_tokenizer("chatml", tokenizer_dir)
+    data = write_tokenized_jsonl(runner.scratch / "exact.jsonl", num_samples=24, vocab_size=len(tokenizer),
+                                 seed=3, min_len=8, max_len=64)
+    figures, records, model_dirs = {}, {}, []
+    for name in EXACT_ARCHS:
+        model_dir = build_architecture(ARCH_BY_NAME[name], tokenizer_dir, runner.scratch / f"exact_{name}")
+        model_dirs.append(str(model_dir))
+        out = runner.scratch / f"exact_{name}_run"
+        # 24 samples of 8-64 tokens in 96-token rows: several minibatches in the one step.
+        runner.run([sys.executable, "train.py", "--model-name-or-path", model_dir, "--data-path", data,
+                    "--output-dir", out, "--batch-size", 24, "--max-tokens-per-gpu", 96, "--max-steps", 1,
+                    "--min-samples-per-checkpoint", 10**9, "--no-full-state", "--learning-rate", 1e-6,
+                    "--num-warmup-steps", 0, "--skip-objective-check"], deadline=deadline)
+        records[name] = json.loads((out / "training_metrics_0.jsonl").read_text().splitlines()[0])
+        shutil.rmtree(out, ignore_errors=True)
+    references = runner.helper("reference_loss", {"models": model_dirs, "data": str(data)}, deadline=deadline)
+    for name, reference in zip(EXACT_ARCHS, references["losses"], strict=True):
+        record = records[name]
+        rtol = EXACT_RTOL[reference["dtype"]]
+        diff = abs(record["loss"] - reference["loss"]) / abs(reference["loss"])
+        figures[name] = {"packed_loss": record["loss"], "unpacked_loss": reference["loss"],
+                         "relative_difference": diff, "rtol": rtol, "dtype": reference["dtype"],
+                         "grad_accum": record["grad_accum"], "ok": diff <= rtol}
+    bad = [name for name, f in figures.items() if not f["ok"]]
+    if bad:
+        raise CheckFailed(f"packed loss differs beyond tolerance for {', '.join(bad)}: {figures}")
+    return figures
+
+
+def _bench_args(runner: Runner, budget: int, output_json: Path) -> list:
+    s = runner.sizes
+    return [sys.executable, "bench/bench_train.py", "--shape", s.shape, "--max-tokens-per-gpu", budget,
+            "--median-len", s.median_len, "--p99-len", s.p99_len, "--max-len", min(s.max_len, budget),
+            "--num-steps", s.num_steps, "--num-warmup-steps", s.num_warmup_steps, "--activation-checkpointing",
+            "on", "--output-json", output_json]
+
+
+def _liger(runner: Runner) -> str:
+    """Liger both ways where it can run; off (and said so) without a GPU or the wheel."""
+    return "both" if runner.device == "cuda" and _installed("liger-kernel") else "off"
+
+
+def check_bench(index: int, *, find_max_tokens: bool = False) -> Callable[[Runner, float], dict]:
+    """bench_train.py at the ``index``-th budget of the sizes (16k, 32k on GPU), packed vs padded, Liger on
+    and off, activation checkpointing on; with ``find_max_tokens`` also the largest budget that trains
+    (packed, with and without Liger), searched in the same process to spare a second model build."""
+
+    def check(runner: Runner, deadline: float) -> dict:
+        budget = runner.sizes.budgets[index]
+        output_json = runner.scratch / f"bench_{budget}.json"
+        extra = ["--find-max-tokens", "--max-probe-tokens", runner.sizes.max_probe_tokens] \
+            if find_max_tokens else []
+        runner.run([*_bench_args(runner, budget, output_json), "--layouts", "packed,padded",
+                    "--liger", _liger(runner), *extra], deadline=deadline)
+        report = json.loads(output_json.read_text())
+        figures = {"budget": budget, "bf16_matmul_tflops": report["bf16_matmul_tflops"],
+                   "liger": "measured" if _liger(runner) == "both" else _why_no_liger(runner),
+                   "results": report["results"]}
+        if find_max_tokens:
+            found = {r["liger"]: r.get("max_tokens_per_gpu_that_fits") for r in report["results"]
+                     if r["layout"] == "packed"}
+            figures["max_tokens_per_gpu"] = {
+                "liger_on": found.get(True), "liger_off": found.get(False),
+                "note": ("largest budget that trains, packed, activation checkpointing on, no safety margin"
+                         if runner.device == "cuda" else "not searched: bench_train.py searches on CUDA only")}
+        return figures
+    return check
+
+
+def _bench_args(runner: Runner, budget: int, output_json: Path) -> list:
+    s = runner.sizes
+    return [sys.executable, "bench/bench_train.py", "--shape", s.shape, "--max-tokens-per-gpu", budget,
+            "--median-len", s.median_len, "--p99-len", s.p99_len, "--max-len", min(s.max_len, budget),
+            "--num-steps", s.num_steps, "--num-warmup-steps", s.num_warmup_steps, "--activation-checkpointing",
+            "on", "--output-json", output_json]
+
+
+def _liger(runner: Runner) -> str:
+    """Liger both ways where it can run; off (and said so) without a GPU or the wheel."""
+    return "both" if runner.device == "cuda" and _installed("liger-kernel") else "off"
+
+
+def check_levers(runner: Runner, deadline: float) -> dict:
+    """train.py with each lever off and on, on the bench shape, from the metrics lines."""
+    from train import TrainConfig
+
+    known = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    model_dir = runner.scratch / "lever_model"
+    data = runner.scratch / "lever_data.jsonl"
+    info = runner.helper("lever_setup", {"shape": runner.sizes.shape, "model": str(model_dir), "data": str(data),
+                                         "budget": runner.sizes.lever_budget, "steps": runner.sizes.lever_steps,
+                                         "median_len": runner.sizes.median_len, "p99_len": runner.sizes.p99_len,
+                                         "max_len": min(runner.sizes.max_len, runner.sizes.lever_budget)},
+                         deadline=deadline)
+    base = ["--model-name-or-path", model_dir, "--data-path", data, "--batch-size", info["batch_size"],
+            "--max-tokens-per-gpu", runner.sizes.lever_budget, "--max-steps", runner.sizes.lever_steps,
+            "--min-samples-per-checkpoint", 10**9, "--no-full-state", "--learning-rate", 1e-6,
+            "--num-warmup-steps", 0, "--skip-objective-check", "--activation-checkpointing"]
+    if runner.device == "cuda" and _installed("liger-kernel"):
+        base.append("--use-liger-kernels")
+    runs: dict[tuple, dict] = {}
+
+    def run(extra: tuple[str, ...]) -> dict:
+        if extra not in runs:
+            out = runner.scratch / f"lever_run_{len(runs)}"
+            runner.run([sys.executable, "train.py", *base, "--output-dir", out, *extra], deadline=deadline)
+            records = [json.loads(line) for line in (out / "training_metrics_0.jsonl").read_text().splitlines()]
+            timed = records[1:] or records  # the first step pays warm-up (and compilation)
+            runs[extra] = {"args": list(extra), "step_1_loss": records[0]["loss"],
+                           **{key: _median([r[key] for r in timed]) for key in
+                              ("tokens_per_second_per_gpu", "loss_tokens_per_second_per_gpu", "mfu",
+                               "model_flops_per_token", "time_per_batch")}}
+            shutil.rmtree(out, ignore_errors=True)
+        return runs[extra]
+
+    # The defaults run once: a lever whose default is on takes its "on" figures from it.
+    figures = {"train_flags": [str(part) for part in base], "batch_size": info["batch_size"], "defaults": run(())}
+    for lever in LEVERS:
+        if lever.field not in known:
+            figures[lever.name] = {"status": "not available in this build"}
+            continue
+        default_on = known[lever.field] is True
+        try:
+            off = runs[()] if not default_on else run(lever.off)
+            on = runs[()] if default_on else run(lever.on)
+        except (CheckFailed, CheckTimeout) as err:  # recorded; the next lever still gets what time is left
+            figures[lever.name] = {"status": f"{'timeout' if isinstance(err, CheckTimeout) else 'failed'}: {err}"}
+            continue
+        figures[lever.name] = {"status": "ok", "off": off, "on": on,
+                               "speedup": on["tokens_per_second_per_gpu"] / off["tokens_per_second_per_gpu"],
+                               "step_1_loss_equal": on["step_1_loss"] == off["step_1_loss"]}
+    return figures
+
+
+def _median(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _why_no_liger(runner: Runner) -> str:
+    return "not measured: no GPU" if runner.device != "cuda" else "not measured: liger-kernel is not installed"
+
+
+CHECKS: tuple[tuple[str, Callable[[Runner, float], dict]], ...] = (
+    ("environment", check_environment),
+    ("matmul_peak", check_matmul_peak),
+    ("exactness", check_exactness),
+    ("gpu_tests", check_gpu_tests),
+    ("bench_32k", check_bench(1)),
+    ("levers", check_levers),
+    ("bench_16k", check_bench(0, find_max_tokens=True)),
+)
+
+
+# ----------------------------------------------------------------------------
+# Device-side helpers (run as `--sub NAME` in their own process)
+
+
+def sub_env(_: dict) -> dict:
+    import platform
+
+    import torch
+    import transformers
+
+    from utils import gpu_name, peak_bf16_tflops_for
+
+    name = gpu_name()
+    return {"device": name, "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "datasheet_bf16_tflops": peak_bf16_tflops_for(name)}
+
+
+def sub_matmul(args: dict) -> dict:
+    import torch
+
+    from utils import device_type, time_bf16_matmul
+
+    device = torch.device(device_type())
+    return {"n": args["n"], "device": device.type, "bf16_matmul_tflops": time_bf16_matmul(device, n=args["n"])}
+
+
+def sub_reference_loss(args: dict) -> dict:
+    """The model's own loss, one sample at a time, in the trainer's compute dtype on this device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from e2e import unpacked_loss_sum
+
+    from utils import device_type
+
+    device = torch.device(device_type())
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as setup_model_fsdp computes
+    rows = [json.loads(line) for line in Path(args["data"]).read_text().splitlines()]
+    losses = []
+    for path in args["models"]:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+        with torch.no_grad(), device:
+            total, num_tokens = unpacked_loss_sum(model, [(r["input_ids"], r["labels"]) for r in rows],
+                                                  dtype=torch.float32)
+        losses.append({"loss": float(total) / num_tokens, "num_loss_counted_tokens": num_tokens,
+                       "dtype": str(dtype).removeprefix("torch.")})
+    return {"losses": losses}
+
+
+def sub_lever_setup(args: dict) -> dict:
+    """A random-init model of a bench shape saved like a checkpoint, a tokenizer, and chat-like data:
+    lognormal lengths as bench_train.py draws them, the first ~60% of each sample a masked prompt."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench_train import BenchConfig, draw_samples, model_config
+    from tiny_model import build_tokenizer
+    from utils import device_type
+
+    config = model_config(args["shape"], max_position_embeddings=max(32768, args["budget"]))
+    device = torch.device(device_type())
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(args["model"])
+    build_tokenizer("chatml", args["model"])  # only rank 0's exports read it; ids come from the data
+    bench = BenchConfig(max_tokens_per_gpu=args["budget"], median_len=args["median_len"], p99_len=args["p99_len"],
+                        max_len=args["max_len"], output_json=os.devnull)
+    rng = np.random.default_rng(0)
+    samples = draw_samples(bench, args["steps"] * args["budget"], config.vocab_size, rng)
+    with open(args["data"], "w") as f:
+        for sample in samples:
+            ids = sample.input_ids.tolist()
+            prompt = int(0.6 * len(ids))
+            f.write(json.dumps({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]}) + "\n")
+    return {"batch_size": max(1, len(samples) // args["steps"]), "num_samples": len(samples)}
+
+
+SUBS = {"env": sub_env, "matmul": sub_matmul, "reference_loss": sub_reference_loss, "lever_setup": sub_lever_setup}
+
+
+# ----------------------------------------------------------------------------
+# Report
+
+
+def summarize(checks: dict) -> dict:
+    """The issue's targets against what was measured (None where a figure is missing)."""
+    def result(name: str, *, layout: str, liger: bool) -> dict | None:
+        for r in checks.get(name, {}).get("figures", {}).get("results", []):
+            if r["layout"] == layout and r["liger"] == liger and r["status"] == "ok":
+                return r
+        return None
+
+    packed = result("bench_32k", layout="packed", liger=True)
+    padded = result("bench_32k", layout="padded", liger=True)
+    packed_off = result("bench_32k", layout="packed", liger=False)
+    padded_off = result("bench_32k", layout="padded", liger=False)
+    max_liger = checks.get("bench_16k", {}).get("figures", {}).get("max_tokens_per_gpu", {}).get("liger_on")
+    ratio = (packed["tokens_per_second_per_gpu"] / padded["tokens_per_second_per_gpu"] if packed and padded
+             else packed_off["tokens_per_second_per_gpu"] / padded_off["tokens_per_second_per_gpu"]
+             if packed_off and padded_off else None)
+    env = checks.get("environment", {}).get("figures", {})
+    measured = checks.get("bench_32k", {}).get("figures", {}).get("bf16_matmul_tflops")
+    datasheet = env.get("datasheet_bf16_tflops")
+
+    def vs_datasheet(row: dict | None) -> float | None:
+        # bench_train.py divides by the measured matmul rate; the metrics lines by the data sheet's.
+        if not row or row.get("mfu") is None or not measured or not datasheet:
+            return None
+        return row["mfu"] * measured / datasheet
+
+    return {
+        "mfu_32k_liger": {"value": packed["mfu"] if packed else None, "target": TARGETS["mfu_32k_liger"],
+                          "of": "measured bf16 matmul peak"},
+        "mfu_32k_liger_datasheet": {"value": vs_datasheet(packed), "target": TARGETS["mfu_32k_liger"],
+                                    "of": "data-sheet dense bf16 peak"},
+        "mfu_32k_no_liger": {"value": packed_off["mfu"] if packed_off else None, "target": None,
+                             "of": "measured bf16 matmul peak"},
+        "packed_over_padded": {"value": ratio, "target": TARGETS["packed_over_padded"],
+                               "liger": bool(packed and padded)},
+        "max_tokens_liger_ac": {"value": max_liger, "target": TARGETS["max_tokens_liger_ac"]},
+    }
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return "n/a" if not math.isfinite(value) else f"{value:.4g}"
+    return str(value)
+
+
+def render_markdown(report: dict) -> str:
+    env = report["checks"].get("environment", {}).get("figures", {})
+    lines = [f"# gpu-check report ({report['device_kind']})", "",
+             f"Started {report['started']}, {report['total_seconds']:.0f} s in all "
+             f"(budget {report['time_budget_s']:.0f} s). Sizes: {report['sizes']['shape']} shape, "
+             f"bench budgets {report['sizes']['budgets']} tokens per device.", "",
+             "| | |", "|---|---|"]
+    for key in ("device", "driver", "torch", "cuda", "transformers", "python", "datasheet_bf16_tflops"):
+        lines.append(f"| {key} | {_fmt(env.get(key))} |")
+    wheels = env.get("optional_wheels", {})
+    listed = ", ".join(f"{name} {version or 'MISSING'}" for name, version in wheels.items())
+    lines.append(f"| optional wheels | {listed or 'n/a'} |")
+    lines += ["", "## Targets", "", "| target | measured | goal |", "|---|---|---|"]
+    for key, item in report["summary"].items():
+        lines.append(f"| {key} | {_fmt(item['value'])} | {_fmt(item['target'])} |")
+    lines += ["", "## Sub-checks", "", "| check | status | seconds |", "|---|---|---|"]
+    for name, check in report["checks"].items():
+        lines.append(f"| {name} | {check['status']} | {check['seconds']:.1f} |")
+    for name, check in report["checks"].items():
+        lines += ["", f"### {name}: {check['status']}", ""]
+        if check.get("error"):
+            lines += [f"Error: `{check['error']}`", ""]
+        for command in check.get("commands", []):
+            lines.append(f"    {command}")
+        figures = check.get("figures", {})
+        if "results" in figures:
+            lines += ["", "| layout | attention | liger | AC | tok/s/GPU | MFU | peak GB | status |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for r in figures["results"]:
+                lines.append(f"| {r['layout']} | {r.get('attention')} | {r['liger']} | "
+                             f"{r['activation_checkpointing']} | {_fmt(r.get('tokens_per_second_per_gpu'))} | "
+                             f"{_fmt(r.get('mfu'))} | {_fmt(r.get('peak_memory_gb'))} | {r['status']} |")
+            rest = {k: v for k, v in figures.items() if k != "results"}
+        else:
+            rest = figures
+        if rest:
+            lines += ["", "```json", json.dumps(rest, indent=1, default=str), "```"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------
+# Driver
+
+
+def gpu_check(config: GpuCheckConfig) -> dict:
+    """Run every sub-check (or ``--only``'s) and write the report; returns report.json's content."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if _cuda_visible() else "cpu"
+    sizes = GPU_SIZES if device == "cuda" else CPU_SIZES
+    output_dir = Path(config.output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    runner = Runner(sizes, device, output_dir, scratch)
+    print(f"gpu-check on {device} into {output_dir} (budget {sizes.time_budget_s:.0f} s)", flush=True)
+    report = {"device_kind": device, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "time_budget_s": sizes.time_budget_s, "sizes": dataclasses.asdict(sizes), "exact_rtol": EXACT_RTOL,
+              "levers": [{**dataclasses.asdict(lever), "field": lever.field} for lever in LEVERS], "checks": {}}
+    try:
+        for name, check in CHECKS:
+            if config.only_list and name not in config.only_list:
+                continue
+            limit = min(sizes.limits_s.get(name, 60), runner.remaining())
+            entry: dict = {"status": "ok", "seconds": 0.0, "limit_s": limit}
+            report["checks"][name] = entry
+            runner.commands = []
+            if limit < 5:
+                entry["status"] = "skipped: the whole check's time budget is spent"
+                continue
+            began = time.monotonic()
+            print(f"[{time.monotonic() - runner.started:5.0f} s] {name} (limit {limit:.0f} s)", flush=True)
+            try:
+                entry["figures"] = check(runner, began + limit)
+            except CheckTimeout as err:
+                entry.update(status="timeout", error=str(err))
+            except (CheckFailed, OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+                entry.update(status="failed", error=f"{type(err).__name__}: {err}")
+            entry["seconds"] = time.monotonic() - began
+            entry["commands"] = list(runner.commands)
+            print(f"        {entry['status']} in {entry['seconds']:.0f} s", flush=True)
+    finally:
+        runner.log.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    report["total_seconds"] = time.monotonic() - runner.started
+    report["summary"] = summarize(report["checks"])
+    (output_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (output_dir / "report.md").write_text(render_markdown(report))
+    print(f"wrote {output_dir / 'report.md'} and report.json", flush=True)
+    return report
+
+
+def _cuda_visible() -> bool:
+    from utils import device_type
+
+    return device_type() == "cuda"
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(GpuCheckConfig, argv, description=__doc__.split("\n\n")[0])
+    if config.sub:
+        sys.path.insert(0, str(ROOT / "bench"))
+        print(json.dumps(SUBS[config.sub](json.loads(config.args or "{}"))))
+        return
+    gpu_check(config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Model FLOPs of a training step, from the model's config alone (pure arithmetic, no torch).
+
+    python flops.py --shape Qwen2.5-1.5B --lengths 4096,32768      # GFLOP per trained token
+
+Training FLOPs of one sample of L tokens (the PaLM / torchtitan "model FLOPs", so
+recomputation by activation checkpointing is not credited):
+
+    6 N L                                  every weight matrix: 2 FLOPs per weight and token forward,
+                                           4 backward (input and weight gradients)
+  + 12 sum_layers d_attn P(L, window)      QK^T and PV: 2 d_attn FLOPs each per (query, key) pair
+                                           forward, twice that backward
+
+N counts the weight matrices a token passes through: attention and MLP
+projections and the LM head, not the input embedding (a lookup). Biases and
+norms are elementwise and left out. A MoE layer counts its router, its shared
+experts and only ``num_experts_per_tok`` of its routed experts (the active
+parameters). ``P(L, w)`` is the number of (query, key) pairs a causal mask
+lets through: L (L + 1) / 2, or with a sliding window of w keys,
+w (w + 1) / 2 + (L - w) w once L > w. Flash kernels skip the masked half, so
+the square is not credited. With frozen base weights (LoRA) the weight
+gradients of the base are not computed: 4 N instead of 6 N.
+
+Every count comes from config fields (hidden size, heads, head_dim, intermediate
+sizes, expert counts, sliding window / layer_types), never from a list of model
+names. Architectures outside that vocabulary (multi-head latent attention, linear
+attention) are counted as if they were standard attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """What the FLOPs of one trained token depend on; built by ``model_flops(config)``."""
+
+    num_matmul_params: int          # every weight matrix but the input embedding (all experts)
+    num_active_matmul_params: int   # those a token passes through (MoE: top-k experts only)
+    attention_dims: tuple[int, ...]  # per layer: num_attention_heads * head_dim
+    attention_windows: tuple[int | None, ...]  # per layer: sliding window in keys, None = full causal
+
+
+def _get(config: Any, *names: str, default: Any = None) -> Any:
+    """The first of ``names`` the config sets to something other than None."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _moe_layers(config: Any, num_layers: int, num_experts: int) -> list[bool]:
+    """Which decoder layers route to experts (Qwen-MoE ``mlp_only_layers``/``decoder_sparse_step``,
+    DeepSeek ``first_k_dense_replace``); every layer when the config says nothing."""
+    if not num_experts:
+        return [False] * num_layers
+    dense = set(_get(config, "mlp_only_layers", default=[]))
+    step = _get(config, "decoder_sparse_step", default=1) or 1
+    first_dense = _get(config, "first_k_dense_replace", default=0)
+    return [i not in dense and (i + 1) % step == 0 and i >= first_dense for i in range(num_layers)]
+
+
+def _attention_windows(config: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window: ``layer_types`` when the config lists them, else ``sliding_window``
+    on every layer (Mistral) unless ``use_sliding_window`` is off (Qwen2)."""
+    window = _get(config, "sliding_window")
+    layer_types = _get(config, "layer_types")
+    if layer_types is not None:
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types[:num_layers])
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    return (window,) * num_layers
+
+
+def model_flops(config: Any) -> ModelFlops:
+    """Matmul parameter counts and attention shape of a Hugging Face decoder config.
+
+    Args:
+        config: a ``transformers`` config (or any object with the same attributes); a
+            multimodal config's ``text_config`` is used when present.
+
+    Returns:
+        ModelFlops with total and active matmul parameters and per-layer attention.
+    """
+    config = _get(config, "text_config", default=config)
+    hidden = config.hidden_size
+    num_layers = config.num_hidden_layers
+    num_heads = config.num_attention_heads
+    num_kv_heads = _get(config, "num_key_value_heads", default=num_heads)
+    head_dim = _get(config, "head_dim", default=hidden // num_heads)
+    attn_dim = num_heads * head_dim
+    # q and o: hidden x attn_dim each; k and v: hidden x (kv heads * head_dim) each.
+    attention = 2 * hidden * attn_dim + 2 * hidden * num_kv_heads * head_dim
+    intermediate = _get(config, "intermediate_size", default=4 * hidden)
+    dense_mlp = 3 * hidden * intermediate  # gated MLP: gate, up, down (fused or not)
+
+    num_experts = _get(config, "num_experts", "num_local_experts", "n_routed_experts", default=0)
+    top_k = _get(config, "num_experts_per_tok", "num_experts_per_token", default=0)
+    expert = 3 * hidden * _get(config, "moe_intermediate_size", default=intermediate)
+    shared = 0
+    if _get(config, "shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert plus its 1-wide gate
+        shared = 3 * hidden * config.shared_expert_intermediate_size + hidden
+    elif _get(config, "n_shared_experts"):  # DeepSeek: n shared experts of the routed experts' width
+        shared = config.n_shared_experts * expert
+    router = hidden * num_experts
+
+    total = active = 0
+    for is_moe in _moe_layers(config, num_layers, num_experts):
+        mlp_total = router + shared + num_experts * expert if is_moe else dense_mlp
+        mlp_active = router + shared + top_k * expert if is_moe else dense_mlp
+        total += attention + mlp_total
+        active += attention + mlp_active
+    head = hidden * config.vocab_size  # the LM head's matmul runs even when tied to the embedding
+    return ModelFlops(num_matmul_params=total + head, num_active_matmul_params=active + head,
+                      attention_dims=(attn_dim,) * num_layers,
+                      attention_windows=_attention_windows(config, num_layers))
+
+
+def attended_pairs(length: int, window: int | None = None) -> int:
+    """(query, key) pairs a causal mask (with an optional sliding window of ``window`` keys) allows
+    in a sample of ``length`` tokens: each query sees itself and up to ``window - 1`` earlier keys."""
+    if window is None or length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def training_flops(shape: ModelFlops, lengths: Sequence[int], *, frozen_base: bool = False) -> float:
+    """Model FLOPs of forward plus backward over samples of ``lengths`` tokens (see module docstring).
+
+    Args:
+        shape: from ``model_flops``.
+        lengths: real (unpadded) sample lengths, e.g. every packed row's samples of one step.
+        frozen_base: LoRA: the base weights get no gradient, so matmuls cost 4 N per token, not 6 N.
+    """
+    num_tokens = int(sum(lengths))
+    per_weight = 4 if frozen_base else 6
+    attention = 0
+    for length in lengths:
+        for dim, window in zip(shape.attention_dims, shape.attention_windows, strict=True):
+            attention += dim * attended_pairs(int(length), window)
+    return float(per_weight * shape.num_active_matmul_params * num_tokens + 12 * attention)
+
+
+def speed_metrics(shape: ModelFlops, lengths: Sequence[int], *, num_loss_counted_tokens: int, seconds: float,
+                  world_size: int, peak_tflops: float | None, frozen_base: bool = False) -> dict:
+    """The throughput keys of one step's metrics line.
+
+    Args:
+        shape: from ``model_flops``.
+        lengths: every real sample of the step, all ranks.
+        num_loss_counted_tokens: targets that count in the loss, all ranks.
+        seconds: the step's wall time.
+        world_size: number of devices the step ran on.
+        peak_tflops: one device's peak dense bf16 rate, or None where unknown (CPU): ``mfu`` is then None.
+
+    Returns:
+        ``mfu``, ``model_flops_per_token``, ``model_tflops_per_second_per_gpu``,
+        ``loss_tokens_per_second`` and ``loss_tokens_per_second_per_gpu``.
+    """
+    flops = training_flops(shape, lengths, frozen_base=frozen_base)
+    num_tokens = int(sum(lengths))
+    per_device = flops / seconds / world_size if seconds > 0 else float("nan")
+    return {
+        "mfu": per_device / (peak_tflops * 1e12) if peak_tflops else None,
+        "model_flops_per_token": flops / num_tokens if num_tokens else None,
+        "model_tflops_per_second_per_gpu": per_device / 1e12,
+        "loss_tokens_per_second": num_loss_counted_tokens / seconds if seconds > 0 else float("nan"),
+        "loss_tokens_per_second_per_gpu": num_loss_counted_tokens / seconds / world_size if seconds > 0
+        else float("nan"),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print GFLOP per trained token of a bench shape or a local/hub config at given sample lengths."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--shape", default="Qwen2.5-1.5B", help="a shape of bench/bench_train.py")
+    parser.add_argument("--model-name-or-path", default=None, help="read this config instead of --shape")
+    parser.add_argument("--lengths", default="4096,32768", help="comma-separated sample lengths")
+    args = parser.parse_args(argv)
+    if args.model_name_or_path:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.model_name_or_path)
+    else:
+        from bench.bench_train import model_config
+
+        config = model_config(args.shape)
+    shape = model_flops(config)
+    print(f"{args.model_name_or_path or args.shape}: {shape.num_active_matmul_params / 1e9:.4f} B active matmul "
+          f"parameters ({shape.num_matmul_params / 1e9:.4f} B in all); 6N = "
+          f"{6 * shape.num_active_matmul_params / 1e9:.3f} GFLOP/token")
+    for length in (int(n) for n in args.lengths.split(",")):
+        print(f"  one sample of {length} tokens: {training_flops(shape, [length]) / length / 1e9:.3f} GFLOP/token")
+
+
+if __name__ == "__main__":
+    main()
