@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 NF4 = "nf4"
 QUANTIZE_DATA_TYPES = ("none", NF4)
@@ -152,9 +153,12 @@ def broadcast_nf4(model: nn.Module, full_nf4: dict[str, torch.Tensor], *, device
     for name, param in model.named_parameters():
         if not is_nf4(param):
             continue
-        local = param._local_tensor  # NF4Tensor, [out / shard_size, in]
-        group = param.device_mesh.get_group(param.device_mesh.ndim - 1)  # the shard dimension
-        shard_size, shard_rank = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank(group))
+        if isinstance(param, DTensor):
+            local = param._local_tensor  # NF4Tensor, [out / shard_size, in]
+            group = param.device_mesh.get_group(param.device_mesh.ndim - 1)  # the shard dimension
+            shard_size, shard_rank = dist.get_world_size(group), dist.get_rank(group)
+        else:
+            local, shard_size, shard_rank = param, 1, 0  # left whole (FSDP2's ignored_params)
         pieces = {}
         for attr in ("quantized_data", "quantized_scalers", "quantization_factor"):
             shard = getattr(local, attr)

@@ -34,7 +34,7 @@ from attention import (FLASH_BACKENDS, TORCH_VARLEN, AttentionNeeds, attention_n
                        flash_attn_unavailable_reason, register_attention_backends, torch_varlen_unavailable_reason)
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss
-from qlora import NF4, broadcast_nf4, dequantize_state, pop_nf4, quantize_base_weights
+from qlora import NF4, broadcast_nf4, dequantize_state, is_nf4, pop_nf4, quantize_base_weights
 from utils import DistInfo, log_rank_0, peak_memory_gb
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -312,6 +312,12 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     }
     if cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
+    if quantize and mesh.shape[-1] == 1:
+        # Workaround: with a shard group of one rank (NO_SHARD, or a single process) FSDP2 skips the
+        # all-gather and assumes one all-gather input per parameter, but an NF4 weight has three
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``world_size == 1``). Every
+        # rank holds whole weights there anyway, so FSDP2 simply leaves the frozen NF4 weights alone.
+        fsdp_kwargs["ignored_params"] = {param for param in model.parameters() if is_nf4(param)}
     blocks = find_decoder_blocks(model)
     block_class = type(blocks[0]).__name__
     for block in blocks:
