@@ -52,6 +52,7 @@ class QuantizeReport:
     num_quantized: int
     num_kept: int
     kept_names: tuple[str, ...]
+    num_quantized_elements: int
     num_full_bytes: int  # the quantized weights' bytes in the compute dtype
     num_nf4_bytes: int   # the same weights as NF4 (data + scales)
 
@@ -108,7 +109,7 @@ def quantize_base_weights(model: nn.Module, *, shard_size: int, dtype: torch.dty
         raise ValueError(f"--lora-quantize-data-type nf4: {type(model).__name__} stores its MoE experts as fused "
                          f"3-D parameters ({experts[0]}, ...), which NF4 cannot quantize; {_WAY_OUT}")
     quantized, kept = 0, []
-    num_full_bytes = num_nf4_bytes = 0
+    num_elements = num_full_bytes = num_nf4_bytes = 0
     for name, module in model.named_modules():
         if not hasattr(module, "lora_A"):
             continue
@@ -123,6 +124,7 @@ def quantize_base_weights(model: nn.Module, *, shard_size: int, dtype: torch.dty
         # Assigning the Parameter drops the full-precision tensor: one weight at a time is ever doubled.
         base.weight = nn.Parameter(nf4, requires_grad=False)
         quantized += 1
+        num_elements += nf4.numel()
         num_full_bytes += nf4.numel() * nf4.element_size()
         num_nf4_bytes += sum(t.numel() * t.element_size() for t in
                              (nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor, nf4.scaler_mean))
@@ -132,7 +134,7 @@ def quantize_base_weights(model: nn.Module, *, shard_size: int, dtype: torch.dty
         raise ValueError(f"--lora-quantize-data-type nf4: {type(model).__name__}: {why}; {_WAY_OUT}, "
                          "or adapt other --lora-target-modules")
     return QuantizeReport(num_quantized=quantized, num_kept=len(kept), kept_names=tuple(kept),
-                          num_full_bytes=num_full_bytes, num_nf4_bytes=num_nf4_bytes)
+                          num_quantized_elements=num_elements, num_full_bytes=num_full_bytes, num_nf4_bytes=num_nf4_bytes)
 
 
 def pop_nf4(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
