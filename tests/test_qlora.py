@@ -184,6 +184,15 @@ def test_steps_equal_the_nf4_rounded_model_and_stay_near_the_base(qlora_run, wid
         torch.testing.assert_close(tensor, expected, rtol=1e-3, atol=1e-5, msg=name)
 
 
+def test_a_one_rank_shard_group_trains_the_same(tmp_path, wide_model, data_path, qlora_run):
+    # NO_SHARD: FSDP2 leaves the NF4 weights whole on every rank (its one-rank path cannot unshard them).
+    out = tmp_path / "no_shard"
+    _ok(torchrun(_args(wide_model, data_path, out, "--fsdp-sharding-strategy", "NO_SHARD", "--max-steps", "2",
+                       "--min-samples-per-checkpoint", "1000")))
+    expected = [r["loss"] for r in read_metrics(qlora_run)][:2]
+    assert [r["loss"] for r in read_metrics(out)] == pytest.approx(expected, rel=1e-6)
+
+
 def test_exports_load_adapter_on_the_original_base_and_merge_the_rounded_one(qlora_run, wide_model):
     export = complete_checkpoints(qlora_run / "hf_format")[-1]
     base = AutoModelForCausalLM.from_pretrained(wide_model, dtype=torch.float32)
