@@ -87,7 +87,8 @@ def fused_experts(model: nn.Module) -> list[str]:
     return [name for name, param in model.named_parameters() if param.dim() == 3]
 
 
-def quantize_base_weights(model: nn.Module, *, shard_size: int, dtype: torch.dtype) -> QuantizeReport:
+def quantize_base_weights(model: nn.Module, *, shard_size: int, dtype: torch.dtype,
+                          device: torch.device | None = None) -> QuantizeReport:
     """Replace the base weight of every adapted ``nn.Linear`` by an NF4 copy, in place.
 
     Call after ``lora.apply_lora``. Works on a meta-device model too (the NF4
@@ -98,6 +99,10 @@ def quantize_base_weights(model: nn.Module, *, shard_size: int, dtype: torch.dty
         shard_size: ranks each weight is sharded across (the FSDP mesh's shard dimension).
         dtype: the compute dtype; weights are cast to it before quantization, and
             dequantize to it (bf16 on GPU, fp32 on CPU).
+        device: where to compute the quantization, one weight at a time (the NF4
+            result returns to the weight's own device). On CPU torchao's nearest-level
+            search runs at roughly 4M weights/s per core: a 70B base would take hours,
+            so rank 0 quantizes on its GPU when it has one.
 
     Raises:
         ValueError: one line naming the way out, when the model has fused 3-D
@@ -119,8 +124,10 @@ def quantize_base_weights(model: nn.Module, *, shard_size: int, dtype: torch.dty
         if nf4_refusal(base.weight.shape, shard_size) is not None:
             kept.append(name)
             continue
+        home = base.weight.device
         with torch.no_grad():
-            nf4 = to_nf4(base.weight.detach().to(dtype), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+            nf4 = to_nf4(base.weight.detach().to(device=device or home, dtype=dtype), NF4_BLOCK_SIZE,
+                         NF4_SCALER_BLOCK_SIZE).to(home)  # NF4Tensor.to(device) keeps it NF4
         # Assigning the Parameter drops the full-precision tensor: one weight at a time is ever doubled.
         base.weight = nn.Parameter(nf4, requires_grad=False)
         quantized += 1

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import resource
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +37,7 @@ from attention import (FLASH_BACKENDS, TORCH_VARLEN, AttentionNeeds, attention_n
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss
 from qlora import NF4, broadcast_nf4, dequantize_state, is_nf4, pop_nf4, quantize_base_weights
-from utils import DistInfo, log_rank_0, peak_memory_gb
+from utils import DistInfo, log_rank_0
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "torch_varlen", "reference_varlen")
@@ -267,10 +269,12 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
             apply_lora(loaded, lora)
         if quantize:
             # QLoRA: rank 0 alone quantizes, weight by weight; the other ranks only ever see NF4 bytes.
-            report = quantize_base_weights(loaded, shard_size=mesh.shape[-1], dtype=param_dtype)
+            began = time.perf_counter()
+            report = quantize_base_weights(loaded, shard_size=mesh.shape[-1], dtype=param_dtype, device=device)
             log_rank_0(f"QLoRA: {report.num_quantized} base weights in NF4 ({report.num_full_bytes / 2**20:.1f} MiB "
-                       f"in {str(param_dtype).removeprefix('torch.')} -> {report.num_nf4_bytes / 2**20:.1f} MiB); "
-                       f"rank 0 peak host memory {peak_memory_gb():.2f} GB after loading")
+                       f"in {str(param_dtype).removeprefix('torch.')} -> {report.num_nf4_bytes / 2**20:.1f} MiB) "
+                       f"on {device.type} in {time.perf_counter() - began:.1f}s; rank 0 peak host memory "
+                       f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB after loading")
             if report.num_kept:
                 log_rank_0(f"QLoRA: {report.num_kept} adapted linear layers stay in full precision (frozen): their "
                            f"shards do not split into whole NF4 groups ({', '.join(report.kept_names[:3])}, ...)",
