@@ -74,7 +74,8 @@ def fingerprint(model_config, dataset, lora=None) -> dict:
     """What must not change between a checkpoint and its resume: model shape, adapters and data.
 
     ``lora`` (``lora.LoraSettings`` or None) shapes the trainable parameters, so a
-    checkpoint of other adapters (or of full fine-tuning) cannot be resumed.
+    checkpoint of other adapters (or of full fine-tuning) cannot be resumed; its
+    base quantization (QLoRA) is part of it too.
     """
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     return {
@@ -84,7 +85,10 @@ def fingerprint(model_config, dataset, lora=None) -> dict:
         "num_hidden_layers": text_config.num_hidden_layers,
         "num_data_samples": len(dataset),
         "data_lengths_sha1": hashlib.sha1(np.ascontiguousarray(dataset.lengths, dtype=np.int64)).hexdigest(),
-        "lora": None if lora is None else [lora.rank, lora.alpha, lora.target_modules, lora.use_rslora],
+        # QLoRA's base rounding changes every loss: appended only when on, so LoRA checkpoints still match.
+        "lora": None if lora is None else ([lora.rank, lora.alpha, lora.target_modules, lora.use_rslora]
+                                           + ([lora.quantize_data_type] if lora.quantize_data_type != "none"
+                                              else [])),
     }
 
 

@@ -44,6 +44,7 @@ class LoraSettings:
     target_modules: str
     use_rslora: bool
     merge_on_export: bool = True
+    quantize_data_type: str = "none"  # "nf4": QLoRA, base weights of adapted layers in NF4 (qlora.py)
 
     def peft_config(self, model: nn.Module | None = None):
         """peft's ``LoraConfig``; with a model, ``all-linear`` becomes the names of its ``nn.Linear`` layers.
@@ -100,14 +101,22 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
     return config
 
 
-def lora_preflight(model_config, settings: LoraSettings) -> str | None:
-    """Adapt a meta-device copy of the architecture (no memory, no weights): the error line, or None."""
+def lora_preflight(model_config, settings: LoraSettings, *, shard_size: int = 1) -> str | None:
+    """Adapt (and quantize, for QLoRA) a meta-device copy of the architecture: the error line, or None.
+
+    No memory and no weights are touched. ``shard_size`` is the FSDP shard group's
+    size, which decides which weights split into whole NF4 groups.
+    """
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     try:
         apply_lora(model, settings)
+        if settings.quantize_data_type != "none":
+            from qlora import quantize_base_weights
+
+            quantize_base_weights(model, shard_size=shard_size, dtype=torch.float32)
     except ValueError as err:
         return str(err)
     return None

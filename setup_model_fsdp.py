@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import resource
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,7 @@ from attention import (FLASH_BACKENDS, TORCH_VARLEN, AttentionNeeds, attention_n
                        flash_attn_unavailable_reason, register_attention_backends, torch_varlen_unavailable_reason)
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss
+from qlora import NF4, broadcast_nf4, dequantize_state, is_nf4, pop_nf4, quantize_base_weights
 from utils import DistInfo, log_rank_0
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -55,6 +58,7 @@ class ModelSetup:
     mesh_shape: tuple[int, ...]
     num_trainable_params: int
     num_params: int
+    quantized: str = "none"  # what --lora-quantize-data-type did, for the startup log
 
 
 def resolve_attn_implementation(requested: str, device_type: str, needs: AttentionNeeds | None = None) -> str:
@@ -249,6 +253,11 @@ def find_decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def shard_group_size(strategy: str, world_size: int, local_world_size: int) -> int:
+    """Ranks each parameter is sharded across: the last dimension of ``build_mesh``'s mesh."""
+    return {"FULL_SHARD": world_size, "SHARD_GRAD_OP": world_size, "NO_SHARD": 1}.get(strategy, local_world_size)
+
+
 def build_mesh(strategy: str, dist_info: DistInfo, local_world_size: int) -> DeviceMesh:
     """1-D mesh for FULL_SHARD/SHARD_GRAD_OP; 2-D (replicate, shard) for HYBRID_SHARD/NO_SHARD."""
     device_type = dist_info.device.type
@@ -303,6 +312,8 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     attn = resolve_attn_implementation(attn_implementation, device.type, attention_needs(model))
     if attn != "eager":
         model.set_attn_implementation(attn)
+    mesh = build_mesh(sharding_strategy, dist_info, local_world_size)
+    quantize = lora is not None and lora.quantize_data_type == NF4
     if dist_info.rank == 0:
         # The stored dtype (bf16 for most checkpoints): one copy of the weights in host memory, at its
         # smallest. The loaded module is dropped; its tensors live on in the state dict until broadcast.
@@ -312,6 +323,18 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         if lora is not None:
             # Adapters are initialised here, on rank 0, and reach the other ranks with the weights.
             apply_lora(loaded, lora)
+        if quantize:
+            # QLoRA: rank 0 alone quantizes, weight by weight; the other ranks only ever see NF4 bytes.
+            began = time.perf_counter()
+            report = quantize_base_weights(loaded, shard_size=mesh.shape[-1], dtype=param_dtype, device=device)
+            log_rank_0(f"QLoRA: {report.num_quantized} base weights in NF4 ({report.num_full_bytes / 2**20:.1f} MiB "
+                       f"in {str(param_dtype).removeprefix('torch.')} -> {report.num_nf4_bytes / 2**20:.1f} MiB) "
+                       f"on {device.type} in {time.perf_counter() - began:.1f}s; rank 0 peak host memory "
+                       f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB after loading")
+            if report.num_kept:
+                log_rank_0(f"QLoRA: {report.num_kept} adapted linear layers stay in full precision (frozen): their "
+                           f"shards do not split into whole NF4 groups ({', '.join(report.kept_names[:3])}, ...)",
+                           level=logging.WARNING)
         full_state = loaded.state_dict()
         real_buffers = dict(loaded.named_buffers())
         del loaded
@@ -322,6 +345,9 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     if lora is not None:
         lora_config = apply_lora(model, lora)
         lora_config.base_model_name_or_path = model_name_or_path  # recorded in the adapter's config
+        if quantize:
+            # Meta NF4 shells with the shapes fully_shard cuts; broadcast_nf4 fills them.
+            quantize_base_weights(model, shard_size=mesh.shape[-1], dtype=param_dtype)
     if use_liger_kernels:
         # Rebinds RMSNorm/SwiGLU forwards (parameters untouched) and Liger's RoPE: before AC and fully_shard.
         apply_liger_kernels(model, device_type=device.type)
@@ -342,7 +368,6 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     wrapper.lora_merge_on_export = lora is None or lora.merge_on_export
     num_trainable, num_params = count_parameters(model)
 
-    mesh = build_mesh(sharding_strategy, dist_info, local_world_size)
     fsdp_kwargs = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
@@ -351,6 +376,12 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     }
     if cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
+    if quantize and mesh.shape[-1] == 1:
+        # Workaround: with a shard group of one rank (NO_SHARD, or a single process) FSDP2 skips the
+        # all-gather and assumes one all-gather input per parameter, but an NF4 weight has three
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``world_size == 1``). Every
+        # rank holds whole weights there anyway, so FSDP2 simply leaves the frozen NF4 weights alone.
+        fsdp_kwargs["ignored_params"] = {param for param in model.parameters() if is_nf4(param)}
     block_class = type(blocks[0]).__name__
     for block in blocks:
         fully_shard(block, **fsdp_kwargs)
@@ -359,12 +390,18 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     fully_shard(wrapper, **{**fsdp_kwargs, "reshard_after_forward": False})
 
     wrapper.to_empty(device="cpu" if cpu_offload else device)
+    full_nf4 = pop_nf4(full_state)
     set_model_state_dict(
         wrapper.model,
         full_state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload),
+        # NF4 weights are not in rank 0's dict any more: broadcast_nf4 sends their bytes.
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload,
+                                 strict=not quantize),
     )
     del full_state
+    if quantize:
+        broadcast_nf4(wrapper.model, full_nf4, device=torch.device("cpu") if cpu_offload else device)
+    del full_nf4
     _broadcast_buffers(wrapper.model, real_buffers, device)
     del real_buffers
     log_rank_0(f"objective: logit processing {wrapper.logit_transform.describe()}; router loss "
@@ -407,6 +444,9 @@ def gather_full_state_dict(wrapper: CausalLMWithLoss) -> dict[str, torch.Tensor]
     """All-gather the Hugging Face state dict into rank 0's host memory (empty on other ranks).
 
     ``cpu_offload`` moves each gathered tensor off the GPU as it arrives, so a
-    large model never needs its full size in GPU memory.
+    large model never needs its full size in GPU memory. NF4 weights (QLoRA)
+    come back dequantized, in the compute dtype.
     """
-    return get_model_state_dict(wrapper.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(wrapper.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # QLoRA: NF4 weights arrive as gathered NF4 bytes; exports hold their dequantized values.
+    return dequantize_state(state)

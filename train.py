@@ -55,7 +55,7 @@ from full_state import PreemptionFlag, TrainState, remove_leftover_tmp, resume_t
 from lora import ALL_LINEAR, LoraSettings, lora_preflight
 from objective import router_aux_weight
 from selfcheck import check_data_fits_model, check_objective
-from setup_model_fsdp import attention_preflight, setup_model, sync_gradients_on
+from setup_model_fsdp import attention_preflight, setup_model, shard_group_size, sync_gradients_on
 from trackers import make_tracker
 
 from utils import (
@@ -199,7 +199,8 @@ class TrainConfig:
         True, help="Hugging Face exports hold the merged model (loads with transformers and vLLM as is) plus "
                    "the adapter in adapter/; --no-lora-merge-on-export writes the adapter alone")
     lora_quantize_data_type: Literal["none", "nf4"] = config_field(
-        "none", help="QLoRA base-weight quantization: only none is supported (nf4 is refused, see README)")
+        "none", help="QLoRA: nf4 stores the frozen base weights of the adapted linear layers in 4-bit NormalFloat "
+                     "(torchao, pip install torchao; docs/lora.md); none keeps them in full precision")
 
     def __post_init__(self) -> None:
         self.logging_level = self.logging_level.upper()
@@ -240,10 +241,13 @@ class TrainConfig:
             errors.append(f"--lora-alpha must be positive, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
             errors.append(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.lora_quantize_data_type != "none":
-            errors.append("--lora-quantize-data-type nf4 (QLoRA) is not supported: 4-bit base weights need "
-                          "bitsandbytes' CUDA kernels under FSDP2, which this trainer has not been validated with; "
-                          "use plain LoRA (bf16 base weights)")
+        if self.lora_quantize_data_type != "none" and self.lora_rank == 0:
+            errors.append(f"--lora-quantize-data-type {self.lora_quantize_data_type} quantizes the frozen base "
+                          "under LoRA adapters: give --lora-rank too")
+        if self.compile and self.lora_quantize_data_type != "none":
+            # Never run together: NF4 weights are a tensor subclass that dynamo would have to trace.
+            errors.append(f"--compile with --lora-quantize-data-type {self.lora_quantize_data_type} is not "
+                          "supported yet: drop one of them")
         collect_errors(errors)
 
     @property
@@ -253,7 +257,8 @@ class TrainConfig:
         alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
         return LoraSettings(rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout,
                             target_modules=self.lora_target_modules, use_rslora=self.lora_use_rslora,
-                            merge_on_export=self.lora_merge_on_export)
+                            merge_on_export=self.lora_merge_on_export,
+                            quantize_data_type=self.lora_quantize_data_type)
 
     @property
     def has_stop_condition(self) -> bool:
@@ -573,7 +578,9 @@ def _preflight(config: TrainConfig) -> str | None:
     if attention_error is not None:
         return attention_error
     if config.lora is not None:
-        error = lora_preflight(model_config, config.lora)
+        error = lora_preflight(model_config, config.lora, shard_size=shard_group_size(
+            config.fsdp_sharding_strategy, dist.get_world_size(),
+            int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
         if error:
             return error
     for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),

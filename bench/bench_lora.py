@@ -1,19 +1,22 @@
-"""LoRA against full fine-tuning, side by side: step time, peak memory, checkpoint sizes.
+"""Full fine-tuning, LoRA and QLoRA side by side: step time, peak memory, checkpoint sizes.
 
-    python bench/bench_lora.py                      # CPU: demo model, 2 gloo ranks, ~3 min
+    python bench/bench_lora.py                      # CPU: demo model, 2 gloo ranks, ~6 min
     python bench/bench_lora.py --nproc-per-node 1 --lora-ranks 8,64 --repeats 3
 
-Both modes train the demo model (``demo.py``'s tokenizer, data and random
-Qwen2-style model) through ``torchrun train.py`` with identical flags but
-``--lora-rank``; runs alternate (full, LoRA, full, LoRA, ...) so machine load
-hits both alike. Reported per mode: median ``time_per_batch`` over the steps
-after the first, the peak RSS of the whole process tree (psutil, every 50 ms),
-the metrics' ``peak_memory_usage_GB`` (rank 0's peak GPU memory; on CPU its peak RSS),
-and the size of one full-state checkpoint and one Hugging Face export.
+Every mode trains the demo model (``demo.py``'s tokenizer, data and random
+Qwen2-style model, 256 wide by default so that every projection holds whole
+NF4 groups on 2 ranks) through ``torchrun train.py`` with identical flags but
+``--lora-rank`` (and ``--lora-quantize-data-type nf4`` for QLoRA); runs alternate
+(full, LoRA, QLoRA, full, ...) so machine load hits all alike. Reported per
+mode: median ``time_per_batch`` over the steps after the first, the peak RSS of
+the whole process tree (psutil, every 50 ms), the metrics'
+``peak_memory_usage_GB`` (rank 0's peak GPU memory; on CPU its peak RSS), and
+the size of one full-state checkpoint and one Hugging Face export.
 
 Also printed: the training-state bytes per mode for large shapes, counted on a
-meta-device model (no memory, nothing downloaded): fp32 master weights (4 B
-per parameter) plus, per trainable parameter, a gradient and AdamW's two
+meta-device model (no memory, nothing downloaded): master weights at 4 B per
+parameter (QLoRA: the NF4 base weights at their quantized size, ~0.52 B, as
+sharded 8 ways) plus, per trainable parameter, a gradient and AdamW's two
 moments (12 B). Writes ``bench/lora_results.json``.
 """
 
@@ -39,12 +42,14 @@ SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
 }
 
 
-def state_bytes(shape: tuple[int, ...], lora_rank: int) -> tuple[int, int, float]:
-    """(parameters, trainable parameters, GiB of fp32 weights + grads + AdamW state)."""
+def state_bytes(shape: tuple[int, ...], lora_rank: int, *, quantize: bool = False,
+                shard_size: int = 8) -> tuple[int, int, float]:
+    """(parameters, trainable parameters, GiB of weights + fp32 grads + AdamW state)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lora import LoraSettings, apply_lora, count_parameters
+    from qlora import quantize_base_weights
 
     hidden, intermediate, layers, heads, kv_heads, vocab = shape
     config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -55,13 +60,20 @@ def state_bytes(shape: tuple[int, ...], lora_rank: int) -> tuple[int, int, float
         apply_lora(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0,
                                        target_modules="all-linear", use_rslora=False))
     trainable, total = count_parameters(model)
-    return total, trainable, (4 * total + 12 * trainable) / 2**30
+    weight_bytes = 4 * total
+    if quantize:
+        # The NF4 weights replace their fp32 masters; they dequantize to the GPU compute dtype (bf16).
+        report = quantize_base_weights(model, shard_size=shard_size, dtype=torch.bfloat16)
+        weight_bytes += report.num_nf4_bytes - 4 * report.num_quantized_elements
+    return total, trainable, (weight_bytes + 12 * trainable) / 2**30
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--lora-ranks", default="16", help="comma-separated LoRA ranks to compare with full")
+    parser.add_argument("--hidden-size", type=int, default=256,
+                        help="demo model width (QLoRA needs whole 64x256-weight NF4 groups per shard)")
     parser.add_argument("--num-steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--output-json", default=str(ROOT / "bench" / "lora_results.json"))
@@ -71,11 +83,14 @@ def main() -> None:
     from process_data import ProcessDataConfig, process_data
 
     work = Path(tempfile.mkdtemp(prefix="bench_lora_"))
-    demo = DemoConfig(output_dir=str(work))
+    demo = DemoConfig(output_dir=str(work), hidden_size=args.hidden_size)
     model_dir = build_demo_model(work / "model", demo)
     process_data(ProcessDataConfig(input_file=str(ROOT / "data" / "demo_chat.jsonl"), output_dir=str(work / "data"),
                                    model_name_or_path=str(model_dir), num_proc=1, num_printed_samples=0))
-    modes = {"full": []} | {f"lora r={r}": ["--lora-rank", r] for r in args.lora_ranks.split(",")}
+    modes = {"full": []}
+    for r in args.lora_ranks.split(","):
+        modes |= {f"lora r={r}": ["--lora-rank", r],
+                  f"qlora r={r}": ["--lora-rank", r, "--lora-quantize-data-type", "nf4"]}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for repeat in range(args.repeats):
         for mode, extra in modes.items():
@@ -110,7 +125,7 @@ def main() -> None:
     for name, shape in SHAPES.items():
         for mode in modes:
             rank = 0 if mode == "full" else int(mode.split("=")[1])
-            total, trainable, gib = state_bytes(shape, rank)
+            total, trainable, gib = state_bytes(shape, rank, quantize=mode.startswith("qlora"))
             results["shapes"][f"{name} {mode}"] = {"params": total, "trainable": trainable, "state_gib": gib}
             print(f"{name:<14} {mode:<12} {total:>14,} {trainable:>14,} {gib:>24.1f}")
     Path(args.output_json).write_text(json.dumps(results, indent=2))

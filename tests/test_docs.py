@@ -47,3 +47,9 @@ def test_invalid_values_are_all_reported_at_once():
         TrainConfig(output_dir="o", min_samples_per_checkpoint=0, batch_size=-1, logging_level="loud")
     message = str(err.value)
     assert "--min-samples-per-checkpoint" in message and "--batch-size" in message and "LOUD" in message
+
+
+def test_compile_with_a_quantized_base_is_refused():
+    with pytest.raises(ValueError, match="--compile with --lora-quantize-data-type nf4"):
+        TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=4, lora_quantize_data_type="nf4",
+                    compile=True)
