@@ -33,7 +33,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from attention import (FLASH_BACKENDS, TORCH_VARLEN, AttentionNeeds, attention_needs, backend_refusal,
                        flash_attn_unavailable_reason, register_attention_backends, torch_varlen_unavailable_reason)
 from lora import LoraSettings, apply_lora, count_parameters
-from loss import CausalLMWithLoss
+from loss import CausalLMWithLoss, decoder_of
+from recurrent import run_mixers_per_sample
 from utils import DistInfo, log_rank_0
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -270,6 +271,12 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         # Rebinds RMSNorm/SwiGLU forwards (parameters untouched) and Liger's RoPE: before AC and fully_shard.
         apply_liger_kernels(model, device_type=device.type)
 
+    # Hybrid models: linear-attention / SSM layers must not carry a state across packed samples (recurrent.py).
+    mixers = run_mixers_per_sample(decoder_of(model), find_decoder_blocks(model))
+    if mixers:
+        mixer_classes = sorted({type(m).__name__ for m in mixers})
+        log_rank_0(f"packed rows: {len(mixers)} recurrent token mixers ({', '.join(mixer_classes)}) run once per "
+                   "packed sample, so no state flows from one sample into the next")
     if activation_checkpointing:
         # transformers 5 renamed the public switch; 4.x only has the old name.
         if hasattr(model, "activation_checkpointing_enable"):

@@ -60,6 +60,26 @@ ARCHITECTURES = (
     Arch("gpt_oss", "gpt_oss", "attention sinks, sliding window, MoE with biases, refuses sdpa",
          {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
           "layer_types": ["sliding_attention", "full_attention"], "output_router_logits": False}, moe=True),
+    Arch("deepseek_v3_mla", "deepseek_v3", "multi-head latent attention (value heads 4 < query/key heads 8), MoE",
+         {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4,
+          "head_dim": 4, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 16, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}, moe=True),
+    Arch("kimi_linear", "kimi_linear", "MLA full attention + delta-attention linear layers, MoE",
+         {"kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4, "head_dim": 4,
+          "num_key_value_heads": 4, "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 16,
+          "linear_head_dim": 8, "linear_num_heads": 4, "layer_types": ["linear_attention", "full_attention"]},
+         moe=True),
+    Arch("llama4_text", "llama4_text", "chunked attention, NoPE layer, MoE; get_decoder() returns the model itself",
+         {"intermediate_size_mlp": 64, "num_local_experts": 4, "num_experts_per_tok": 1, "attention_chunk_size": 8,
+          "layer_types": ["chunked_attention", "full_attention"], "no_rope_layer_interval": 2}, moe=True),
+    Arch("qwen3_5_moe", "qwen3_5_moe_text", "gated delta net linear attention + full attention, MoE",
+         {"linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+          "linear_num_value_heads": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+          "num_experts": 4, "num_experts_per_tok": 2, "layer_types": ["linear_attention", "full_attention"]},
+         moe=True),
+    Arch("olmo_hybrid", "olmo_hybrid", "gated delta net linear attention + full attention",
+         {"linear_key_head_dim": 8, "linear_value_head_dim": 16, "linear_num_key_heads": 4,
+          "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"]}),
 )
 ARCH_BY_NAME = {arch.name: arch for arch in ARCHITECTURES}
 
@@ -74,6 +94,8 @@ def build_architecture(arch: Arch, tokenizer_dir: Path, output_dir: Path, *, see
     config = AutoConfig.for_model(arch.model_type, vocab_size=len(tokenizer), **{**COMMON, **arch.overrides})
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
+    if isinstance(config.pad_token_id, int) and config.pad_token_id >= len(tokenizer):
+        config.pad_token_id = tokenizer.pad_token_id  # the family's default id is outside this tiny vocabulary
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(arch.stored_dtype)
     model.config.dtype = arch.stored_dtype

@@ -2,10 +2,11 @@
 
     .venv/bin/python -m pytest -q tests/test_architectures.py
 
-Fourteen tiny random causal LMs (``tests/architectures.py``: dense, tied
+Nineteen tiny random causal LMs (``tests/architectures.py``: dense, tied
 embeddings, Granite's logits_scaling, Cohere's logit_scale, Gemma's
 softcapping, sliding windows, attention sinks, MoE with and without the router
-loss) are trained for one step in ONE ``torchrun --nproc-per-node=2`` job
+loss, DeepSeek-V3's multi-head latent attention, Llama-4's chunked attention,
+and the linear-attention hybrids Kimi-Linear, Qwen3.5-MoE and OLMo-hybrid) are trained for one step in ONE ``torchrun --nproc-per-node=2`` job
 (``tests/matrix_train.py`` runs ``train.main`` once per architecture), with a
 token budget that forces several packed minibatches per rank. The invariant:
 the logged step-1 loss (and router loss, and for one dense and one MoE model
