@@ -183,6 +183,10 @@ def find_decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # Outermost only: some families list a block and a module inside it (Mamba: MambaBlock and MambaMixer),
+    # and sharding both would shard the inner parameters twice.
+    inner = {id(sub) for block in blocks for sub in block.modules() if sub is not block}
+    blocks = [block for block in blocks if id(block) not in inner]
     if blocks:
         return blocks
     best: list[nn.Module] = []
@@ -277,6 +281,10 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         mixer_classes = sorted({type(m).__name__ for m in mixers})
         log_rank_0(f"packed rows: {len(mixers)} recurrent token mixers ({', '.join(mixer_classes)}) run once per "
                    "packed sample, so no state flows from one sample into the next")
+    if activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", True):
+        log_rank_0(f"{type(model).__name__} does not support activation checkpointing: training without it "
+                   "(more activation memory)", level=logging.WARNING)
+        activation_checkpointing = False
     if activation_checkpointing:
         # transformers 5 renamed the public switch; 4.x only has the old name.
         if hasattr(model, "activation_checkpointing_enable"):

@@ -33,6 +33,8 @@ SIZE_ATTRIBUTES = {
     "initializer_range": 0.3, "attention_dropout": 0.0, "hidden_dropout": 0.0, "dropout": 0.0,
     "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "hidden_dropout_prob": 0.0,
     "attention_probs_dropout_prob": 0.0, "use_cache": False,
+    # random router noise in training mode would make step 1 differ from the (eval-mode) reference
+    "router_jitter_noise": 0.0, "input_jitter_noise": 0.0,
 }
 LAYER_PATTERN_ATTRIBUTES = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern",
                             "mlp_layer_types", "attn_layer_indices")
@@ -59,9 +61,16 @@ def tiny_config(model_type: str, vocab_size: int, overrides: dict | None = None,
     num_layers = _num_layers(config)
     pattern_name, pattern = _layer_pattern(config)
     if pattern is not None:
-        kept = _one_of_each(pattern)
-        updates[pattern_name] = kept if not isinstance(pattern, str) else "".join(kept)
-        num_layers = len(kept)
+        indices = _one_of_each(pattern)
+        num_layers = len(indices)
+        for name in LAYER_PATTERN_ATTRIBUTES:  # every per-layer list keeps the same layers
+            value = getattr(config, name, None)
+            if isinstance(value, (list, tuple, str)) and len(value) == len(pattern) and \
+                    not isinstance(getattr(type(config), name, None), property):
+                kept = [value[i] for i in indices]
+                updates[name] = "".join(kept) if isinstance(value, str) else kept
+    if "kv_lora_rank" in updates and "num_attention_heads" in updates:
+        updates["num_key_value_heads"] = updates["num_attention_heads"]  # MLA expands keys to every head
     for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
         if name in config.to_dict():
             updates[name] = num_layers
@@ -71,12 +80,24 @@ def tiny_config(model_type: str, vocab_size: int, overrides: dict | None = None,
         current = getattr(config, name, None)
         if isinstance(current, int) and current >= vocab_size and name not in (token_ids or {}):
             updates[name] = 0
+    if "qk_rope_head_dim" in updates and "head_dim" in updates:
+        updates["head_dim"] = updates["qk_rope_head_dim"]  # MLA: head_dim sizes the rotary part
+    if "rotary_dim" in config.to_dict():
+        updates["rotary_dim"] = 4  # partial rotary (GPT-J, CodeGen): within the tiny head
     updates.update(overrides or {})
-    for name, value in updates.items():
-        setattr(config, name, value)
-    if getattr(config, "head_dim", None) is not None and getattr(config, "qk_rope_head_dim", None) is not None:
-        config.head_dim = config.qk_rope_head_dim  # MLA: the rotary part is what head_dim sizes
-    return config
+    # Derived attributes (MLA's qk_head_dim, per-layer lists) are computed in __init__: build anew.
+    settable = {name: value for name, value in updates.items()
+                if not isinstance(getattr(type(config), name, None), property)}
+    return AutoConfig.for_model(config.model_type, **{**_init_dict(config), **settable})
+
+
+def _init_dict(config) -> dict:
+    """The config's own values, minus what its __init__ derives or refuses as a keyword."""
+    values = config.to_dict()
+    for name in ("model_type", "transformers_version", "architectures", "_name_or_path"):
+        values.pop(name, None)
+    return {name: value for name, value in values.items()
+            if not isinstance(getattr(type(config), name, None), property)}
 
 
 def _num_layers(config) -> int:
@@ -86,18 +107,18 @@ def _num_layers(config) -> int:
 def _layer_pattern(config):
     for name in LAYER_PATTERN_ATTRIBUTES:
         value = getattr(config, name, None)
-        if isinstance(value, (list, tuple, str)) and len(value) > 1:
+        if isinstance(value, (list, tuple, str)) and len(value) > 1 and \
+                not isinstance(getattr(type(config), name, None), property):
             return name, value
     return None, None
 
 
-def _one_of_each(pattern) -> list:
-    """The first layer of each kind, in order, at most ``MAX_LAYERS``, and at least two layers."""
+def _one_of_each(pattern) -> list[int]:
+    """Indices of the first layer of each kind, in order, at most ``MAX_LAYERS``, and at least two layers."""
     kept, seen = [], set()
-    for kind in pattern:
-        key = repr(kind)
-        if key not in seen:
-            seen.add(key)
-            kept.append(kind)
+    for index, kind in enumerate(pattern):
+        if repr(kind) not in seen:
+            seen.add(repr(kind))
+            kept.append(index)
     kept = kept[:MAX_LAYERS]
-    return kept if len(kept) > 1 else list(pattern[:2])
+    return kept if len(kept) > 1 else [0, 1]
