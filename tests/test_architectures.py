@@ -39,10 +39,13 @@ REFUSED = "gpt_oss"
 """Its forward builds the attention mask without position_ids, so eager lets packed samples see each other,
 and no boundary-aware backend here implements its attention sinks: the self-check must stop it."""
 TRAINED = [arch.name for arch in ARCHITECTURES if arch.name != REFUSED]
-LORA_REFUSED = {"nemotron_h": "peft cannot adapt NemotronHForCausalLM",
-                "qwen3_next": "matches ParamWrapper layers; only linear layers can be adapted and merged here"}
-"""LoRA that stops at start-up with one line: peft refuses Mamba layers' out_proj/conv1d (Nemotron-H), and
-all-linear reaches Qwen3-Next's fused 3-D experts, whose adapters have no merge into the original keys."""
+FUSED_EXPERTS = "matches ParamWrapper layers; only linear layers can be adapted and merged here"
+LORA_REFUSED = {"nemotron_h": "peft cannot adapt NemotronHForCausalLM", "qwen3_next": FUSED_EXPERTS,
+                "deepseek_v3_mla": FUSED_EXPERTS, "deepseek_v2": FUSED_EXPERTS, "glm4_moe": FUSED_EXPERTS,
+                "gpt2": "peft cannot adapt GPT2LMHeadModel"}
+"""LoRA that stops at start-up with one line instead of a traceback: peft refuses Mamba layers' out_proj/conv1d
+(Nemotron-H); all-linear's names reach fused 3-D experts beside same-named shared-expert projections, whose
+adapters have no merge into the original keys; GPT-2's projections are Conv1D, not nn.Linear."""
 BATCH = 12
 BUDGET = 64
 SEED = 7
