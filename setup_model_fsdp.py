@@ -186,7 +186,11 @@ def find_decoder_blocks(model: nn.Module) -> list[nn.Module]:
     # Outermost only: some families list a block and a module inside it (Mamba: MambaBlock and MambaMixer),
     # and sharding both would shard the inner parameters twice.
     inner = {id(sub) for block in blocks for sub in block.modules() if sub is not block}
-    blocks = [block for block in blocks if id(block) not in inner]
+    # The embeddings stay with the root, beside the LM head they may be tied to (BERT-style models list
+    # their embeddings module among _no_split_modules; a separate FSDP unit would split the tied weight).
+    embeddings = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    blocks = [block for block in blocks if id(block) not in inner
+              and not any(e is sub for e in embeddings for sub in block.modules())]
     if blocks:
         return blocks
     best: list[nn.Module] = []

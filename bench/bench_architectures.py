@@ -147,6 +147,12 @@ def judge(name: str, code: int, log: str, model_dir: Path, data: Path, root: Pat
     if refusal:  # the trainer's own one-line stop (a job it ends may report no exit code)
         record.update(result="refused", reason=_one_line(refusal[0].split(" ERROR ", 1)[-1], 400))
     else:
+        try:
+            _reference(model_dir, data, with_gradients=False)
+        except Exception as err:  # noqa: BLE001 - the tiny config breaks the model's own forward too
+            record.update(result="no reference", reason="the model's own forward(labels=...) fails on the tiny "
+                          "config: " + _one_line(f"{type(err).__name__}: {err}"))
+            return record
         errors = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in log.splitlines()]
         errors = [ln for ln in errors if re.match(r"^[\w.]*(Error|Exception|Expired)\b", ln)
                   and not ln.startswith("torch.distributed.elastic")]
