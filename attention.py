@@ -176,13 +176,18 @@ def torch_varlen_attention_forward(
     cu_seqlens, max_seqlen = _boundaries(TORCH_VARLEN, cu_seq_lens_q, max_length_q, position_ids, query.shape[2])
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     input_dtype = query.dtype
+    value_dim = value.shape[-1]
+    if value_dim != query.shape[-1]:
+        # MLA (DeepSeek-V3, Kimi): values are narrower than queries/keys; the kernel takes one head size,
+        # so values are zero-padded to it and the padding is cut from the output (as transformers does for flash).
+        value = F.pad(value, (0, query.shape[-1] - value_dim))
     # The flash kernel takes fp16/bf16 only; fp32 compute (unusual on GPU) runs it in bf16.
     compute_dtype = input_dtype if input_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     # [1, H, T, D] -> [T, H, D]: undoes the projection's transpose, so usually a free view.
     q, k, v = (t.transpose(1, 2).squeeze(0).to(compute_dtype).contiguous() for t in (query, key, value))
     out = _call_varlen_attn(varlen_attn, q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scaling,
                             sliding_window=sliding_window)
-    return out.to(input_dtype).unsqueeze(0), None
+    return out[..., :value_dim].to(input_dtype).unsqueeze(0), None
 
 
 def _call_varlen_attn(varlen_attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -248,13 +253,14 @@ def varlen_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Per-sample SDPA over ``cu_seqlens``.
 
     Args:
-        query: [B, Hq, T, D]; key, value: [B, Hkv, T, D] with Hq a multiple of Hkv.
+        query: [B, Hq, T, D]; key: [B, Hkv, T, D]; value: [B, Hkv, T, Dv] with Hq a multiple of Hkv
+            (Dv != D in multi-head latent attention).
         cu_seqlens: [num_samples + 1] boundaries along T.
 
     Returns:
-        [B, Hq, T, D].
+        [B, Hq, T, Dv].
     """
-    out = torch.empty_like(query)
+    out = query.new_empty(*query.shape[:-1], value.shape[-1])
     bounds = cu_seqlens.tolist()  # CPU-GPU sync point (reference only)
     for start, end in zip(bounds[:-1], bounds[1:]):
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
@@ -285,6 +291,7 @@ class AttentionNeeds:
     softcap: float | None       # ``config.attn_logit_softcapping``: tanh cap on attention scores
     sinks: bool                 # learned per-head sink logits (a ``sinks`` parameter in attention modules)
     sliding_window: int | None  # ``config.sliding_window`` (honoured by every backend offered here)
+    attention_chunk_size: int | None = None  # Llama-4's chunked attention: no key before the query's chunk
 
 
 def attention_needs(model: nn.Module) -> AttentionNeeds:
@@ -292,10 +299,12 @@ def attention_needs(model: nn.Module) -> AttentionNeeds:
     config = model.config
     sinks = any(isinstance(getattr(module, "sinks", None), nn.Parameter) for module in model.modules())
     window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
     return AttentionNeeds(model_class=type(model).__name__, supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
                           supports_flash=bool(getattr(model, "_supports_flash_attn", False)),
                           softcap=getattr(config, "attn_logit_softcapping", None), sinks=sinks,
-                          sliding_window=window if isinstance(window, int) else None)
+                          sliding_window=window if isinstance(window, int) else None,
+                          attention_chunk_size=chunk if isinstance(chunk, int) else None)
 
 
 def backend_refusal(backend: str, needs: AttentionNeeds) -> str | None:
@@ -304,7 +313,7 @@ def backend_refusal(backend: str, needs: AttentionNeeds) -> str | None:
     eager is the model's own code and honours everything. sdpa is refused
     where the model class refuses it (softcapping, sinks). Flash kernels get
     no sinks through transformers' flash-attn 2/3 path (it drops them), the
-    varlen backends here implement neither sinks nor softcapping.
+    varlen backends here implement neither sinks, softcapping nor chunked attention.
     """
     name = needs.model_class
     if backend == "eager":
@@ -317,6 +326,8 @@ def backend_refusal(backend: str, needs: AttentionNeeds) -> str | None:
         return None if needs.supports_flash else f"{name} does not support flash attention"
     if needs.softcap is not None:
         return f"{backend} does not implement {name}'s attention logit softcapping"
+    if needs.attention_chunk_size is not None:
+        return f"{backend} does not implement {name}'s chunked attention"
     return None
 
 

@@ -47,7 +47,7 @@ class LoraSettings:
     quantize_data_type: str = "none"  # "nf4": QLoRA, base weights of adapted layers in NF4 (qlora.py)
 
     def peft_config(self, model: nn.Module | None = None):
-        """peft's ``LoraConfig``; with a model, ``all-linear`` becomes the names of its ``nn.Linear`` layers.
+        """peft's ``LoraConfig``; with a model, ``all-linear`` becomes the names of its plain ``nn.Linear`` layers.
 
         peft's own ``all-linear`` also wraps MoE experts stored as fused 3-D parameters
         (transformers 5), whose adapters have no ``W + B @ A`` merge into the original keys.
@@ -59,8 +59,11 @@ class LoraSettings:
             targets = [name.strip() for name in targets.split(",") if name.strip()]
         elif model is not None:
             head = model.get_output_embeddings()
+            # A Linear subclass with its own forward (Llama-4's router returns (scores, logits)) is not a
+            # projection peft's LoRA layer can wrap: its output is not one tensor.
             targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                              if isinstance(module, nn.Linear) and module is not head})
+                              if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+                              and module is not head})
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
                           use_rslora=self.use_rslora, bias="none", task_type="CAUSAL_LM")
 

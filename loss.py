@@ -140,7 +140,7 @@ class CausalLMWithLoss(nn.Module):
         flat_labels = labels.flatten()
         # Before the decoder: the sync then waits only for the input copies, not for the blocks' work.
         positions = learned_positions(flat_labels) if self.head_learned_positions_only else None
-        outputs = self.model.get_decoder()(
+        outputs = decoder_of(self.model)(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra, **attention_kwargs
         )
         hidden = outputs.last_hidden_state.flatten(0, 1)  # [T, H]
@@ -167,6 +167,26 @@ class CausalLMWithLoss(nn.Module):
                                  top_k=self.router_loss.top_k)
         self.last_router_aux_sum = aux_sum.detach()
         return ce_sum + router_aux_weight * aux_sum
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The module that returns the causal LM's final hidden states (``last_hidden_state``).
+
+    ``get_decoder()`` looks for the attribute named by ``base_model_prefix`` and
+    returns the model itself when there is none (Llama-4 text: prefix
+    ``language_model``, decoder at ``.model``); the decoder is then the one
+    pretrained-model child of the causal LM.
+    """
+    from transformers import PreTrainedModel
+
+    decoder = model.get_decoder()
+    if decoder is not model:
+        return decoder
+    children = [child for child in model.children() if isinstance(child, PreTrainedModel)]
+    if len(children) != 1:
+        raise ValueError(f"cannot find the decoder of {type(model).__name__}: get_decoder() returns the model "
+                         f"itself and it has {len(children)} pretrained-model children")
+    return children[0]
 
 
 def _make_liger_loss(transform: LogitTransform) -> nn.Module | None:

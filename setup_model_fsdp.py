@@ -39,8 +39,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from attention import (FLASH_BACKENDS, TORCH_VARLEN, AttentionNeeds, attention_needs, backend_refusal,
                        flash_attn_unavailable_reason, register_attention_backends, torch_varlen_unavailable_reason)
 from lora import LoraSettings, apply_lora, count_parameters
-from loss import CausalLMWithLoss
+from loss import CausalLMWithLoss, decoder_of
 from qlora import NF4, broadcast_nf4, dequantize_state, is_nf4, pop_nf4, quantize_base_weights
+from recurrent import run_mixers_per_sample
 from utils import DistInfo, log_rank_0
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -240,6 +241,14 @@ def find_decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # Outermost only: some families list a block and a module inside it (Mamba: MambaBlock and MambaMixer),
+    # and sharding both would shard the inner parameters twice.
+    inner = {id(sub) for block in blocks for sub in block.modules() if sub is not block}
+    # The embeddings stay with the root, beside the LM head they may be tied to (BERT-style models list
+    # their embeddings module among _no_split_modules; a separate FSDP unit would split the tied weight).
+    embeddings = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    blocks = [block for block in blocks if id(block) not in inner
+              and not any(e is sub for e in embeddings for sub in block.modules())]
     if blocks:
         return blocks
     best: list[nn.Module] = []
@@ -352,6 +361,16 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         # Rebinds RMSNorm/SwiGLU forwards (parameters untouched) and Liger's RoPE: before AC and fully_shard.
         apply_liger_kernels(model, device_type=device.type)
 
+    # Hybrid models: linear-attention / SSM layers must not carry a state across packed samples (recurrent.py).
+    mixers = run_mixers_per_sample(decoder_of(model), find_decoder_blocks(model))
+    if mixers:
+        mixer_classes = sorted({type(m).__name__ for m in mixers})
+        log_rank_0(f"packed rows: {len(mixers)} recurrent token mixers ({', '.join(mixer_classes)}) run once per "
+                   "packed sample, so no state flows from one sample into the next")
+    if activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", True):
+        log_rank_0(f"{type(model).__name__} does not support activation checkpointing: training without it "
+                   "(more activation memory)", level=logging.WARNING)
+        activation_checkpointing = False
     if activation_checkpointing:
         # transformers 5 renamed the public switch; 4.x only has the old name.
         if hasattr(model, "activation_checkpointing_enable"):

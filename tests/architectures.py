@@ -1,7 +1,9 @@
 """Test-side architecture matrix: tiny random causal LMs of many families, sharing one tokenizer.
 
-Each is built with ``AutoConfig.for_model(model_type, ...)`` and ``save_pretrained``
-into its own folder beside a copy of the chatml tokenizer, then loaded through
+Each is built with ``AutoConfig.for_model(model_type, ...)`` (hand-set sizes,
+``COMMON``) or, for the families marked ``generic``, with the sweep's
+``tiny_configs.tiny_config`` (``bench/bench_architectures.py``: the CI sample
+of that sweep), and ``save_pretrained`` into its own folder beside a copy of the chatml tokenizer, then loaded through
 ``from_pretrained`` like any downloaded checkpoint. ``initializer_range`` is
 large enough that logits are far from uniform, so a skipped logit transform
 or router loss moves the loss well beyond float noise.
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from tiny_configs import tiny_config
 
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.3,
@@ -27,6 +31,7 @@ class Arch:
     overrides: dict = field(default_factory=dict)
     moe: bool = False
     stored_dtype: torch.dtype = torch.float32  # bf16 exercises rank 0's load in the stored dtype
+    generic: bool = False  # config from tiny_configs.tiny_config (the sweep's builder) instead of COMMON
 
 
 ARCHITECTURES = (
@@ -60,6 +65,40 @@ ARCHITECTURES = (
     Arch("gpt_oss", "gpt_oss", "attention sinks, sliding window, MoE with biases, refuses sdpa",
          {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
           "layer_types": ["sliding_attention", "full_attention"], "output_router_logits": False}, moe=True),
+    Arch("deepseek_v3_mla", "deepseek_v3", "multi-head latent attention (value heads 4 < query/key heads 8), MoE",
+         {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4,
+          "head_dim": 4, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 16, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}, moe=True),
+    Arch("kimi_linear", "kimi_linear", "MLA full attention + delta-attention linear layers, MoE",
+         {"kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4, "head_dim": 4,
+          "num_key_value_heads": 4, "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 16,
+          "linear_head_dim": 8, "linear_num_heads": 4, "layer_types": ["linear_attention", "full_attention"]},
+         moe=True),
+    Arch("llama4_text", "llama4_text", "chunked attention, NoPE layer, MoE; get_decoder() returns the model itself",
+         {"intermediate_size_mlp": 64, "num_local_experts": 4, "num_experts_per_tok": 1, "attention_chunk_size": 8,
+          "layer_types": ["chunked_attention", "full_attention"], "no_rope_layer_interval": 2}, moe=True),
+    Arch("qwen3_5_moe", "qwen3_5_moe_text", "gated delta net linear attention + full attention, MoE",
+         {"linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+          "linear_num_value_heads": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+          "num_experts": 4, "num_experts_per_tok": 2, "layer_types": ["linear_attention", "full_attention"]},
+         moe=True),
+    Arch("olmo_hybrid", "olmo_hybrid", "gated delta net linear attention + full attention",
+         {"linear_key_head_dim": 8, "linear_value_head_dim": 16, "linear_num_key_heads": 4,
+          "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"]}),
+    # The CI sample of bench/bench_architectures.py: built by the sweep's generic tiny_config.
+    Arch("deepseek_v2", "deepseek_v2", "MLA, MoE with shared experts", generic=True, moe=True),
+    Arch("minicpm3", "minicpm3", "MLA, scaled embeddings/residuals/logits", generic=True),
+    Arch("cohere2", "cohere2", "sliding/full layer pattern, logit_scale", generic=True),
+    Arch("exaone4", "exaone4", "sliding/full layer pattern, post-norm", generic=True),
+    Arch("smollm3", "smollm3", "NoPE layers", generic=True),
+    Arch("gpt2", "gpt2", "learned absolute positions, Conv1D projections", generic=True),
+    Arch("olmoe", "olmoe", "MoE", generic=True, moe=True),
+    Arch("glm4_moe", "glm4_moe", "MoE with shared experts, partial rotary", generic=True, moe=True),
+    Arch("phimoe", "phimoe", "MoE with sparse-mixer routing", generic=True, moe=True),
+    Arch("nemotron_h", "nemotron_h", "hybrid SSM: Mamba-2 + attention + MLP layers", generic=True),
+    Arch("lfm2", "lfm2", "hybrid short convolutions + attention", generic=True),
+    Arch("qwen3_next", "qwen3_next", "hybrid gated delta net + gated attention, MoE", generic=True, moe=True),
+    Arch("qwen3_5", "qwen3_5_text", "dense hybrid gated delta net + attention", generic=True),
 )
 ARCH_BY_NAME = {arch.name: arch for arch in ARCHITECTURES}
 
@@ -71,9 +110,17 @@ def build_architecture(arch: Arch, tokenizer_dir: Path, output_dir: Path, *, see
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.save_pretrained(output_dir)
-    config = AutoConfig.for_model(arch.model_type, vocab_size=len(tokenizer), **{**COMMON, **arch.overrides})
+    if arch.generic:
+        config = tiny_config(arch.model_type, len(tokenizer), arch.overrides,
+                             token_ids={"eos_token_id": tokenizer.eos_token_id,
+                                        "bos_token_id": tokenizer.bos_token_id,
+                                        "pad_token_id": tokenizer.pad_token_id})
+    else:
+        config = AutoConfig.for_model(arch.model_type, vocab_size=len(tokenizer), **{**COMMON, **arch.overrides})
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
+    if isinstance(config.pad_token_id, int) and config.pad_token_id >= len(tokenizer):
+        config.pad_token_id = tokenizer.pad_token_id  # the family's default id is outside this tiny vocabulary
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(arch.stored_dtype)
     model.config.dtype = arch.stored_dtype

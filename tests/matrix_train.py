@@ -6,7 +6,8 @@ output folder), so the matrix pays Python, torch and transformers start-up
 once instead of once per architecture. Each run is given as a JSON object
 on the command line: ``{"name", "args": [train.py flags], "env": {...}}``;
 the exit code of every run (0, or ``SystemExit``'s) goes to
-``<first run's --output-dir>/../results_<rank>.json``.
+``<first run's --output-dir>/../results_<rank>.json``, rewritten after each
+run, and each run opens with a ``MATRIX RUN <name>`` line on stderr.
 
 The process group is created by the first run and kept for the next ones
 (``train.cleanup`` is replaced for the job's duration): destroying and
@@ -24,13 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train  # noqa: E402
 
+RUN_MARKER = "MATRIX RUN"
+
 
 def main() -> None:
     runs = [json.loads(arg) for arg in sys.argv[1:]]
     destroy = train.cleanup
     train.cleanup = lambda: None
     results = {}
+    out = Path(runs[0]["args"][runs[0]["args"].index("--output-dir") + 1]).parent
+    rank = os.environ.get("RANK", "0")
     for run in runs:
+        print(f"{RUN_MARKER} {run['name']}", file=sys.stderr, flush=True)  # splits the shared log per run
         saved = {key: os.environ.get(key) for key in run.get("env", {})}
         os.environ.update(run.get("env", {}))
         try:
@@ -44,9 +50,9 @@ def main() -> None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+        # Written after every run: when one run crashes the job, the runs before it keep their results.
+        (out / f"results_{rank}.json").write_text(json.dumps(results))
     destroy()
-    out = Path(runs[0]["args"][runs[0]["args"].index("--output-dir") + 1]).parent
-    (out / f"results_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

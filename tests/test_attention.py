@@ -182,6 +182,29 @@ def test_reference_varlen_equals_per_sample_attention(lengths, sliding_window):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", [REFERENCE_VARLEN, TORCH_VARLEN])
+def test_varlen_backends_take_values_narrower_than_queries(backend, monkeypatch):
+    """Multi-head latent attention (DeepSeek-V3, Kimi): value heads of 4 under query/key heads of 8."""
+    torch.manual_seed(0)
+    lengths = [3, 6, 2]
+    total = sum(lengths)
+    q, k, v = torch.randn(1, 4, total, 8), torch.randn(1, 2, total, 8), torch.randn(1, 2, total, 4)
+    cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(packed_positions(lengths))
+    if backend == TORCH_VARLEN:  # the CUDA kernel, stood in for by the reference with its signature (CPU)
+        import torch.nn.attention.varlen as varlen
+
+        monkeypatch.setattr(varlen, "varlen_attn", _fake_varlen_new)
+        forward = attention.torch_varlen_attention_forward
+    else:
+        forward = attention.reference_varlen_attention_forward
+    out, _ = forward(torch.nn.Module(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu_seqlens,
+                     max_length_q=max_seqlen)
+    expected = textbook_attention(q, k, v, lengths, scale=0.3).transpose(1, 2)
+    assert out.shape == (1, total, 4, 4)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2 if backend == TORCH_VARLEN else 1e-5,
+                               rtol=2e-2 if backend == TORCH_VARLEN else 1e-5)
+
+
 def _fake_varlen_new(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                      window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     """The newer varlen_attn signature (torch 2.13 here), computed by the reference (CPU)."""

@@ -1,0 +1,249 @@
+"""Sweep: every causal LM transformers ships, one packed 2-rank step each, against the model's own loss.
+
+    python bench/bench_architectures.py                              # all of MODEL_FOR_CAUSAL_LM_MAPPING (CPU)
+    python bench/bench_architectures.py --families llama,deepseek_v3,olmo_hybrid
+    python bench/bench_architectures.py --nproc-per-node 1 --timeout 600
+
+For each ``model_type`` of ``transformers.MODEL_FOR_CAUSAL_LM_MAPPING``:
+
+1. build it tiny from its own config (``tiny_configs.tiny_config``: every
+   size shrunk, one layer of each kind kept) with random weights and the
+   test chatml tokenizer, saved and loaded like any checkpoint;
+   encoder-decoder entries are out of scope, and a config the generic
+   shrinker cannot make consistent is listed as "not built" with the error;
+2. train one step through the CLI's ``train.main`` under
+   ``torchrun --nproc-per-node=2`` (the start-up self-check on, a token
+   budget that forces several packed minibatches per rank), the same flags as
+   ``tests/test_architectures.py``; all families run in one torchrun job
+   (``tests/matrix_train.py``) so start-up is paid once, and a family that
+   crashes the job is recorded and the rest go on in a new job;
+3. compare the logged step-1 loss with the model's own
+   ``forward(input_ids, labels=...)``, unpacked, one sample at a time.
+
+``seconds`` is the family's build time plus the job's mean time per run.
+Result per family: ``exact`` (relative error <= 1e-5), ``wrong`` (trained,
+but not on its own loss), ``refused`` (the trainer stopped it at start-up
+with a one-line reason), ``crash`` (anything else: a traceback), or
+``not built`` / ``out of scope`` / ``no reference`` (the model's own
+forward fails on the tiny config, so there is nothing to compare with). Writes ``bench/architectures_results.json``
+and the table in ``docs/architectures.md`` (between its ``sweep`` markers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+
+from e2e import read_metrics, torchrun, write_tokenized_jsonl  # noqa: E402
+from matrix_train import RUN_MARKER  # noqa: E402
+from test_architectures import _args, _reference  # noqa: E402
+from tiny_configs import tiny_config  # noqa: E402
+from tiny_model import build_tiny_model  # noqa: E402
+
+EXACT_RTOL = 1e-5
+BUILD_SECONDS = 60
+DOC = ROOT / "docs" / "architectures.md"
+BEGIN, END = "<!-- sweep table: begin -->", "<!-- sweep table: end -->"
+
+
+def build(model_type: str, tokenizer_dir: Path, out: Path) -> str | None:
+    """Save the tiny random ``model_type`` in ``out``; None, or why it is not built / out of scope."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    signal.signal(signal.SIGALRM, _too_slow)
+    signal.alarm(BUILD_SECONDS)
+    try:
+        config = tiny_config(model_type, len(tokenizer), token_ids=ids)
+        if getattr(config, "is_encoder_decoder", False):
+            return "out of scope: encoder-decoder"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(out)
+    except Exception as err:  # noqa: BLE001 - any failure to build is reported in the table, never raised
+        return "not built: " + _one_line(f"{type(err).__name__}: {err}")
+    finally:
+        signal.alarm(0)
+    tokenizer.save_pretrained(out)
+    return None
+
+
+def _too_slow(*_):
+    raise TimeoutError(f"building took over {BUILD_SECONDS}s (the config is not tiny)")
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def train_all(names: list[str], models: dict[str, Path], data: Path, root: Path, *, nproc: int,
+              timeout: float) -> dict[str, tuple[int, str]]:
+    """``{name: (exit code, its log)}``: all runs in one torchrun job (``tests/matrix_train.py``: start-up paid
+    once); when a run crashes the job, the runs after it go on in a new job."""
+    outcomes: dict[str, tuple[int, str]] = {}
+    pending = list(names)
+    while pending:
+        runs = [{"name": n, "args": _args(models[n], data, root / "runs" / n)} for n in pending]
+        results_file = root / "runs" / "results_0.json"
+        results_file.unlink(missing_ok=True)
+        try:
+            proc = torchrun([json.dumps(run) for run in runs], nproc=nproc, script="tests/matrix_train.py",
+                            timeout=timeout * len(runs))
+            log = proc.stderr
+        except subprocess.TimeoutExpired as err:
+            log = err.stderr.decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
+            log += f"\nTimeoutExpired: no result within {timeout:.0f}s per run"
+        exits = json.loads(results_file.read_text()) if results_file.exists() else {}
+        pieces = _split_log(log)
+        for name in pending:
+            if name in exits:
+                outcomes[name] = (exits[name], pieces.get(name, ""))
+        done = [n for n in pending if n in exits]
+        rest = [n for n in pending if n not in exits]
+        if rest:  # the first run without a result ended the job: a crash (or a hang) of that family only
+            outcomes[rest[0]] = (-1, pieces.get(rest[0], log[-3000:]))
+            rest = rest[1:]
+        pending = rest
+        assert done or outcomes, "each job settles at least one run"
+    return outcomes
+
+
+def _split_log(log: str) -> dict[str, str]:
+    pieces, name = {}, None
+    for line in log.splitlines():
+        if line.startswith(RUN_MARKER):
+            name = line[len(RUN_MARKER):].strip()
+            pieces[name] = ""
+        elif name is not None:
+            pieces[name] += line + "\n"
+    return pieces
+
+
+def judge(name: str, code: int, log: str, model_dir: Path, data: Path, root: Path) -> dict:
+    record = {"architecture": name, "rel_err": None, "reason": ""}
+    if code == 0:
+        [metrics] = read_metrics(root / "runs" / name)
+        ref = _reference(model_dir, data, with_gradients=False)
+        error = abs(metrics["loss"] - ref["loss"]) / ref["loss"]
+        record.update(result="exact" if error <= EXACT_RTOL else "wrong", rel_err=error)
+        return record
+    refusal = [ln for ln in log.splitlines() if " ERROR " in ln]
+    if refusal:  # the trainer's own one-line stop (a job it ends may report no exit code)
+        record.update(result="refused", reason=_one_line(refusal[0].split(" ERROR ", 1)[-1], 400))
+    else:
+        try:
+            _reference(model_dir, data, with_gradients=False)
+        except Exception as err:  # noqa: BLE001 - the tiny config breaks the model's own forward too
+            record.update(result="no reference", reason="the model's own forward(labels=...) fails on the tiny "
+                          "config: " + _one_line(f"{type(err).__name__}: {err}"))
+            return record
+        errors = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in log.splitlines()]
+        errors = [ln for ln in errors if re.match(r"^[\w.]*(Error|Exception|Expired)\b", ln)
+                  and not ln.startswith("torch.distributed.elastic")]
+        record.update(result="crash", reason=_one_line(errors[-1] if errors else log[-300:], 300))
+    return record
+
+
+def sweep_chunk(families: list[str], tokenizer_dir: Path, data: Path, root: Path, args) -> list[dict]:
+    records, models, built_seconds = [], {}, {}
+    for model_type in families:
+        began = time.perf_counter()
+        why_not = build(model_type, tokenizer_dir, root / "models" / model_type)
+        built_seconds[model_type] = time.perf_counter() - began
+        if why_not is None:
+            models[model_type] = root / "models" / model_type
+        else:
+            result, reason = why_not.split(": ", 1)
+            records.append({"architecture": model_type, "result": result, "reason": reason, "rel_err": None,
+                            "seconds": round(built_seconds[model_type], 1)})
+    began = time.perf_counter()
+    outcomes = train_all(list(models), models, data, root, nproc=args.nproc_per_node, timeout=args.timeout)
+    per_run = (time.perf_counter() - began) / max(len(models), 1)
+    for name in models:
+        code, log = outcomes[name]
+        try:
+            record = judge(name, code, log, models[name], data, root)
+        except Exception as err:  # noqa: BLE001 - the model's own forward fails: no reference to compare with
+            record = {"architecture": name, "result": "no reference", "rel_err": None,
+                      "reason": "the model's own forward(labels=...) fails on the tiny config: "
+                                + _one_line(f"{type(err).__name__}: {err}")}
+        record["seconds"] = round(built_seconds[name] + per_run, 1)
+        records.append(record)
+    return records
+
+
+def write_table(records: list[dict]) -> str:
+    counts = {}
+    for r in records:
+        counts[r["result"]] = counts.get(r["result"], 0) + 1
+    lines = [f"transformers {_transformers_version()}, {len(records)} entries of MODEL_FOR_CAUSAL_LM_MAPPING: "
+             + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), "",
+             "| architecture | result | relative error | seconds | reason |", "|---|---|---|---|---|"]
+    for r in records:
+        err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+        lines.append(f"| {r['architecture']} | {r['result']} | {err} | {r['seconds']} | "
+                     f"{r['reason'].replace('|', '/')} |")
+    table = "\n".join(lines)
+    if DOC.exists():
+        text = DOC.read_text()
+        if BEGIN in text and END in text:
+            head, rest = text.split(BEGIN, 1)
+            DOC.write_text(head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1])
+    return table
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", default="", help="comma-separated model_types (default: every entry)")
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=120, help="seconds per family's training run")
+    parser.add_argument("--chunk", type=int, default=25, help="families per torchrun job and per table update")
+    parser.add_argument("--output", default=str(ROOT / "bench" / "architectures_results.json"))
+    args = parser.parse_args()
+    families = [f for f in args.families.split(",") if f] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tokenizer_dir = build_tiny_model("chatml", root / "tokenizer")
+        vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+        data = write_tokenized_jsonl(root / "data.jsonl", num_samples=40, vocab_size=vocab, seed=3)
+        # Chunks: results reach the file as the sweep goes, so an interrupted sweep still leaves a table.
+        for first in range(0, len(families), args.chunk):
+            records += sweep_chunk(families[first:first + args.chunk], tokenizer_dir, data, root, args)
+            records.sort(key=lambda r: r["architecture"])
+            Path(args.output).write_text(json.dumps(records, indent=1))
+            write_table(records)
+    for record in records:
+        print(f"{record['architecture']:28s} {record['result']:12s} "
+              f"{'' if record['rel_err'] is None else format(record['rel_err'], '.1e'):8s} "
+              f"{record['seconds']:6.1f}s {record['reason']}")
+    print(write_table(records).split("\n")[0])
+
+
+if __name__ == "__main__":
+    main()
