@@ -119,6 +119,36 @@ def model_flops(config: Any) -> ModelFlops:
                       attention_windows=_attention_windows(config, num_layers))
 
 
+def matmul_params_of(model: Any) -> int:
+    """What ``model_flops`` counts, counted on the model itself: its weight matrices (2-D, or 3-D fused
+    experts) but the input embedding, plus the LM head's matmul once (tied or not). Biases, norms and
+    sinks are elementwise; LoRA adapters are left out as the config knows nothing of them. Sharded
+    parameters (DTensor) report their global size."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    count = sum(p.numel() for name, p in model.named_parameters()
+                if p.ndim >= 2 and not name.endswith("bias") and "lora_" not in name
+                and p is not embedding and p is not head)
+    return count + head.numel()
+
+
+def checked_model_flops(model: Any) -> tuple[ModelFlops | None, str]:
+    """``model_flops(model.config)`` where it describes exactly the matrices the model holds, else None
+    (MFU and model FLOPs are then logged as null rather than guessed: the config-based count does
+    not know every layer kind, e.g. MLA projections, linear attention or state-space mixers).
+
+    Returns:
+        The shape or None, and one line saying which and why, for the start-up log.
+    """
+    shape = model_flops(model.config)
+    real = matmul_params_of(model)
+    if shape.num_matmul_params != real:
+        return None, (f"FLOPs per token: the config of {type(model).__name__} describes "
+                      f"{shape.num_matmul_params:,} matrix parameters but the model holds {real:,}; "
+                      "mfu and model FLOPs are logged as null")
+    return shape, f"FLOPs per token from the config: {shape.num_active_matmul_params:,} active matrix parameters"
+
+
 def attended_pairs(length: int, window: int | None = None) -> int:
     """(query, key) pairs a causal mask (with an optional sliding window of ``window`` keys) allows
     in a sample of ``length`` tokens: each query sees itself and up to ``window - 1`` earlier keys."""
@@ -131,7 +161,8 @@ def training_flops(shape: ModelFlops, lengths: Sequence[int], *, frozen_base: bo
     """Model FLOPs of forward plus backward over samples of ``lengths`` tokens (see module docstring).
 
     Args:
-        shape: from ``model_flops``.
+        shape: from ``model_flops``; None where the config does not describe the model (the FLOPs
+            keys are then None).
         lengths: real (unpadded) sample lengths, e.g. every packed row's samples of one step.
         frozen_base: LoRA: the base weights get no gradient, so matmuls cost 4 N per token, not 6 N.
     """
@@ -144,12 +175,13 @@ def training_flops(shape: ModelFlops, lengths: Sequence[int], *, frozen_base: bo
     return float(per_weight * shape.num_active_matmul_params * num_tokens + 12 * attention)
 
 
-def speed_metrics(shape: ModelFlops, lengths: Sequence[int], *, num_loss_counted_tokens: int, seconds: float,
+def speed_metrics(shape: ModelFlops | None, lengths: Sequence[int], *, num_loss_counted_tokens: int, seconds: float,
                   world_size: int, peak_tflops: float | None, frozen_base: bool = False) -> dict:
     """The throughput keys of one step's metrics line.
 
     Args:
-        shape: from ``model_flops``.
+        shape: from ``model_flops``; None where the config does not describe the model (the FLOPs
+            keys are then None).
         lengths: every real sample of the step, all ranks.
         num_loss_counted_tokens: targets that count in the loss, all ranks.
         seconds: the step's wall time.
@@ -160,13 +192,16 @@ def speed_metrics(shape: ModelFlops, lengths: Sequence[int], *, num_loss_counted
         ``mfu``, ``model_flops_per_token``, ``model_tflops_per_second_per_gpu``,
         ``loss_tokens_per_second`` and ``loss_tokens_per_second_per_gpu``.
     """
-    flops = training_flops(shape, lengths, frozen_base=frozen_base)
     num_tokens = int(sum(lengths))
-    per_device = flops / seconds / world_size if seconds > 0 else float("nan")
+    if shape is None:
+        per_device = flops = None
+    else:
+        flops = training_flops(shape, lengths, frozen_base=frozen_base)
+        per_device = flops / seconds / world_size if seconds > 0 else float("nan")
     return {
-        "mfu": per_device / (peak_tflops * 1e12) if peak_tflops else None,
-        "model_flops_per_token": flops / num_tokens if num_tokens else None,
-        "model_tflops_per_second_per_gpu": per_device / 1e12,
+        "mfu": per_device / (peak_tflops * 1e12) if peak_tflops and per_device is not None else None,
+        "model_flops_per_token": flops / num_tokens if num_tokens and flops is not None else None,
+        "model_tflops_per_second_per_gpu": per_device / 1e12 if per_device is not None else None,
         "loss_tokens_per_second": num_loss_counted_tokens / seconds if seconds > 0 else float("nan"),
         "loss_tokens_per_second_per_gpu": num_loss_counted_tokens / seconds / world_size if seconds > 0
         else float("nan"),

@@ -335,7 +335,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
         trust_remote_code=config.trust_remote_code, lora=config.lora,
     )
-    model_shape = flops.model_flops(model.model.config)
+    model_shape, flops_reason = flops.checked_model_flops(model.model)
+    log_rank_0(flops_reason)
     peak_tflops, peak_reason = device_peak_tflops(dist_info.device)
     log_rank_0("MFU denominator: %s", peak_reason)
     if not config.skip_objective_check:
