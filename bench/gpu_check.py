@@ -321,19 +321,6 @@ def check_bench(index: int, *, find_max_tokens: bool = False) -> Callable[[Runne
     return check
 
 
-def _bench_args(runner: Runner, budget: int, output_json: Path) -> list:
-    s = runner.sizes
-    return [sys.executable, "bench/bench_train.py", "--shape", s.shape, "--max-tokens-per-gpu", budget,
-            "--median-len", s.median_len, "--p99-len", s.p99_len, "--max-len", min(s.max_len, budget),
-            "--num-steps", s.num_steps, "--num-warmup-steps", s.num_warmup_steps, "--activation-checkpointing",
-            "on", "--output-json", output_json]
-
-
-def _liger(runner: Runner) -> str:
-    """Liger both ways where it can run; off (and said so) without a GPU or the wheel."""
-    return "both" if runner.device == "cuda" and _installed("liger-kernel") else "off"
-
-
 def check_levers(runner: Runner, deadline: float) -> dict:
     """train.py with each lever off and on, on the bench shape, from the metrics lines."""
     from train import TrainConfig

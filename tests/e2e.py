@@ -50,6 +50,27 @@ def unpacked_loss_sum(model, samples, *, dtype: torch.dtype | None = None) -> tu
     return torch.stack(sums).sum(), num_tokens
 
 
+def reference_adamw_losses(model, data_path: Path, *, num_steps: int, batch_size: int, seed: int,
+                           lr: float) -> list[float]:
+    """The losses of ``num_steps`` plain single-process AdamW steps on the sampler's batches, each the
+    model's own unpacked per-token mean: what the packed, sharded trainer must reproduce."""
+    from sampler import InfiniteSampler, load_tokenized_dataset
+
+    dataset = load_tokenized_dataset(str(data_path))
+    sampler = InfiniteSampler(len(dataset), seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    losses = []
+    for _ in range(num_steps):
+        loss_sum, num_tokens = unpacked_loss_sum(model, [dataset.sample(int(i)) for i in sampler.take(batch_size)])
+        loss = loss_sum / num_tokens
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def torchrun(args: list[str], *, nproc: int = 2, timeout: float = 300, script: str = "train.py",
              env: dict | None = None) -> subprocess.CompletedProcess:
     """Launch ``script`` under torchrun on CPU with ``nproc`` gloo processes."""

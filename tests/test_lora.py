@@ -20,10 +20,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from api import config_to_argv
-from e2e import read_metrics, torchrun, unpacked_loss_sum, write_tokenized_jsonl
+from e2e import read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from lora import LoraSettings, apply_lora, export_states, lora_preflight
-from sampler import InfiniteSampler, load_tokenized_dataset
 from train import TrainConfig
 from utils import parse_config
 
@@ -77,22 +76,6 @@ def _peft_reference(model_dir: Path, initial_adapter: dict[str, torch.Tensor]):
     return model
 
 
-def _reference_steps(model, data_path: Path, num_steps: int) -> list[float]:
-    dataset = load_tokenized_dataset(str(data_path))
-    sampler = InfiniteSampler(len(dataset), SEED)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95),
-                                  weight_decay=0.0)
-    losses = []
-    for _ in range(num_steps):
-        loss_sum, num_tokens = unpacked_loss_sum(model, [dataset.sample(int(i)) for i in sampler.take(BATCH)])
-        loss = loss_sum / num_tokens
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def test_export_states_merge_equals_peft_merge_and_unload(chatml_model):
     model = AutoModelForCausalLM.from_pretrained(chatml_model, dtype=torch.float32)
     apply_lora(model, SETTINGS)
@@ -119,7 +102,7 @@ def test_packed_sharded_lora_steps_equal_unpacked_peft_reference(two_step_run, c
     first, second = complete_checkpoints(two_step_run / "hf_format")
     initial = _adapter(first)
     model = _peft_reference(chatml_model, initial)
-    ref_losses = _reference_steps(model, data_path, 2)
+    ref_losses = reference_adamw_losses(model, data_path, num_steps=2, batch_size=BATCH, seed=SEED, lr=LR)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
     trained = _adapter(second)
     for name, tensor in trained.items():

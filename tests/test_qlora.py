@@ -23,11 +23,10 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2Config
 
 pytest.importorskip("torchao", reason="QLoRA needs torchao (requirements-dev.txt)")
 
-from e2e import read_metrics, torchrun, unpacked_loss_sum, write_tokenized_jsonl  # noqa: E402
+from e2e import read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl  # noqa: E402
 from full_state import complete_checkpoints  # noqa: E402
 from lora import LoraSettings, apply_lora, lora_preflight  # noqa: E402
 from qlora import NF4_GROUP, nf4_refusal, quantize_base_weights  # noqa: E402
-from sampler import InfiniteSampler, load_tokenized_dataset  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 from train import TrainConfig  # noqa: E402
 
@@ -98,22 +97,6 @@ def _reference(model_dir: Path, initial_adapter: dict[str, torch.Tensor], *, rou
     return model
 
 
-def _reference_losses(model, data_path: Path, num_steps: int) -> list[float]:
-    dataset = load_tokenized_dataset(str(data_path))
-    sampler = InfiniteSampler(len(dataset), SEED)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95),
-                                  weight_decay=0.0)
-    losses = []
-    for _ in range(num_steps):
-        loss_sum, num_tokens = unpacked_loss_sum(model, [dataset.sample(int(i)) for i in sampler.take(BATCH)])
-        loss = loss_sum / num_tokens
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize(("shape", "shard_size", "ok"), [
     ((256, 256), 1, True), ((256, 256), 4, True), ((256, 256), 8, False), ((128, 256), 2, True),
     ((128, 128), 1, True), ((64, 128), 1, False), ((255, 256), 1, False), ((8, 4, NF4_GROUP), 1, False),
@@ -171,9 +154,11 @@ def test_steps_equal_the_nf4_rounded_model_and_stay_near_the_base(qlora_run, wid
     exports = complete_checkpoints(qlora_run / "hf_format")
     initial = _adapter(exports[0])
     rounded = _reference(wide_model, initial, rounded=True)
-    ref_losses = _reference_losses(rounded, data_path, NUM_STEPS)
+    ref_losses = reference_adamw_losses(rounded, data_path, num_steps=NUM_STEPS, batch_size=BATCH, seed=SEED,
+                                        lr=LR)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
-    base_loss = _reference_losses(_reference(wide_model, initial, rounded=False), data_path, 1)[0]
+    unquantized = _reference(wide_model, initial, rounded=False)
+    base_loss = reference_adamw_losses(unquantized, data_path, num_steps=1, batch_size=BATCH, seed=SEED, lr=LR)[0]
     assert records[0]["loss"] != base_loss and records[0]["loss"] == pytest.approx(base_loss, rel=0.03)
     assert records[-1]["loss"] < records[0]["loss"]
     trained = _adapter(exports[-1])
