@@ -30,7 +30,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     from utils import device_type
 
-    if device_type() == "cuda":
+    if HAS_TORCH and device_type() == "cuda":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
