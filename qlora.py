@@ -188,9 +188,30 @@ def broadcast_nf4(model: nn.Module, full_nf4: dict[str, torch.Tensor], *, device
                 getattr(local, attr).copy_(piece)
 
 
-def dequantize_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict with every NF4 tensor dequantized (in its compute dtype): what exports merge."""
-    return {name: (tensor.get_original_weight() if is_nf4(tensor) else tensor) for name, tensor in state.items()}
+def gather_dequantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of a sharded QLoRA model in rank 0's host memory (empty elsewhere), NF4
+    weights dequantized. Each rank dequantizes its own NF4 shard (a shard holds whole NF4 groups, see
+    ``quantize_base_weights``, so its rows equal those of the dequantized whole) and the dense rows
+    are gathered like any other DTensor. Gathering the NF4 DTensors themselves goes through
+    torchao's asynchronous all-gathers, which are left unwaited and, on gloo, crashed a rank now
+    and then mid-export."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    full = {}
+    for name, tensor in sharded.items():  # the same order on every rank: one collective per DTensor
+        if isinstance(tensor, DTensor):
+            if is_nf4(tensor):
+                tensor = DTensor.from_local(tensor.to_local().get_original_weight(), tensor.device_mesh,
+                                            tensor.placements, run_check=False, shape=tensor.shape,
+                                            stride=tensor.stride())
+            tensor = tensor.full_tensor()
+        elif is_nf4(tensor):
+            tensor = tensor.get_original_weight()
+        if is_main:
+            full[name] = tensor.detach().cpu()
+    return full
 
 
 def dequantized_linear_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -40,7 +40,7 @@ from attention import (FLASH_BACKENDS, TORCH_VARLEN, AttentionNeeds, attention_n
                        flash_attn_unavailable_reason, register_attention_backends, torch_varlen_unavailable_reason)
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss, decoder_of
-from qlora import NF4, broadcast_nf4, dequantize_state, is_nf4, pop_nf4, quantize_base_weights
+from qlora import NF4, broadcast_nf4, gather_dequantized_state, is_nf4, pop_nf4, quantize_base_weights
 from recurrent import run_mixers_per_sample
 from utils import DistInfo, log_rank_0
 
@@ -466,6 +466,6 @@ def gather_full_state_dict(wrapper: CausalLMWithLoss) -> dict[str, torch.Tensor]
     large model never needs its full size in GPU memory. NF4 weights (QLoRA)
     come back dequantized, in the compute dtype.
     """
-    state = get_model_state_dict(wrapper.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # QLoRA: NF4 weights arrive as gathered NF4 bytes; exports hold their dequantized values.
-    return dequantize_state(state)
+    if any(is_nf4(param) for param in wrapper.model.parameters()):
+        return gather_dequantized_state(wrapper.model)
+    return get_model_state_dict(wrapper.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
