@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from process_data import ProcessDataConfig, process_data
-from train import TrainConfig
+from train_config import TrainConfig
 from utils import collect_errors, config_field, logger
 
 __all__ = ["ProcessDataConfig", "TorchrunArgs", "TrainConfig", "config_to_argv", "process_data", "run_training",

@@ -104,6 +104,17 @@ def attention_inputs(minibatch, attn_implementation: str, device: torch.device) 
             "max_length_q": max_seqlen, "max_length_k": max_seqlen}
 
 
+def model_inputs(minibatch, attn_implementation: str, device: torch.device) -> dict:
+    """The forward's keyword arguments for one packed minibatch, on ``device``."""
+    return {
+        "input_ids": minibatch.input_ids.to(device, non_blocking=True),
+        "position_ids": minibatch.position_ids.to(device, non_blocking=True),
+        "labels": minibatch.labels.to(device, non_blocking=True),
+        # Explicit cu_seqlens for flash/varlen backends: computed once per minibatch, shared by every layer.
+        **attention_inputs(minibatch, attn_implementation, device),
+    }
+
+
 # ----------------------------------------------------------------------------
 # Boundaries inside an attention call
 

@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import sampler  # noqa: E402
+from attention import model_inputs  # noqa: E402
 from autotune import make_trial_step, probe_agreement, trial_fits  # noqa: E402
 from setup_model_fsdp import gather_full_state_dict, setup_model  # noqa: E402
-from train import _model_inputs  # noqa: E402
 from utils import cleanup, init_distributed  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def main(model_dir: str, data_file: str, result: str) -> None:
     dataset = sampler.load_tokenized_dataset(data_file)
 
     def inputs(minibatch):
-        return _model_inputs(minibatch, resolved.attn_implementation, info.device)
+        return model_inputs(minibatch, resolved.attn_implementation, info.device)
 
     fitted = trial_fits(make_trial_step(model, dataset, model_inputs=inputs), 64, agree=probe_agreement(info))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -208,12 +208,13 @@ def test_decaying_scheduler_without_stop_condition_is_refused():
 
 @pytest.mark.parametrize("name", ["cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"])
 def test_every_offered_scheduler_builds_and_reaches_its_floor(name):
-    from train import TrainConfig, _build_scheduler
+    from schedule import build_scheduler
+    from train import TrainConfig
 
     config = TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20,
                          num_warmup_steps=2, learning_rate=1.0, min_lr_ratio=0.25, decay_fraction=0.5)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.learning_rate)
-    scheduler = _build_scheduler(config, optimizer, 20)
+    scheduler = build_scheduler(config, optimizer, 20)
     lrs = []
     for _ in range(20):
         optimizer.step()
@@ -262,14 +263,14 @@ def test_step_counts_are_summed_exactly_past_fp32_precision():
     import torch.distributed as dist
 
     from sampler import StepBatch
-    from train import _reduce_step_counts
+    from train_step import reduce_step_counts
     from utils import init_distributed
 
     info = init_distributed()
     tokens = 2**24 + 1  # the first integer fp32 cannot hold
     batch = StepBatch(minibatches=[], batch_num_loss_counted_tokens=tokens, num_samples=1, num_dropped_samples=0,
                       num_total_tokens=tokens, start_position=0, end_position=1, epoch=0, dropped_indices=[])
-    counts, preempted = _reduce_step_counts(torch.tensor(1.0), torch.tensor(1.0), tokens, 0.5, batch, info, False)
+    counts, preempted = reduce_step_counts(torch.tensor(1.0), torch.tensor(1.0), tokens, 0.5, batch, info, False)
     assert counts.num_loss_counted_tokens == tokens and not preempted
     dist.destroy_process_group()
 

@@ -1,0 +1,90 @@
+"""What the loop does between steps: validate, save on the checkpoint cadences, and decide when."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import checkpoint_policy
+import validation
+from checkpoint import save_hf_checkpoint
+from full_state import save_full_state
+from setup_run import Run
+from utils import log_rank_0
+
+
+def validation_due(run: Run, batch, *, done: str | None, preempted: bool) -> bool:
+    """On its step or sample cadence, and always at the end (a preempted step leaves it to the rerun)."""
+    config = run.config
+    return run.val_plan is not None and not preempted and bool(done or validation.should_validate(
+        step=run.state.step, every_n_steps=config.validation_every_n_steps, samples_seen=run.state.samples_seen,
+        previous_samples=batch.start_position, every_n_samples=config.validation_every_n_samples))
+
+
+def validate(run: Run) -> str | None:
+    """One validation pass, its metrics line, the best export; returns an early-stopping reason."""
+    state, dist_info = run.state, run.dist_info
+    began = time.perf_counter()
+    val_loss, val_tokens = validation.run_validation(
+        run.model, run.val_dataset, run.val_plan, rank=dist_info.rank, device=dist_info.device,
+        model_inputs=run.model_inputs)
+    record = validation.validation_record(step=state.step, samples_seen=state.samples_seen, val_loss=val_loss,
+                                          num_loss_counted_tokens=val_tokens, num_samples=run.val_plan.num_samples,
+                                          elapsed=time.perf_counter() - began)
+    if run.metrics is not None:
+        run.metrics.write(record)
+    run.tracker.log(record)
+    log_rank_0("step %d: validation loss %.4f over %d tokens (%.2fs)", state.step, val_loss, val_tokens,
+               record["val_time_s"])
+    return validation.update_best(state, val_loss, config=run.config, save_best=lambda: validation.save_best_export(
+        run.model, output_dir=run.config.output_dir, step=state.step, samples_seen=state.samples_seen,
+        val_loss=val_loss, tokenizer=run.tokenizer, generation_config=run.generation_config, rank=dist_info.rank))
+
+
+def checkpoints_due(run: Run, batch, *, done: str | None, preempted: bool) -> tuple[bool, bool]:
+    """``(Hugging Face export due, full state due)`` after this step."""
+    config, state = run.config, run.state
+    # A preemption on the last step (or on a cadence step) still writes the export that step owes:
+    # the rerun finds nothing left to train and would never write it.
+    export_due = bool(done) or (state.samples_seen - state.last_checkpoint_samples
+                                >= config.min_samples_per_checkpoint)
+    full_due = bool(done) or (checkpoint_policy.crossed(batch.start_position, state.samples_seen,
+                                                        config.min_samples_per_full_state)
+                              if config.min_samples_per_full_state else export_due)
+    if preempted:
+        log_rank_0("preemption signal received: saving full state at step %d and exiting", state.step)
+        full_due = True
+        export_due = export_due or not config.full_state  # with --no-full-state an export is all there is
+    return export_due, full_due
+
+
+def save(run: Run, *, hf_export: bool, full_state: bool = True) -> Path | None:
+    """The Hugging Face export and/or the full state (resume needs it), each on its own cadence."""
+    config, state = run.config, run.state
+    exported = None
+    if hf_export:
+        # Recorded before the full state is written, so a resume keeps the same cadence.
+        state.last_checkpoint_samples = state.samples_seen
+        began = time.perf_counter()
+        exported = save_hf_checkpoint(
+            run.model, output_dir=config.output_dir, num_samples=state.samples_seen, tokenizer=run.tokenizer,
+            generation_config=run.generation_config, rank=run.dist_info.rank,
+            keep_last_n=config.keep_last_n_checkpoints)
+        log_rank_0("saved Hugging Face checkpoint %s in %.2fs (%.1f MB)", exported,
+                   time.perf_counter() - began, _folder_mb(exported))
+    if full_state and config.full_state:
+        began = time.perf_counter()
+        saved = save_full_state(
+            run.model, run.optimizer, run.scheduler, output_dir=config.output_dir, num_samples=state.samples_seen,
+            trainer_state={**dataclasses.asdict(state), "run_params": run.run_params},
+            model_fingerprint=run.model_fingerprint, dist_info=run.dist_info,
+            keep_last_n=checkpoint_policy.full_states_kept(config.keep_last_n_full_states,
+                                                           config.keep_last_n_checkpoints))
+        log_rank_0("saved full training state %s in %.2fs (%.1f MB)", saved, time.perf_counter() - began,
+                   _folder_mb(saved))
+    return exported
+
+
+def _folder_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20

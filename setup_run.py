@@ -1,0 +1,372 @@
+"""Everything a training run needs before its first step, checked cheaply first, gathered in one ``Run``.
+
+Order matters and is kept: rank 0's cheap checks (paths, model config,
+attention backend, LoRA, trackers, writable output) come before any heavy
+work; data is loaded and checked against the model's vocabulary before the
+model loads; the schedule is built on a stand-in optimizer so a bad
+combination fails in seconds; the resume policy compares the checkpoint with
+this run's parameters before the model is sharded. Every refusal exits all
+ranks together with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import checkpoint_policy
+import data_mix
+import flops
+import resume_policy
+import sampler
+import schedule
+import validation
+from attention import model_inputs
+from autotune import probe_token_budget
+from batch_metrics import MetricsWriter
+from full_state import (TrainState, complete_checkpoints, fingerprint, full_state_root, remove_leftover_tmp,
+                        resume_train_state, truncate_metrics)
+from lora import lora_preflight
+from selfcheck import check_data_fits_model, check_objective
+from setup_model_fsdp import ModelSetup, attention_preflight, setup_model, shard_group_size
+from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
+from trackers import NullTracker, TrackerInitError, make_tracker
+from utils import DistInfo, device_peak_tflops, log_rank_0, logger, seed_everything
+
+
+@dataclass
+class Run:
+    """The parts of one training run that the loop, the step, saving and validation share."""
+
+    config: TrainConfig
+    dist_info: DistInfo
+    dataset: Any                   # training rows (a MixedDataset for a data mix)
+    total_steps: int | None        # None: infinite sampling
+    max_tokens: int                # resolved --max-tokens-per-gpu
+    model: torch.nn.Module         # the FSDP-sharded model with the trainer's loss (loss.py)
+    resolved: ModelSetup           # what setup_model decided: attention backend, dtype, mesh, ...
+    model_shape: Any               # flops.checked_model_flops: None where the config does not describe it
+    peak_tflops: float | None      # the MFU denominator
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    state: TrainState              # counters, restored on resume
+    run_params: dict               # what a resume compares (resume_policy.py)
+    model_fingerprint: dict
+    tokenizer: Any                 # rank 0 only: saved with every export
+    generation_config: Any         # rank 0 only
+    metrics: MetricsWriter | None  # rank 0 only
+    tracker: Any
+    val_dataset: Any = None
+    val_plan: validation.ValidationPlan | None = None
+
+    def model_inputs(self, minibatch) -> dict:
+        return model_inputs(minibatch, self.resolved.attn_implementation, self.dist_info.device)
+
+
+def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
+    """Checks, data, model, optimizer, schedule, resume and trackers, in the order that fails fastest."""
+    from transformers import AutoTokenizer
+
+    seed_everything(config.seed)
+    _fail_together(dist_info, _preflight(config) if dist_info.is_main else None)
+    if dist_info.is_main:
+        for leftover in remove_leftover_tmp(config.output_dir):
+            logger.warning("removed %s, left behind by a save that was interrupted", leftover)
+    dataset = _load_dataset_rank0_first(config, dist_info)
+    _fail_together(dist_info, _check_data_fits_model(config, dataset) if dist_info.is_main else None)
+    dataset, val_dataset, val_source = _validation_set(config, dataset, dist_info)
+    total_steps = schedule.total_steps(config, len(dataset))
+    schedule.check_scheduler(config, total_steps, is_main=dist_info.is_main)
+    run_params = resume_policy.run_params(config, total_steps,
+                                          schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
+    _fail_together(dist_info, _resume_policy(config, run_params, dataset) if dist_info.is_main else None)
+    tracker, tracker_error = _start_tracker(config, dist_info)
+    _fail_together(dist_info, tracker_error)
+
+    model, resolved = setup_model(
+        model_name_or_path=config.model_name_or_path, dist_info=dist_info,
+        attn_implementation=config.attn_implementation, sharding_strategy=config.fsdp_sharding_strategy,
+        cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
+        use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
+        compile=config.compile,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
+        trust_remote_code=config.trust_remote_code, lora=config.lora,
+    )
+    model_shape, flops_reason = flops.checked_model_flops(model.model)
+    log_rank_0(flops_reason)
+    peak_tflops, peak_reason = device_peak_tflops(dist_info.device)
+    log_rank_0("MFU denominator: %s", peak_reason)
+    if not config.skip_objective_check:
+        check_objective(model, dataset, attn_implementation=resolved.attn_implementation,
+                        compute_dtype=resolved.param_dtype, device=dist_info.device)
+    max_tokens = config.max_tokens_per_gpu
+    if max_tokens == "auto":
+        max_tokens = probe_token_budget(
+            model, dataset, dist_info=dist_info,
+            model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device))
+    val_plan = None
+    if val_dataset is not None:
+        val_plan = validation.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
+                                              max_tokens_per_rank=max_tokens, num_ranks=dist_info.world_size,
+                                              group_size=config.batch_size, balance=config.balance)
+        validation.announce(val_plan, val_source)
+    tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+                 if dist_info.is_main else None)
+    generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
+    # Only trainable parameters get optimizer state (with LoRA: the adapters alone).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
+                                  betas=config.adam_betas, weight_decay=config.weight_decay)
+    scheduler = schedule.build_scheduler(config, optimizer, total_steps)
+    model_fingerprint = fingerprint(model.model.config, dataset, config.lora)
+    began = time.perf_counter()
+    state = resume_train_state(model, optimizer, scheduler, output_dir=config.output_dir, resume=config.resume,
+                               resume_from=config.resume_from, model_fingerprint=model_fingerprint,
+                               dist_info=dist_info)
+    if state.step:
+        log_rank_0("resume took %.2fs", time.perf_counter() - began)
+        if config.allow_config_change:
+            resume_policy.apply_new_hyperparameters(optimizer, scheduler, config)
+    _announce(config, dist_info, resolved, len(dataset), total_steps, max_tokens)
+    if isinstance(dataset, data_mix.MixedDataset):
+        log_rank_0(dataset.describe())
+    if dist_info.is_main:
+        _announce_disk_plan(config, model, total_steps)
+    metrics_path = Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl"
+    if dist_info.is_main:
+        _write_training_params(config, dist_info, resolved, max_tokens)
+        truncate_metrics(metrics_path, state.step)
+    metrics = MetricsWriter(metrics_path) if dist_info.is_main else None
+    state.wandb_run_id = tracker.wandb_run_id or state.wandb_run_id
+    return Run(config=config, dist_info=dist_info, dataset=dataset, total_steps=total_steps, max_tokens=max_tokens,
+               model=model, resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
+               optimizer=optimizer, scheduler=scheduler, state=state, run_params=run_params,
+               model_fingerprint=model_fingerprint, tokenizer=tokenizer, generation_config=generation_config,
+               metrics=metrics, tracker=tracker, val_dataset=val_dataset, val_plan=val_plan)
+
+
+def batch_loader(run: Run):
+    """The infinite, seeded stream of packed batches, from where the run stands."""
+    config, dist_info = run.config, run.dist_info
+    return sampler.make_batch_loader(
+        run.dataset, batch_size=config.batch_size, max_tokens_per_rank=run.max_tokens,
+        rank=dist_info.rank, world_size=dist_info.world_size, seed=config.seed,
+        start_position=run.state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
+        pin_memory=dist_info.device.type == "cuda",  # lets the non_blocking host-to-GPU copies overlap
+    )
+
+
+def close_run(run: Run) -> None:
+    if run.metrics is not None:
+        run.metrics.close()
+    run.tracker.close()
+
+
+# ----------------------------------------------------------------------------
+# Helpers of setup_run, in the order it uses them.
+
+
+def _preflight(config: TrainConfig) -> str | None:
+    """Cheap checks on rank 0 before any heavy work; returns one error line or None."""
+    from transformers import AutoConfig
+
+    try:
+        paths = data_mix.data_paths(config.data_path)
+    except ValueError as err:
+        return str(err)
+    for path in paths:
+        if not Path(path).exists():
+            return f"--data-path {path}: no such file or folder"
+    if len(paths) > 1 and config.validation_split is not None:
+        return "--validation-split takes rows of one dataset: with a data mix, give --validation-data-path"
+    if config.validation_data_path and not Path(config.validation_data_path).exists():
+        return f"--validation-data-path {config.validation_data_path}: no such file or folder"
+    try:
+        model_config = AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:
+        return f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
+    attention_error = attention_preflight(config.model_name_or_path, config.attn_implementation,
+                                          trust_remote_code=config.trust_remote_code)
+    if attention_error is not None:
+        return attention_error
+    if config.lora is not None:
+        error = lora_preflight(model_config, config.lora, shard_size=shard_group_size(
+            config.fsdp_sharding_strategy, dist.get_world_size(),
+            int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
+        if error:
+            return error
+    for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
+                                 ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
+        if value is not None and importlib.util.find_spec(package) is None:
+            return f"{flag} needs the {package} package: pip install {package}"
+    output = Path(config.output_dir)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".write_probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        return f"--output-dir {config.output_dir}: not writable ({err.strerror or err})"
+    return None
+
+
+def _fail_together(dist_info: DistInfo, error: str | None) -> None:
+    """Broadcast rank 0's verdict so every rank exits non-zero instead of hanging."""
+    payload = [error]
+    dist.broadcast_object_list(payload, src=0)
+    if payload[0] is not None:
+        if dist_info.is_main:
+            logger.error(payload[0])
+        raise SystemExit(1)
+
+
+def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
+    """``(training dataset, validation dataset, where it came from)``; the first is unchanged without validation."""
+    if not config.has_validation:
+        return dataset, None, None
+    if config.validation_split is not None:
+        train_rows, val_rows = validation.split_rows(len(dataset), config.validation_split, config.seed)
+        dataset, val_dataset = validation.RowSubset(dataset, train_rows), validation.RowSubset(dataset, val_rows)
+        source = f"{config.validation_split:g} of {config.data_path} (seed {config.seed})"
+    else:
+        val_dataset = _load_dataset_rank0_first(config, dist_info, path=config.validation_data_path)
+        source = config.validation_data_path
+    return dataset, val_dataset, source
+
+
+def _resume_policy(config: TrainConfig, run_params: dict, dataset) -> str | None:
+    """Rank 0, before the model loads: move an old run aside (--no-resume) or compare model, data and
+    run parameters with the checkpoint a resume would load."""
+    from transformers import AutoConfig
+
+    if not config.resume:
+        moved = resume_policy.move_aside(config.output_dir)
+        if moved is not None:
+            logger.warning("--no-resume: moved the earlier run's checkpoints and metrics in %s to %s",
+                           config.output_dir, moved)
+        return None
+    candidates = ([Path(config.resume_from)] if config.resume_from
+                  else complete_checkpoints(full_state_root(config.output_dir)))
+    expected = (fingerprint(AutoConfig.from_pretrained(config.model_name_or_path), dataset, config.lora)
+                if candidates else None)
+    error, notice = resume_policy.check_resume(candidates, run_params, allow_change=config.allow_config_change,
+                                               fingerprint=expected)
+    if notice:
+        logger.warning(notice)
+    return error
+
+
+def _start_tracker(config: TrainConfig, dist_info: DistInfo):
+    """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb run);
+    returns ``(tracker, error line or None)``."""
+    if not dist_info.is_main or (config.wandb_project is None and config.tensorboard_dir is None):
+        return NullTracker(), None
+    run_id = None
+    if config.resume:
+        candidates = ([Path(config.resume_from)] if config.resume_from
+                      else complete_checkpoints(full_state_root(config.output_dir)))
+        found = resume_policy.newest_trainer_state(candidates)
+        run_id = found[1].get("wandb_run_id") if found else None
+    try:
+        return make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
+                            run_config=dataclasses.asdict(config), rank=dist_info.rank, wandb_run_id=run_id), None
+    except (ImportError, TrackerInitError) as err:
+        return NullTracker(), str(err)
+
+
+def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None) -> None:
+    params = list(model.parameters())
+    plan = checkpoint_policy.plan_disk(
+        num_params=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
+        total_samples=total_steps * config.batch_size if total_steps else None,
+        export_every=config.min_samples_per_checkpoint, keep_exports=config.keep_last_n_checkpoints,
+        full_state_every=config.min_samples_per_full_state or config.min_samples_per_checkpoint,
+        keep_full_states=checkpoint_policy.full_states_kept(config.keep_last_n_full_states,
+                                                            config.keep_last_n_checkpoints),
+        full_state=config.full_state)
+    info, warning = checkpoint_policy.disk_report(plan, shutil.disk_usage(config.output_dir).free, config.output_dir)
+    log_rank_0(info)
+    if warning:
+        logger.warning(warning)
+
+
+def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path: str | None = None):
+    """Rank 0 loads (and caches) first; the others then reuse its cache. Errors exit every rank."""
+    path = path or config.data_path
+    dataset, error = None, None
+    if dist_info.is_main:
+        try:
+            dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
+            budget = config.max_tokens_per_gpu
+            if budget != "auto" and int(dataset.lengths.min(initial=budget + 1)) > budget:
+                error = (f"--max-tokens-per-gpu {config.max_tokens_per_gpu} is below every sample of "
+                         f"{path} (shortest: {int(dataset.lengths.min())} tokens)")
+        except ValueError as err:
+            error = str(err)
+    _fail_together(dist_info, error)
+    if not dist_info.is_main:
+        dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
+    return dataset
+
+
+def _check_data_fits_model(config: TrainConfig, dataset) -> str | None:
+    """Every source of the data against the model's vocabulary and tokenizer (selfcheck.py)."""
+    parts = ([(source.path, part) for source, part in zip(dataset.sources, dataset.datasets)]
+             if isinstance(dataset, data_mix.MixedDataset) else [(config.data_path, dataset)])
+    for path, part in parts:
+        error = check_data_fits_model(part, path, config.model_name_or_path,
+                                      trust_remote_code=config.trust_remote_code)
+        if error:
+            return error
+    return None
+
+
+def _original_generation_config(model_name_or_path: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_name_or_path)
+    except OSError:
+        return None
+
+
+def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_samples: int,
+              total_steps: int | None, max_tokens: int) -> None:
+    """Print each resolved decision once, with its reason."""
+    log_rank_0("world size %d on %s (%s backend)", dist_info.world_size, dist_info.device.type,
+               dist.get_backend())
+    log_rank_0("model %s: %d x %s sharded with %s, mesh %s, compute dtype %s, attention %s, "
+               "activation checkpointing %s", config.model_name_or_path, resolved.num_blocks,
+               resolved.block_class, config.fsdp_sharding_strategy, resolved.mesh_shape,
+               str(resolved.param_dtype).removeprefix("torch."), resolved.attn_implementation,
+               "on" if config.activation_checkpointing else "off")
+    log_rank_0("trainable parameters: %s of %s (%.2f%%)%s", f"{resolved.num_trainable_params:,}",
+               f"{resolved.num_params:,}", 100.0 * resolved.num_trainable_params / max(resolved.num_params, 1),
+               f", LoRA rank {config.lora.rank}, alpha {config.lora.alpha:g} on {config.lora_target_modules}"
+               if config.lora else "")
+    log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
+               "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
+               config.batch_size, max_tokens)
+    log_rank_0("schedule %s, warmup %d, %s", config.lr_scheduler, config.num_warmup_steps,
+               f"{total_steps} steps" if total_steps else "infinite sampling (no stop condition)")
+
+
+def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, max_tokens: int) -> None:
+    import transformers
+
+    params = dataclasses.asdict(config)
+    params.update(world_size=dist_info.world_size, device=dist_info.device.type,
+                  attn_implementation_resolved=resolved.attn_implementation,
+                  max_tokens_per_gpu_resolved=max_tokens,
+                  torch_version=torch.__version__, transformers_version=transformers.__version__)
+    path = Path(config.output_dir) / "training_params.json"
+    path.write_text(json.dumps(params, indent=2, sort_keys=True))

@@ -1,0 +1,220 @@
+"""The training run's parameters: one dataclass shared by ``train.py``'s CLI and the Python API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lora import ALL_LINEAR, LoraSettings
+from utils import collect_errors, config_field
+
+SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _token_budget(text: str) -> int | str:
+    """CLI parser of --max-tokens-per-gpu: a positive integer or 'auto'."""
+    return "auto" if str(text).lower() == "auto" else int(text)
+
+
+@dataclass
+class TrainConfig:
+    """Every parameter of a training run; the CLI is generated from these fields."""
+
+    output_dir: str = config_field(help="folder for metrics, training_params.json and checkpoints")
+    min_samples_per_checkpoint: int = config_field(
+        help="samples between Hugging Face checkpoints (hf_format/samples_N); one is always written at the end")
+    model_name_or_path: str = config_field("Qwen/Qwen2.5-1.5B-Instruct",
+                                           help="Hugging Face model id or local folder")
+    data_path: str = config_field("test.jsonl", help="tokenized jsonl or process_data.py folder; or a mix: "
+                                                     "`a:0.7,b:0.3` or a .yaml/.json mix file")
+    batch_size: int = config_field(1024, help="samples per optimizer step, whole job")
+    max_tokens_per_gpu: int | Literal["auto"] = config_field(
+        10000, parse=_token_budget,
+        help="token budget of one packed minibatch on one rank; 'auto' probes the largest that fits "
+             "on this GPU (with a 10%% safety margin)")
+    learning_rate: float = config_field(5e-6, help="peak learning rate")
+    num_warmup_steps: int = config_field(10, help="linear warmup steps from 0")
+    lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
+                                     help="transformers.get_scheduler name; decaying schedules need a stop condition")
+    min_lr_ratio: float = config_field(
+        0.1, help="LR floor as a fraction of --learning-rate (cosine_with_min_lr, cosine_warmup_with_min_lr, "
+                  "warmup_stable_decay)")
+    decay_fraction: float = config_field(
+        0.1, help="warmup_stable_decay: fraction of the run's steps spent decaying (after warmup and a "
+                  "constant phase)")
+    seed: int = config_field(42, help="seeds Python, NumPy, torch and the data order on every rank")
+    use_liger_kernels: bool = config_field(
+        False, help="Liger fused linear cross-entropy plus RMSNorm/RoPE/SwiGLU kernels (CUDA; ignored with a "
+                    "warning on CPU)")
+    head_learned_positions_only: bool = config_field(
+        True, help="LM head and cross-entropy only on positions with a label: same loss and gradients, less work")
+    compile: bool = config_field(
+        False, help="torch.compile each decoder block (dynamic shapes); the first steps pay the compile time")
+    logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
+    max_steps: int | None = config_field(None, help="stop after this many optimizer steps")
+    max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
+    num_epochs: float | None = config_field(None, help="stop after this many passes over the data")
+    fsdp_sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = config_field(
+        "FULL_SHARD", help="FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP-like), HYBRID_SHARD "
+                           "(shard in a node, replicate across)")
+    cpu_offload: bool = config_field(False, help="keep sharded params, grads and optimizer state in host memory")
+    attn_implementation: str = config_field(
+        "auto", help="auto (the fastest the model accepts), sdpa, eager, flash_attention_2, flash_attention_3, "
+                     "torch_varlen, reference_varlen (CPU)")
+    trust_remote_code: bool = config_field(
+        False, help="run the modelling and tokenizer code a checkpoint ships (only for sources you trust)")
+    skip_objective_check: bool = config_field(
+        False, help="skip the start-up check that the trainer's loss equals the model's own forward(labels=...)")
+    weight_decay: float = config_field(0.0, help="AdamW weight decay")
+    adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
+    max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
+    activation_checkpointing: bool = config_field(True, help="recompute each decoder block in backward")
+    balance: Literal["tokens", "attention"] = config_field(
+        "tokens", help="packing balance cost: token counts, or tokens plus attention's quadratic term")
+    num_data_workers: int = config_field(1, help="DataLoader worker processes per rank (0 = in-process)")
+    resume: bool = config_field(True, help="continue from the newest complete full-state checkpoint in "
+                                           "--output-dir (--no-resume starts fresh)")
+    resume_from: str | None = config_field(None, help="resume from this full_state/samples_N folder")
+    keep_last_n_checkpoints: int | None = config_field(
+        None, help="keep only the newest N Hugging Face exports (default: keep all); also caps the full states "
+                   "kept when --keep-last-n-full-states is not given")
+    min_samples_per_full_state: int | None = config_field(
+        None, help="samples between full training states (default: with every Hugging Face export); one is "
+                   "always written at the end and on preemption")
+    keep_last_n_full_states: int | None = config_field(
+        None, help="keep only the newest N full training states (default 2, or --keep-last-n-checkpoints when "
+                   "smaller)")
+    full_state: bool = config_field(True, help="write full training states for exact resume (--no-full-state: "
+                                               "Hugging Face exports only; the run cannot resume)")
+    allow_config_change: bool = config_field(
+        False, help="resume even if training parameters changed (learning rate, schedule, batch, seed, data); "
+                    "new values apply from the next step")
+    validation_data_path: str | None = config_field(
+        None, help="tokenized jsonl file or folder of held-out samples for the validation loss")
+    validation_split: float | None = config_field(
+        None, help="hold out this seeded fraction of --data-path for the validation loss (same rows on every "
+                   "rank and after resume)")
+    validation_every_n_steps: int | None = config_field(
+        None, help="compute the validation loss every N optimizer steps (and always at the end)")
+    validation_every_n_samples: int | None = config_field(
+        None, help="compute the validation loss whenever the sample stream crosses a multiple of N")
+    save_best_val_loss: bool = config_field(
+        False, help="keep a Hugging Face export of the best validation loss so far in hf_format/best/")
+    val_loss_improvement_threshold: float = config_field(
+        0.0, help="a validation loss counts as better only when it is this much below the best so far")
+    early_stopping_patience: int | None = config_field(
+        None, help="stop after this many validations in a row without improvement")
+    wandb_project: str | None = config_field(None, help="also log every metrics line to this Weights & Biases "
+                                                         "project (pip install wandb)")
+    tensorboard_dir: str | None = config_field(None, help="also log every metrics line to TensorBoard in this "
+                                                          "folder (pip install tensorboard)")
+    max_bad_steps: int = config_field(5, help="abort after this many consecutive steps with a non-finite "
+                                              "loss or gradient norm (each one is skipped)")
+    lora_rank: int = config_field(0, help="LoRA rank r: train low-rank adapters on a frozen base model "
+                                          "(0 = full fine-tuning)")
+    lora_alpha: float | None = config_field(None, help="LoRA alpha; adapters are scaled by alpha / r "
+                                                        "(default: 2 x --lora-rank)")
+    lora_dropout: float = config_field(0.0, help="dropout on the adapters' input")
+    lora_target_modules: str = config_field(
+        ALL_LINEAR, help="comma-separated module names (e.g. q_proj,v_proj), or all-linear: every nn.Linear but "
+                         "the LM head")
+    lora_use_rslora: bool = config_field(False, help="rank-stabilised LoRA: scale by alpha / sqrt(r)")
+    lora_merge_on_export: bool = config_field(
+        True, help="exports hold the merged model plus adapter/ (--no-lora-merge-on-export: the adapter alone)")
+    lora_quantize_data_type: Literal["none", "nf4"] = config_field(
+        "none", help="QLoRA: nf4 stores the adapted layers' frozen base weights in 4-bit NormalFloat (torchao)")
+
+    def __post_init__(self) -> None:
+        self.logging_level = self.logging_level.upper()
+        errors = []
+        if self.max_tokens_per_gpu != "auto" and not (isinstance(self.max_tokens_per_gpu, int)
+                                                       and self.max_tokens_per_gpu > 0):
+            errors.append(f"--max-tokens-per-gpu must be a positive integer or 'auto', got {self.max_tokens_per_gpu!r}")
+        for name in ("min_samples_per_checkpoint", "batch_size"):
+            if getattr(self, name) <= 0:
+                errors.append(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("max_steps", "max_samples", "num_epochs"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.learning_rate < 0 or self.num_warmup_steps < 0:
+            errors.append("--learning-rate and --num-warmup-steps must be non-negative")
+        if self.logging_level not in LOG_LEVELS:
+            errors.append(f"--logging-level {self.logging_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL and not self.has_stop_condition:
+            errors.append(f"--lr-scheduler {self.lr_scheduler} decays over a known number of steps: give "
+                          "--max-steps, --max-samples or --num-epochs (sampling is infinite otherwise)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            errors.append(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            errors.append(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.num_data_workers < 0:
+            errors.append("--num-data-workers must be >= 0")
+        if self.resume_from and not self.resume:
+            errors.append("--resume-from and --no-resume contradict each other")
+        if self.keep_last_n_checkpoints is not None and self.keep_last_n_checkpoints < 1:
+            errors.append("--keep-last-n-checkpoints must be at least 1")
+        if self.max_bad_steps < 1:
+            errors.append("--max-bad-steps must be at least 1")
+        errors += _policy_errors(self)
+        if self.lora_rank < 0:
+            errors.append(f"--lora-rank must be positive (or 0 for full fine-tuning), got {self.lora_rank}")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            errors.append(f"--lora-alpha must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            errors.append(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_quantize_data_type != "none" and self.lora_rank == 0:
+            errors.append(f"--lora-quantize-data-type {self.lora_quantize_data_type} quantizes the frozen base "
+                          "under LoRA adapters: give --lora-rank too")
+        if self.compile and self.lora_quantize_data_type != "none":
+            # Never run together: NF4 weights are a tensor subclass that dynamo would have to trace.
+            errors.append(f"--compile with --lora-quantize-data-type {self.lora_quantize_data_type} is not "
+                          "supported yet: drop one of them")
+        collect_errors(errors)
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        if self.lora_rank == 0:
+            return None
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+        return LoraSettings(rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout,
+                            target_modules=self.lora_target_modules, use_rslora=self.lora_use_rslora,
+                            merge_on_export=self.lora_merge_on_export,
+                            quantize_data_type=self.lora_quantize_data_type)
+
+    @property
+    def has_stop_condition(self) -> bool:
+        return any(v is not None for v in (self.max_steps, self.max_samples, self.num_epochs))
+
+    @property
+    def has_validation(self) -> bool:
+        return self.validation_data_path is not None or self.validation_split is not None
+
+
+def _policy_errors(config: TrainConfig) -> list[str]:
+    """Validation, checkpoint-policy and resume flags (issue 14)."""
+    errors = []
+    for name in ("min_samples_per_full_state", "keep_last_n_full_states", "validation_every_n_steps",
+                 "validation_every_n_samples", "early_stopping_patience"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            errors.append(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if config.validation_data_path is not None and config.validation_split is not None:
+        errors.append("--validation-data-path and --validation-split are alternatives: give one")
+    if config.validation_split is not None and not 0 < config.validation_split < 1:
+        errors.append(f"--validation-split must be in (0, 1), got {config.validation_split}")
+    needs_validation = [flag for flag, on in (("--validation-every-n-steps", config.validation_every_n_steps),
+                                              ("--validation-every-n-samples", config.validation_every_n_samples),
+                                              ("--save-best-val-loss", config.save_best_val_loss),
+                                              ("--early-stopping-patience", config.early_stopping_patience))
+                        if on]
+    if needs_validation and not config.has_validation:
+        errors.append(f"{', '.join(needs_validation)} need --validation-data-path or --validation-split")
+    if config.val_loss_improvement_threshold < 0:
+        errors.append("--val-loss-improvement-threshold must be >= 0")
+    if not config.full_state and (config.min_samples_per_full_state or config.keep_last_n_full_states):
+        errors.append("--no-full-state contradicts --min-samples-per-full-state/--keep-last-n-full-states")
+    return errors
