@@ -64,9 +64,7 @@ def build_arg_parser(config_cls: type, *, description: str | None = None) -> arg
     ``Literal`` types become choices; tuples become ``nargs``. Fields without a
     default are required.
     """
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=description)
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         if not field.init:
@@ -95,8 +93,20 @@ def build_arg_parser(config_cls: type, *, description: str | None = None) -> arg
             kwargs["type"] = tp
             if "choices" in field.metadata:
                 kwargs["choices"] = field.metadata["choices"]
-        parser.add_argument(flag, **kwargs)
+        action = parser.add_argument(flag, **kwargs)
+        # Set after add_argument: Python 3.11's BooleanOptionalAction appends its own default to the help.
+        action.help = flag_help(field.metadata.get("help", ""), kwargs.get("default", dataclasses.MISSING))
     return parser
+
+
+def flag_help(text: str, default: Any) -> str:
+    """A flag's help with its default said once: not where the text already states it, nor when it is None."""
+    if default is dataclasses.MISSING:
+        return f"{text} (required)"
+    if default is None or "default" in text:
+        return text
+    shown = " ".join(map(str, default)) if isinstance(default, tuple) else str(default)
+    return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 def parse_config(config_cls: type[ConfigT], argv: list[str] | None = None, *, description: str | None = None) -> ConfigT:
