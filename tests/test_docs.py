@@ -287,7 +287,10 @@ def test_blocks_that_need_nothing_run(tmp_path):
         result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{block.where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
         ran += 1
+    # What the README's quick start promises: a Hugging Face export after 4 steps of 16 samples, a metrics line per step.
     assert ran >= 2 and (scratch / "out" / "hf_format" / "samples_64" / "config.json").is_file()
+    steps = [line for line in (scratch / "out" / "training_metrics_0.jsonl").read_text().splitlines() if '"val_loss"' not in line]
+    assert len(steps) >= 4
 
 
 # ---------------------------------------------------------------------------------------------------
