@@ -297,6 +297,12 @@ def test_blocks_that_need_nothing_run(tmp_path):
 # Links
 
 
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {(ROOT / target.partition("#")[0]).resolve() for target in re.findall(r"\]\(([^)\s]+)\)", README)}
+    missing = [page.name for page in PAGES[1:] if page.resolve() not in linked]
+    assert not missing, f"README links no {missing}"
+
+
 def github_anchor(heading: str) -> str:
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
     return text.replace(" ", "-")
