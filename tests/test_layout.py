@@ -52,3 +52,9 @@ def test_the_training_loop_fits_one_screen():
     tree = ast.parse((ROOT / "train.py").read_text())
     loop = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "_train")
     assert loop.end_lineno - loop.lineno + 1 <= 60
+
+
+def test_every_module_is_in_the_code_layout_page():
+    page = (ROOT / "docs" / "code-layout.md").read_text()
+    missing = sorted(name for name in MODULES if f"`{name}.py`" not in page)
+    assert not missing, f"docs/code-layout.md does not say what {missing} are for"
