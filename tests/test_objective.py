@@ -17,8 +17,12 @@ to fp32 summation order (the terms are the same, their grouping into sums is
 not), and the prompt positions' hidden-state gradient exactly 0 in both.
 
 The start-up self-check on the sweep's tiny configs (``tiny_configs``: every
-dropout off, large initial weights, so a leak shows): OPT, whose forward
-builds its mask without ``position_ids``, is refused under sdpa.
+dropout off, large initial weights, so a leak shows): BERT-style encoders,
+whose forward runs a prediction transform between the encoder and the LM head,
+are refused with that reason (Electra's and RoFormer's head is wider than the
+encoder: the trainer's head matmul used to crash); MiniCPM3, whose scaling
+before the head the trainer reproduces on the logits, passes; OPT, whose
+forward builds its mask without ``position_ids``, is refused under sdpa.
 """
 
 from __future__ import annotations
@@ -290,6 +294,28 @@ def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str =
         logger.removeHandler(caplog.handler)
     # Each record once: caplog sees it through the added handler and, where the logger propagates, its own.
     return list(dict.fromkeys(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR))
+
+
+@pytest.mark.parametrize("model_type, between, attn", [
+    ("bert", "cls.predictions.transform", "sdpa"),          # same width: the loss alone would differ, unexplained
+    ("electra", "generator_predictions", "sdpa"),           # 32 -> 128 features: the trainer's head matmul crashed
+    ("roformer", "cls.predictions.transform", "eager"),     # 32 -> 768 features
+])
+def test_a_head_fed_something_else_than_the_decoder_output_is_refused_with_that_reason(
+        model_type, between, attn, tmp_path, caplog):
+    """BERT-style encoders registered as causal LMs run a masked-LM prediction transform between the encoder and the
+    output embedding; the trainer's loss is the head on the decoder's output. One line says so, no traceback."""
+    [line] = _self_check(model_type, tmp_path, caplog, attn_implementation=attn)
+    assert f"(model_type '{model_type}')" in line and f"through {between} before the LM head" in line
+    assert f"attention {attn}" in line and "fine-tune a decoder-only model" in line
+
+
+@pytest.mark.parametrize("model_type", ["llama", "minicpm3"])
+def test_a_head_the_trainer_reproduces_passes(model_type, tmp_path, caplog):
+    """MiniCPM3 divides the decoder's output by logits_scaling before its head: not the same tensor, but the
+    trainer applies that scale to the logits, so the loss agrees and nothing is refused."""
+    assert _self_check(model_type, tmp_path, caplog) == []
+    assert any("objective self-check: the trainer's loss equals" in r.getMessage() for r in caplog.records)
 
 
 def test_opt_lets_packed_samples_see_each_other_under_sdpa_and_is_refused(tmp_path, caplog):
