@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -229,15 +230,26 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
         if packing_error > tolerance:
             log_rank_0(
                 f"objective self-check failed for {name}: {len(rows)} rows packed into one give a summed loss of "
-                f"{packed:.6f} but {alone:.6f} each alone (relative error {packing_error:.1e}): attention "
-                f"{attn_implementation} lets packed samples see each other in this architecture (its forward builds "
-                "the attention mask without position_ids). Choose a backend that takes explicit boundaries "
-                "(flash_attention_2, torch_varlen) if the model accepts one on this device, or report it; "
-                "--skip-objective-check trains anyway.", level=logging.ERROR)
+                f"{packed:.6f} but {alone:.6f} each alone (relative error {packing_error:.1e}): "
+                + _packing_leak(model, attn_implementation), level=logging.ERROR)
             raise SystemExit(1)
     log_rank_0(f"objective self-check: the trainer's loss equals {name}'s own forward(labels=...) on {len(rows)} "
                f"rows (max relative error {error:.1e}, tolerance {tolerance:.0e}, "
                f"{time.perf_counter() - began:.2f}s)")
+
+
+def _packing_leak(model, attn_implementation: str) -> str:
+    """Why packed samples see each other, and the way out, from whether the decoder's forward takes position_ids."""
+    if "position_ids" in inspect.signature(decoder_of(model).forward).parameters:
+        return (f"attention {attn_implementation} lets packed samples see each other in this architecture (its "
+                "forward builds the attention mask without position_ids). Choose a backend that takes explicit "
+                "boundaries (flash_attention_2, torch_varlen) if the model accepts one on this device, or report "
+                "it; --skip-objective-check trains anyway.")
+    # BLOOM and MPT (ALiBi) build their mask from the attention mask alone; RWKV carries a recurrent state.
+    return (f"its forward takes no position_ids, so nothing tells its layers where a packed sample starts and "
+            f"packed samples see each other (attention {attn_implementation}; no attention backend changes that). "
+            "Train a model whose forward takes position_ids, or report it; --skip-objective-check trains anyway, "
+            "with packed samples leaking into each other.")
 
 
 @dataclass(frozen=True)

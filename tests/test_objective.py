@@ -22,7 +22,8 @@ whose forward runs a prediction transform between the encoder and the LM head,
 are refused with that reason (Electra's and RoFormer's head is wider than the
 encoder: the trainer's head matmul used to crash); MiniCPM3, whose scaling
 before the head the trainer reproduces on the logits, passes; OPT, whose
-forward builds its mask without ``position_ids``, is refused under sdpa.
+forward builds its mask without ``position_ids``, is refused under sdpa;
+RWKV, whose forward takes no ``position_ids`` at all, is refused saying so.
 """
 
 from __future__ import annotations
@@ -324,6 +325,14 @@ def test_opt_lets_packed_samples_see_each_other_under_sdpa_and_is_refused(tmp_pa
     self-check; the sweep's tiny configs now set init_std like initializer_range, and the leak is refused."""
     [line] = _self_check("opt", tmp_path, caplog)
     assert "OPTForCausalLM" in line and "rows packed into one" in line and "attention sdpa lets packed" in line
+
+
+def test_a_forward_without_position_ids_is_refused_saying_so(tmp_path, caplog):
+    """RWKV's forward takes no position_ids (nor do BLOOM's and MPT's): its recurrent state flows from one packed
+    sample into the next, and no attention backend can change that, so the reason must not blame an attention mask."""
+    [line] = _self_check("rwkv", tmp_path, caplog, attn_implementation="eager")  # it refuses sdpa
+    assert "RwkvForCausalLM" in line and "rows packed into one" in line
+    assert "its forward takes no position_ids" in line and "no attention backend changes that" in line
 
 
 @pytest.mark.parametrize("model_type", ["seed_oss", "opt", "electra", "llama"])
