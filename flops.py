@@ -43,6 +43,10 @@ class ModelFlops:
     attention_windows: tuple[int | None, ...]  # per layer: sliding window in keys, None = full causal
 
 
+DECODER_SHAPE_ATTRIBUTES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+"""What ``model_flops`` reads without a default: a config without one of them is not counted."""
+
+
 def _get(config: Any, *names: str, default: Any = None) -> Any:
     """The first of ``names`` the config sets to something other than None."""
     for name in names:
@@ -140,6 +144,11 @@ def checked_model_flops(model: Any) -> tuple[ModelFlops | None, str]:
     Returns:
         The shape or None, and one line saying which and why, for the start-up log.
     """
+    config = _get(model.config, "text_config", default=model.config)
+    missing = [name for name in DECODER_SHAPE_ATTRIBUTES if _get(config, name) is None]
+    if missing:  # e.g. Mamba, FalconMamba: no attention heads to count (reading them raised at start-up)
+        return None, (f"FLOPs per token: the config of {type(model).__name__} has no {', '.join(missing)}; "
+                      "mfu and model FLOPs are logged as null")
     shape = model_flops(model.config)
     real = matmul_params_of(model)
     if shape.num_matmul_params != real:

@@ -14,14 +14,21 @@
   passes of short rows: seconds. The same rows packed into one row must give
   the sum of their losses alone: attention keeps packed samples apart. Every rank runs the same rows (FSDP gathers
   collectively) and reaches the same verdict; ``--skip-objective-check`` skips it.
+  The trainer's loss is the LM head applied to the decoder's output; a model whose
+  forward runs more between the two (the masked-LM prediction head of the
+  BERT-style encoders transformers also registers as causal LMs) is stopped
+  with that reason, read from what its own forward fed the head
+  (``head_input``), not with a shape error or an unexplained loss gap.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +36,7 @@ import numpy as np
 import torch
 
 from attention import attention_inputs
+from loss import decoder_of
 from objective import router_aux_weight
 from utils import IGNORE_INDEX, log_rank_0
 
@@ -193,9 +201,16 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
         log_rank_0("objective self-check skipped: no row short enough with a loss token", level=logging.WARNING)
         return
     tolerance = RELATIVE_TOLERANCE.get(compute_dtype, 2e-2)
+    seen = head_input(wrapper, dataset, rows[0], attn_implementation=attn_implementation, device=device)
+    if seen is not None and seen.decoder_width != seen.head_width:  # the trainer's head matmul cannot even run
+        log_rank_0(_head_refusal(name, seen, attn_implementation), level=logging.ERROR)
+        raise SystemExit(1)
     results = compare_losses(wrapper, dataset, rows, attn_implementation=attn_implementation, device=device)
     worst = max(results, key=lambda r: _relative_error(r[1], r[2]))
     error = _relative_error(worst[1], worst[2])
+    if error > tolerance and seen is not None and not seen.same:
+        log_rank_0(_head_refusal(name, seen, attn_implementation), level=logging.ERROR)
+        raise SystemExit(1)
     if error > tolerance:
         index, ours, reference = worst
         router = wrapper.router_loss
@@ -215,15 +230,97 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
         if packing_error > tolerance:
             log_rank_0(
                 f"objective self-check failed for {name}: {len(rows)} rows packed into one give a summed loss of "
-                f"{packed:.6f} but {alone:.6f} each alone (relative error {packing_error:.1e}): attention "
-                f"{attn_implementation} lets packed samples see each other in this architecture (its forward builds "
-                "the attention mask without position_ids). Choose a backend that takes explicit boundaries "
-                "(flash_attention_2, torch_varlen) if the model accepts one on this device, or report it; "
-                "--skip-objective-check trains anyway.", level=logging.ERROR)
+                f"{packed:.6f} but {alone:.6f} each alone (relative error {packing_error:.1e}): "
+                + _packing_leak(model, attn_implementation), level=logging.ERROR)
             raise SystemExit(1)
     log_rank_0(f"objective self-check: the trainer's loss equals {name}'s own forward(labels=...) on {len(rows)} "
                f"rows (max relative error {error:.1e}, tolerance {tolerance:.0e}, "
                f"{time.perf_counter() - began:.2f}s)")
+
+
+def _packing_leak(model, attn_implementation: str) -> str:
+    """Why packed samples see each other, and the way out, from whether the decoder's forward takes position_ids."""
+    if "position_ids" in inspect.signature(decoder_of(model).forward).parameters:
+        return (f"attention {attn_implementation} lets packed samples see each other in this architecture (its "
+                "forward builds the attention mask without position_ids). Choose a backend that takes explicit "
+                "boundaries (flash_attention_2, torch_varlen) if the model accepts one on this device, or report "
+                "it; --skip-objective-check trains anyway.")
+    # BLOOM and MPT (ALiBi) build their mask from the attention mask alone; RWKV carries a recurrent state.
+    return (f"its forward takes no position_ids, so nothing tells its layers where a packed sample starts and "
+            f"packed samples see each other (attention {attn_implementation}; no attention backend changes that). "
+            "Train a model whose forward takes position_ids, or report it; --skip-objective-check trains anyway, "
+            "with packed samples leaking into each other.")
+
+
+@dataclass(frozen=True)
+class HeadInput:
+    """What the model's own forward gave its LM head, against what its decoder returned, on one row."""
+
+    decoder_width: int
+    head_width: int
+    same: bool                   # the head was given the decoder's output itself
+    between: tuple[str, ...]     # modules holding parameters that are neither the decoder's nor the head's
+
+
+@torch.no_grad()
+def head_input(wrapper, dataset, index: int, *, attn_implementation: str, device: torch.device) -> HeadInput | None:
+    """Run the model's own forward on data row ``index`` and see what reaches its LM head.
+
+    None when the forward does not call the decoder and the output-embedding
+    module as modules (nothing seen, nothing to conclude: the loss comparison judges).
+    """
+    model = wrapper.model
+    decoder, head = decoder_of(model), model.get_output_embeddings()
+    decoder_out, head_in = [], []
+    hooks = [decoder.register_forward_hook(lambda _module, _args, out: decoder_out.append(out[0])),
+             head.register_forward_pre_hook(lambda _module, args: head_in.append(args[0] if args else None))]
+    input_ids, unshifted, _ = _row_tensors(dataset, index, device)
+    position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)
+    row = SimpleNamespace(cu_seqlens=torch.tensor([0, input_ids.shape[1]], dtype=torch.int32),
+                          max_seqlen=input_ids.shape[1], position_ids=position_ids)
+    was_training = wrapper.training
+    wrapper.eval()
+    try:
+        wrapper(input_ids, position_ids, unshifted, own_forward=True,
+                **attention_inputs(row, attn_implementation, device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        wrapper.train(was_training)
+        _reshard(wrapper)
+    if not decoder_out or not head_in or not torch.is_tensor(decoder_out[0]) or not torch.is_tensor(head_in[0]):
+        return None
+    ours, theirs = decoder_out[0], head_in[0]  # [1, T, H] each when the head reads the decoder's output
+    same = ours.shape == theirs.shape and torch.equal(ours, theirs)
+    return HeadInput(decoder_width=ours.shape[-1], head_width=theirs.shape[-1], same=same,
+                     between=() if same else _modules_between(model, decoder, head))
+
+
+def _modules_between(model, decoder, head) -> tuple[str, ...]:
+    """The outermost modules of ``model`` with parameters that belong neither to ``decoder`` nor to ``head``."""
+    names = {id(module): name for name, module in model.named_modules()}
+    skip = (names.get(id(decoder), "") + ".", names.get(id(head), "") + ".")
+    inside = {id(p) for p in decoder.parameters()} | {id(p) for p in head.parameters()}
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not name or module is decoder or module is head or name.startswith(skip) or \
+                any(name.startswith(outer + ".") for outer in found):
+            continue
+        holds_ours = any(m is decoder or m is head for m in module.modules())
+        if not holds_ours and any(id(p) not in inside for p in module.parameters()):
+            found.append(name)
+    return tuple(found)
+
+
+def _head_refusal(name: str, seen: HeadInput, attn_implementation: str) -> str:
+    between = ", ".join(seen.between) or "code outside its modules"
+    return (f"objective self-check failed for {name}: its forward passes the decoder's output "
+            f"({seen.decoder_width} features) through {between} before the LM head ({seen.head_width} features), "
+            f"but the trainer's loss is the LM head applied to the decoder's output (attention "
+            f"{attn_implementation}), so it would not train this architecture's objective. Such a head (the "
+            "masked-LM prediction head of an encoder registered as a causal LM) is not supported here, and "
+            "--skip-objective-check does not change that: fine-tune a decoder-only model, or train this one "
+            "with a trainer that calls its own forward(labels=...).")
 
 
 def _reshard(wrapper) -> None:

@@ -10,7 +10,9 @@ For each ``model_type`` of ``transformers.MODEL_FOR_CAUSAL_LM_MAPPING``:
    size shrunk, one layer of each kind kept) with random weights and the
    test chatml tokenizer, saved and loaded like any checkpoint;
    encoder-decoder entries are out of scope, and a config the generic
-   shrinker cannot make consistent is listed as "not built" with the error;
+   shrinker cannot make consistent, or not small (``MAX_TINY_PARAMETERS``:
+   a sub-model such as a vision or audio encoder kept its full size), is
+   listed as "not built" with the reason;
 2. train one step through the CLI's ``train.main`` under
    ``torchrun --nproc-per-node=2`` (the start-up self-check on, a token
    budget that forces several packed minibatches per rank), the same flags as
@@ -26,7 +28,8 @@ but not on its own loss), ``refused`` (the trainer stopped it at start-up
 with a one-line reason), ``crash`` (anything else: a traceback), or
 ``not built`` / ``out of scope`` / ``no reference`` (the model's own
 forward fails on the tiny config, so there is nothing to compare with). Writes ``bench/architectures_results.json``
-and the table in ``docs/architectures.md`` (between its ``sweep`` markers).
+(the families swept) and the table in ``docs/architectures.md`` (between its
+``sweep`` markers): a sweep of some families replaces their rows only.
 """
 
 from __future__ import annotations
@@ -55,13 +58,16 @@ from tiny_model import build_tiny_model  # noqa: E402
 
 EXACT_RTOL = 1e-5
 BUILD_SECONDS = 60
+MAX_TINY_PARAMETERS = 100_000_000
+"""16 bytes each in fp32 (weights, gradients, two AdamW moments): 1.6 GB per rank unsharded, what one sweep process
+may hold on a shared machine. Tiny configs hold well under 20M; a config over this kept a sub-model full size."""
 DOC = ROOT / "docs" / "architectures.md"
 BEGIN, END = "<!-- sweep table: begin -->", "<!-- sweep table: end -->"
 
 
 def build(model_type: str, tokenizer_dir: Path, out: Path) -> str | None:
     """Save the tiny random ``model_type`` in ``out``; None, or why it is not built / out of scope."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
@@ -72,6 +78,13 @@ def build(model_type: str, tokenizer_dir: Path, out: Path) -> str | None:
         config = tiny_config(model_type, len(tokenizer), token_ids=ids)
         if getattr(config, "is_encoder_decoder", False):
             return "out of scope: encoder-decoder"
+        with torch.device("meta"):  # counted without allocating: Phi-4-multimodal's untouched encoders took 11 GB
+            num_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if num_params > MAX_TINY_PARAMETERS:
+            subconfigs = [name for name, value in vars(config).items() if isinstance(value, PretrainedConfig)]
+            return (f"not built: {num_params / 1e6:.0f}M parameters after shrinking, over the sweep's "
+                    f"{MAX_TINY_PARAMETERS / 1e6:.0f}M" + (f" (sub-configs the shrinker leaves full size: "
+                                                             f"{', '.join(subconfigs)})" if subconfigs else ""))
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(out)
@@ -188,6 +201,21 @@ def sweep_chunk(families: list[str], tokenizer_dir: Path, data: Path, root: Path
     return records
 
 
+def table_records() -> list[dict]:
+    """The rows of the table in ``docs/architectures.md``, as records (empty when there is none)."""
+    if not DOC.exists() or BEGIN not in DOC.read_text():
+        return []
+    table = DOC.read_text().split(BEGIN, 1)[1].split(END, 1)[0]
+    records = []
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and line.startswith("|") and cells[0] != "architecture" and not cells[0].startswith("-"):
+            name, result, err, seconds, reason = cells
+            records.append({"architecture": name, "result": result, "rel_err": float(err) if err else None,
+                            "seconds": float(seconds), "reason": reason})
+    return records
+
+
 def write_table(records: list[dict]) -> str:
     counts = {}
     for r in records:
@@ -226,6 +254,8 @@ def main() -> None:
     parser.add_argument("--output", default=str(ROOT / "bench" / "architectures_results.json"))
     args = parser.parse_args()
     families = [f for f in args.families.split(",") if f] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    # A sweep of some families replaces their rows and keeps the others' (a full sweep replaces them all).
+    kept = [r for r in table_records() if r["architecture"] not in families]
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -237,12 +267,12 @@ def main() -> None:
             records += sweep_chunk(families[first:first + args.chunk], tokenizer_dir, data, root, args)
             records.sort(key=lambda r: r["architecture"])
             Path(args.output).write_text(json.dumps(records, indent=1))
-            write_table(records)
+            write_table(sorted(kept + records, key=lambda r: r["architecture"]))
     for record in records:
         print(f"{record['architecture']:28s} {record['result']:12s} "
               f"{'' if record['rel_err'] is None else format(record['rel_err'], '.1e'):8s} "
               f"{record['seconds']:6.1f}s {record['reason']}")
-    print(write_table(records).split("\n")[0])
+    print(write_table(sorted(kept + records, key=lambda r: r["architecture"])).split("\n")[0])
 
 
 if __name__ == "__main__":

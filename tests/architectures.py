@@ -99,6 +99,8 @@ ARCHITECTURES = (
     Arch("lfm2", "lfm2", "hybrid short convolutions + attention", generic=True),
     Arch("qwen3_next", "qwen3_next", "hybrid gated delta net + gated attention, MoE", generic=True, moe=True),
     Arch("qwen3_5", "qwen3_5_text", "dense hybrid gated delta net + attention", generic=True),
+    Arch("seed_oss", "seed_oss", "q/k/v biases without an output bias; residual dropout (tiny_config turns it off)",
+         generic=True),
 )
 ARCH_BY_NAME = {arch.name: arch for arch in ARCHITECTURES}
 

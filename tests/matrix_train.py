@@ -7,7 +7,10 @@ once instead of once per architecture. Each run is given as a JSON object
 on the command line: ``{"name", "args": [train.py flags], "env": {...}}``;
 the exit code of every run (0, or ``SystemExit``'s) goes to
 ``<first run's --output-dir>/../results_<rank>.json``, rewritten after each
-run, and each run opens with a ``MATRIX RUN <name>`` line on stderr.
+run, and rank 0 opens each run with a ``MATRIX RUN <name>`` line on stderr
+(rank 0 only: the ranks' streams interleave, and another rank's marker for
+the next run could land before rank 0's refusal of this one, which then read
+as a crash in ``bench/bench_architectures.py``).
 
 The process group is created by the first run and kept for the next ones
 (``train.cleanup`` is replaced for the job's duration): destroying and
@@ -36,7 +39,8 @@ def main() -> None:
     out = Path(runs[0]["args"][runs[0]["args"].index("--output-dir") + 1]).parent
     rank = os.environ.get("RANK", "0")
     for run in runs:
-        print(f"{RUN_MARKER} {run['name']}", file=sys.stderr, flush=True)  # splits the shared log per run
+        if rank == "0":
+            print(f"{RUN_MARKER} {run['name']}", file=sys.stderr, flush=True)  # splits the shared log per run
         saved = {key: os.environ.get(key) for key in run.get("env", {})}
         os.environ.update(run.get("env", {}))
         try:

@@ -64,6 +64,19 @@ def test_a_refused_count_logs_null_flops_not_a_guess():
     assert metrics["model_tflops_per_second_per_gpu"] is None and metrics["loss_tokens_per_second"] == 40.0
 
 
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba"])
+def test_a_config_without_attention_heads_logs_null_flops_instead_of_raising(model_type):
+    """FalconMamba's config raises on num_attention_heads: start-up crashed there (bench_architectures sweep)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_configs import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, 100))
+    shape, reason = checked_model_flops(model)
+    assert shape is None and "has no num_attention_heads" in reason and "logged as null" in reason
+
+
 def test_qwen2_moe_shared_expert_and_dense_layers():
     from transformers import AutoConfig
 

@@ -15,6 +15,15 @@ loss, router loss and every gradient of the head on all positions, for
 several architectures, logit scaling, softcapping, LoRA and Liger; equal up
 to fp32 summation order (the terms are the same, their grouping into sums is
 not), and the prompt positions' hidden-state gradient exactly 0 in both.
+
+The start-up self-check on the sweep's tiny configs (``tiny_configs``: every
+dropout off, large initial weights, so a leak shows): BERT-style encoders,
+whose forward runs a prediction transform between the encoder and the LM head,
+are refused with that reason (Electra's and RoFormer's head is wider than the
+encoder: the trainer's head matmul used to crash); MiniCPM3, whose scaling
+before the head the trainer reproduces on the logits, passes; OPT, whose
+forward builds its mask without ``position_ids``, is refused under sdpa;
+RWKV, whose forward takes no ``position_ids`` at all, is refused saying so.
 """
 
 from __future__ import annotations
@@ -257,3 +266,83 @@ def test_out_of_vocabulary_data_is_refused_and_tokenizer_mismatch_warned(tmp_pat
         logger.removeHandler(caplog.handler)
     warned = [r.getMessage() for r in caplog.records if "tokenized with" in r.getMessage()]
     assert warned and str(llama3_model) in warned[0] and str(chatml_model) in warned[0]
+
+
+def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str = "sdpa") -> list[str]:
+    """``check_objective`` on the sweep's tiny ``model_type`` (``tiny_configs``), one process, no FSDP;
+    its ERROR lines (empty when it passes)."""
+    from transformers import AutoModelForCausalLM
+
+    from loss import CausalLMWithLoss
+    from selfcheck import check_objective
+    from tiny_configs import tiny_config
+
+    vocab = 96
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab), dtype=torch.float32,
+                                             attn_implementation=attn_implementation)
+    data = write_tokenized_jsonl(tmp_path / "data.jsonl", num_samples=12, vocab_size=vocab, seed=3)
+    logger.addHandler(caplog.handler)  # the toolkit's logger does not propagate once setup_logging ran
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            try:
+                check_objective(CausalLMWithLoss(model), load_tokenized_dataset(str(data)),
+                                attn_implementation=attn_implementation, compute_dtype=torch.float32,
+                                device=torch.device("cpu"))
+            except SystemExit as stop:
+                assert stop.code == 1
+    finally:
+        logger.removeHandler(caplog.handler)
+    # Each record once: caplog sees it through the added handler and, where the logger propagates, its own.
+    return list(dict.fromkeys(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR))
+
+
+@pytest.mark.parametrize("model_type, between, attn", [
+    ("bert", "cls.predictions.transform", "sdpa"),          # same width: the loss alone would differ, unexplained
+    ("electra", "generator_predictions", "sdpa"),           # 32 -> 128 features: the trainer's head matmul crashed
+    ("roformer", "cls.predictions.transform", "eager"),     # 32 -> 768 features
+])
+def test_a_head_fed_something_else_than_the_decoder_output_is_refused_with_that_reason(
+        model_type, between, attn, tmp_path, caplog):
+    """BERT-style encoders registered as causal LMs run a masked-LM prediction transform between the encoder and the
+    output embedding; the trainer's loss is the head on the decoder's output. One line says so, no traceback."""
+    [line] = _self_check(model_type, tmp_path, caplog, attn_implementation=attn)
+    assert f"(model_type '{model_type}')" in line and f"through {between} before the LM head" in line
+    assert f"attention {attn}" in line and "fine-tune a decoder-only model" in line
+
+
+@pytest.mark.parametrize("model_type", ["llama", "minicpm3"])
+def test_a_head_the_trainer_reproduces_passes(model_type, tmp_path, caplog):
+    """MiniCPM3 divides the decoder's output by logits_scaling before its head: not the same tensor, but the
+    trainer applies that scale to the logits, so the loss agrees and nothing is refused."""
+    assert _self_check(model_type, tmp_path, caplog) == []
+    assert any("objective self-check: the trainer's loss equals" in r.getMessage() for r in caplog.records)
+
+
+def test_opt_lets_packed_samples_see_each_other_under_sdpa_and_is_refused(tmp_path, caplog):
+    """OPT's forward builds its causal mask without position_ids: packed samples attend to each other under sdpa.
+    At its default init_std (0.02, nearly uniform attention) the leak cost 1.3e-5 of the step-1 loss and passed the
+    self-check; the sweep's tiny configs now set init_std like initializer_range, and the leak is refused."""
+    [line] = _self_check("opt", tmp_path, caplog)
+    assert "OPTForCausalLM" in line and "rows packed into one" in line and "attention sdpa lets packed" in line
+
+
+def test_a_forward_without_position_ids_is_refused_saying_so(tmp_path, caplog):
+    """RWKV's forward takes no position_ids (nor do BLOOM's and MPT's): its recurrent state flows from one packed
+    sample into the next, and no attention backend can change that, so the reason must not blame an attention mask."""
+    [line] = _self_check("rwkv", tmp_path, caplog, attn_implementation="eager")  # it refuses sdpa
+    assert "RwkvForCausalLM" in line and "rows packed into one" in line
+    assert "its forward takes no position_ids" in line and "no attention backend changes that" in line
+
+
+@pytest.mark.parametrize("model_type", ["seed_oss", "opt", "electra", "llama"])
+def test_tiny_configs_turn_every_dropout_off_and_use_large_weights(model_type):
+    """The sweep compares a training-mode step with an eval-mode reference: any dropout left on (Seed-OSS's
+    residual_dropout=0.1) makes them differ (1e-2), whatever the trainer does."""
+    from tiny_configs import tiny_config
+
+    values = tiny_config(model_type, 96).to_dict()
+    dropouts = {name: value for name, value in values.items()
+                if isinstance(value, float) and ("dropout" in name or "pdrop" in name)}
+    assert dropouts and not any(dropouts.values()), dropouts
+    assert values.get("initializer_range", values.get("init_std")) == 0.3
