@@ -39,9 +39,11 @@ NUM_STEPS = 3
 SETTINGS = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", use_rslora=False,
                         quantize_data_type="nf4")
 
-# Experimental: in two of four fresh-clone CI runs one QLoRA test lost a rank to SIGABRT on 2-rank gloo
-# (once mid-export, once mid-training; a different test each time). Until that is found, the QLoRA
-# tests run on request so that CI stays trustworthy: MINI_TRAINER_QLORA_TESTS=1 pytest tests/test_qlora.py
+# Experimental: in two of four fresh-clone CI runs one QLoRA test lost rank 1 to SIGABRT on 2-rank gloo.
+# The mid-export one came from unwaited NF4 all-gathers (fixed; ``_ok`` guards it); the other came at
+# process exit after a finished run ("terminate called without an active exception"), cause not yet
+# confirmed (docs/lora.md). Until it is, the QLoRA tests run on request so that CI stays trustworthy:
+# MINI_TRAINER_QLORA_TESTS=1 pytest tests/test_qlora.py
 pytestmark = pytest.mark.skipif(os.environ.get("MINI_TRAINER_QLORA_TESTS") != "1",
                                 reason="QLoRA is experimental (intermittent SIGABRT on gloo, docs/lora.md): "
                                        "MINI_TRAINER_QLORA_TESTS=1 runs these tests")
