@@ -39,9 +39,11 @@ NUM_STEPS = 3
 SETTINGS = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", use_rslora=False,
                         quantize_data_type="nf4")
 
-# Experimental: in two of four fresh-clone CI runs one QLoRA test lost a rank to SIGABRT on 2-rank gloo
-# (once mid-export, once mid-training; a different test each time). Until that is found, the QLoRA
-# tests run on request so that CI stays trustworthy: MINI_TRAINER_QLORA_TESTS=1 pytest tests/test_qlora.py
+# Experimental: in two of four fresh-clone CI runs one QLoRA test lost rank 1 to SIGABRT on 2-rank gloo.
+# The mid-export one came from unwaited NF4 all-gathers (fixed; ``_ok`` guards it); the other came at
+# process exit after a finished run ("terminate called without an active exception"), cause not yet
+# confirmed (docs/lora.md). Until it is, the QLoRA tests run on request so that CI stays trustworthy:
+# MINI_TRAINER_QLORA_TESTS=1 pytest tests/test_qlora.py
 pytestmark = pytest.mark.skipif(os.environ.get("MINI_TRAINER_QLORA_TESTS") != "1",
                                 reason="QLoRA is experimental (intermittent SIGABRT on gloo, docs/lora.md): "
                                        "MINI_TRAINER_QLORA_TESTS=1 runs these tests")
@@ -71,6 +73,10 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 def _ok(result) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    # torch's exit-time count of collectives nobody waited for. Gathering NF4 DTensors for an export
+    # left torchao's three all-gathers per weight unwaited on rank 1 only (rank 0 waited on its copy),
+    # so rank 1 ran ahead with collectives still in flight; one such run lost rank 1 to SIGABRT.
+    assert "unwaited collective calls" not in result.stderr, result.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")
