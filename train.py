@@ -23,7 +23,6 @@ mean cross-entropy over the whole batch. Python API: ``train(TrainConfig(...))``
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -35,7 +34,8 @@ from schedule import stop_reason
 from setup_run import batch_loader, close_run, setup_run
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_step import log_step, report_skipped_step, train_step
-from utils import DistInfo, cleanup, init_distributed, log_rank_0, parse_config, setup_logging
+from utils import (DistInfo, cleanup, exit_finished_process, init_distributed, log_rank_0, parse_config,
+                   setup_logging)
 
 __all__ = ["TrainConfig", "main", "train"]
 
@@ -91,4 +91,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    exit_finished_process()
