@@ -59,13 +59,33 @@ class LoraSettings:
             targets = [name.strip() for name in targets.split(",") if name.strip()]
         elif model is not None:
             head = model.get_output_embeddings()
-            # A Linear subclass with its own forward (Llama-4's router returns (scores, logits)) is not a
-            # projection peft's LoRA layer can wrap: its output is not one tensor.
             targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                              if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-                              and module is not head})
+                              if _is_projection(module) and module is not head})
+        # GPT-2-style Conv1D stores its weight as [in, out]: peft must know, and so must the merged export.
+        fan_in_fan_out = model is not None and _targets_are_conv1d(model, targets)
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
-                          use_rslora=self.use_rslora, bias="none", task_type="CAUSAL_LM")
+                          use_rslora=self.use_rslora, bias="none", task_type="CAUSAL_LM",
+                          fan_in_fan_out=fan_in_fan_out)
+
+
+def _is_projection(module: nn.Module) -> bool:
+    """A plain linear map peft's LoRA layer can wrap: ``nn.Linear`` or transformers' ``Conv1D``.
+
+    A Linear subclass with its own forward (Llama-4's router returns (scores, logits)) is not:
+    its output is not one tensor.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) or isinstance(module, Conv1D)
+
+
+def _targets_are_conv1d(model: nn.Module, targets) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    names = set(targets) if not isinstance(targets, str) else set()
+    kinds = {isinstance(module, Conv1D) for name, module in model.named_modules()
+             if name.rsplit(".", 1)[-1] in names and _is_projection(module)}
+    return kinds == {True}
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings):
@@ -90,11 +110,19 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
         raise ValueError(f"--lora-target-modules {settings.target_modules}: peft cannot adapt "
                          f"{type(model).__name__} ({first})") from err
     config = peft_model.peft_config[ADAPTER_NAME]
-    not_linear = sorted({type(m).__name__ for name, m in model.named_modules()
-                         if hasattr(m, "lora_A") and not isinstance(m.get_base_layer(), nn.Linear)})
+    from transformers.pytorch_utils import Conv1D
+
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
+    bases = [m.get_base_layer() for m in adapted]
+    not_linear = sorted({type(m).__name__ for m, base in zip(adapted, bases)
+                         if not isinstance(base, (nn.Linear, Conv1D))})
     if not_linear:
         raise ValueError(f"--lora-target-modules {settings.target_modules} matches {', '.join(not_linear)} "
                          "layers; only linear layers can be adapted and merged here")
+    if len({isinstance(base, Conv1D) for base in bases}) > 1:
+        # One adapter config holds one weight layout, which the merged export follows.
+        raise ValueError(f"--lora-target-modules {settings.target_modules} matches both nn.Linear and Conv1D "
+                         "layers; name the modules of one kind")
     if hasattr(model.get_output_embeddings(), "lora_A"):
         # The loss multiplies the hidden states by the head's weight itself (chunked or Liger
         # cross-entropy), so an adapter on the head would be silently left out of every step.

@@ -41,11 +41,10 @@ and no boundary-aware backend here implements its attention sinks: the self-chec
 TRAINED = [arch.name for arch in ARCHITECTURES if arch.name != REFUSED]
 FUSED_EXPERTS = "matches ParamWrapper layers; only linear layers can be adapted and merged here"
 LORA_REFUSED = {"nemotron_h": "peft cannot adapt NemotronHForCausalLM", "qwen3_next": FUSED_EXPERTS,
-                "deepseek_v3_mla": FUSED_EXPERTS, "deepseek_v2": FUSED_EXPERTS, "glm4_moe": FUSED_EXPERTS,
-                "gpt2": "peft cannot adapt GPT2LMHeadModel"}
+                "deepseek_v3_mla": FUSED_EXPERTS, "deepseek_v2": FUSED_EXPERTS, "glm4_moe": FUSED_EXPERTS}
 """LoRA that stops at start-up with one line instead of a traceback: peft refuses Mamba layers' out_proj/conv1d
 (Nemotron-H); all-linear's names reach fused 3-D experts beside same-named shared-expert projections, whose
-adapters have no merge into the original keys; GPT-2's projections are Conv1D, not nn.Linear."""
+adapters have no merge into the original keys."""
 BATCH = 12
 BUDGET = 64
 SEED = 7

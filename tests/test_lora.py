@@ -96,6 +96,30 @@ def test_export_states_merge_equals_peft_merge_and_unload(chatml_model):
     assert len(adapter) == 2 * 7 * model.config.num_hidden_layers  # q k v o gate up down per block
 
 
+def test_conv1d_projections_are_adapted_and_merged_in_their_own_layout():
+    """GPT-2 stores its projections as Conv1D, [in, out]: the merged export must match peft's merge."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    base_state = {k: v.clone() for k, v in model.state_dict().items()}
+    peft_config = apply_lora(model, SETTINGS)
+    assert peft_config.fan_in_fan_out and sorted(peft_config.target_modules) == ["c_attn", "c_fc", "c_proj"]
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    merged, _ = export_states({k: v.detach().clone() for k, v in model.state_dict().items()},
+                              scaling=SETTINGS.alpha / SETTINGS.rank, fan_in_fan_out=peft_config.fan_in_fan_out)
+    fresh = AutoModelForCausalLM.from_config(config)
+    fresh.load_state_dict(base_state)
+    reference = get_peft_model(fresh, SETTINGS.peft_config(fresh))
+    reference.load_state_dict({f"base_model.model.{k}": v for k, v in model.state_dict().items()})
+    expected = reference.merge_and_unload().state_dict()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
 def test_packed_sharded_lora_steps_equal_unpacked_peft_reference(two_step_run, chatml_model, data_path):
     records = read_metrics(two_step_run)
     assert records[0]["grad_accum"] >= 2, "the budget should force gradient accumulation"
