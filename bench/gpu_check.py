@@ -1,6 +1,6 @@
 """One-command GPU acceptance: tests, exactness, speed, memory, written to one folder.
 
-    make gpu-check                                   # CUDA machine, about 12 minutes, into gpu_check/
+    make gpu-check                                   # CUDA machine, about 15 minutes, into gpu_check/
     make gpu-check GPU_CHECK_DIR=$OUT/gpu_check      # choose the folder (e.g. one the caller collects)
     make gpu-check DEVICE=cpu                        # the CPU rehearsal: same code path, tiny sizes, ~2 min
     python bench/gpu_check.py --output-dir gpu_check --device cpu
@@ -21,7 +21,10 @@ that fails or runs out of time is recorded and the next one runs. The sub-checks
   trains, with and without Liger;
 * ``levers``: ``train.py`` steps with each speed lever of ``LEVERS`` off and on (tokens/s,
   MFU and step-1 loss from the metrics lines); a flag this build's ``train.py`` does not
-  know is recorded as "not available in this build".
+  know is recorded as "not available in this build";
+* ``lora``: the same ``train.py`` runs as full fine-tuning, LoRA r=16 and QLoRA r=16 (NF4
+  base): tokens/s, peak memory and step-1 loss side by side (a missing peft or torchao is
+  recorded, not fatal).
 
 Writes ``report.md`` (every figure with its command), ``report.json`` and
 ``log.txt`` (each command's output) into ``--output-dir``; models and data go to a
@@ -98,14 +101,14 @@ class Sizes:
 
 GPU_SIZES = Sizes(shape="Qwen2.5-1.5B", budgets=(16384, 32768), median_len=600, p99_len=8000, max_len=16384,
                   num_steps=4, num_warmup_steps=1, max_probe_tokens=262144, matmul_size=8192, lever_budget=32768,
-                  lever_steps=6, time_budget_s=690,
+                  lever_steps=6, time_budget_s=890,
                   limits_s=dict(environment=60, matmul_peak=60, gpu_tests=150, exactness=150, bench_32k=150,
-                                bench_16k=300, levers=240))
+                                bench_16k=300, levers=240, lora=200))
 CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, max_len=256, num_steps=1,
                   num_warmup_steps=0, max_probe_tokens=1024, matmul_size=256, lever_budget=512, lever_steps=2,
                   time_budget_s=1800,  # generous: CI machines are shared; about 2 minutes on 2 idle cores
                   limits_s=dict(environment=120, matmul_peak=120, gpu_tests=300, exactness=600, bench_32k=300,
-                                bench_16k=300, levers=600))
+                                bench_16k=300, levers=600, lora=600))
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.4%). The packed path (varlen attention,
 # one long row, FSDP, several minibatches) and the unpacked reference (sdpa, one sample at a time)
@@ -321,37 +324,53 @@ def check_bench(index: int, *, find_max_tokens: bool = False) -> Callable[[Runne
     return check
 
 
-def check_levers(runner: Runner, deadline: float) -> dict:
-    """train.py with each lever off and on, on the bench shape, from the metrics lines."""
-    from train import TrainConfig
-
-    known = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+def _train_setup(runner: Runner, deadline: float) -> tuple[list, dict]:
+    """The bench-shape model and data that train.py's timed runs share (built once), and their base flags."""
     model_dir = runner.scratch / "lever_model"
     data = runner.scratch / "lever_data.jsonl"
-    info = runner.helper("lever_setup", {"shape": runner.sizes.shape, "model": str(model_dir), "data": str(data),
-                                         "budget": runner.sizes.lever_budget, "steps": runner.sizes.lever_steps,
-                                         "median_len": runner.sizes.median_len, "p99_len": runner.sizes.p99_len,
-                                         "max_len": min(runner.sizes.max_len, runner.sizes.lever_budget)},
-                         deadline=deadline)
+    info_path = runner.scratch / "lever_info.json"
+    if not info_path.exists():
+        info = runner.helper("lever_setup", {"shape": runner.sizes.shape, "model": str(model_dir), "data": str(data),
+                                             "budget": runner.sizes.lever_budget, "steps": runner.sizes.lever_steps,
+                                             "median_len": runner.sizes.median_len, "p99_len": runner.sizes.p99_len,
+                                             "max_len": min(runner.sizes.max_len, runner.sizes.lever_budget)},
+                             deadline=deadline)
+        info_path.write_text(json.dumps(info))
+    info = json.loads(info_path.read_text())
     base = ["--model-name-or-path", model_dir, "--data-path", data, "--batch-size", info["batch_size"],
             "--max-tokens-per-gpu", runner.sizes.lever_budget, "--max-steps", runner.sizes.lever_steps,
             "--min-samples-per-checkpoint", 10**9, "--no-full-state", "--learning-rate", 1e-6,
             "--num-warmup-steps", 0, "--skip-objective-check", "--activation-checkpointing"]
     if runner.device == "cuda" and _installed("liger-kernel"):
         base.append("--use-liger-kernels")
+    return base, info
+
+
+def _timed_train(runner: Runner, base: list, extra: tuple[str, ...], deadline: float) -> dict:
+    """One train.py run: medians over its steps but the first (warm-up, compilation), from the metrics lines."""
+    out = runner.scratch / f"train_run_{len(runner.commands)}"
+    runner.run([sys.executable, "train.py", *base, "--output-dir", out, *extra], deadline=deadline)
+    records = [json.loads(line) for line in (out / "training_metrics_0.jsonl").read_text().splitlines()]
+    shutil.rmtree(out, ignore_errors=True)
+    timed = records[1:] or records
+    return {"args": list(extra), "step_1_loss": records[0]["loss"],
+            "peak_memory_gb": max(r["peak_memory_usage_GB"] for r in records),
+            **{key: _median([r[key] for r in timed]) for key in
+               ("tokens_per_second_per_gpu", "loss_tokens_per_second_per_gpu", "mfu", "model_flops_per_token",
+                "time_per_batch")}}
+
+
+def check_levers(runner: Runner, deadline: float) -> dict:
+    """train.py with each lever off and on, on the bench shape, from the metrics lines."""
+    from train import TrainConfig
+
+    known = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    base, info = _train_setup(runner, deadline)
     runs: dict[tuple, dict] = {}
 
     def run(extra: tuple[str, ...]) -> dict:
         if extra not in runs:
-            out = runner.scratch / f"lever_run_{len(runs)}"
-            runner.run([sys.executable, "train.py", *base, "--output-dir", out, *extra], deadline=deadline)
-            records = [json.loads(line) for line in (out / "training_metrics_0.jsonl").read_text().splitlines()]
-            timed = records[1:] or records  # the first step pays warm-up (and compilation)
-            runs[extra] = {"args": list(extra), "step_1_loss": records[0]["loss"],
-                           **{key: _median([r[key] for r in timed]) for key in
-                              ("tokens_per_second_per_gpu", "loss_tokens_per_second_per_gpu", "mfu",
-                               "model_flops_per_token", "time_per_batch")}}
-            shutil.rmtree(out, ignore_errors=True)
+            runs[extra] = _timed_train(runner, base, extra, deadline)
         return runs[extra]
 
     # The defaults run once: a lever whose default is on takes its "on" figures from it.
@@ -370,6 +389,32 @@ def check_levers(runner: Runner, deadline: float) -> dict:
         figures[lever.name] = {"status": "ok", "off": off, "on": on,
                                "speedup": on["tokens_per_second_per_gpu"] / off["tokens_per_second_per_gpu"],
                                "step_1_loss_equal": on["step_1_loss"] == off["step_1_loss"]}
+    return figures
+
+
+def check_lora(runner: Runner, deadline: float) -> dict:
+    """Full fine-tuning, LoRA and QLoRA (r=16, all-linear) side by side: speed, peak memory, step-1 loss."""
+    base, info = _train_setup(runner, deadline)
+    modes = {"full": (), "lora_r16": ("--lora-rank", "16"),
+             "qlora_r16": ("--lora-rank", "16", "--lora-quantize-data-type", "nf4")}
+    needs = {"lora_r16": ("peft",), "qlora_r16": ("peft", "torchao")}
+    figures: dict = {"train_flags": [str(part) for part in base], "batch_size": info["batch_size"]}
+    for mode, extra in modes.items():
+        missing = [name for name in needs.get(mode, ()) if not _installed(name)]
+        if missing:
+            figures[mode] = {"status": f"not installed: {', '.join(missing)}"}
+            continue
+        try:
+            figures[mode] = {"status": "ok", **_timed_train(runner, base, extra, deadline)}
+        except (CheckFailed, CheckTimeout) as err:  # recorded; the next mode still gets what time is left
+            figures[mode] = {"status": f"{'timeout' if isinstance(err, CheckTimeout) else 'failed'}: {err}"}
+    full = figures["full"]
+    for mode in ("lora_r16", "qlora_r16"):
+        row = figures[mode]
+        if row["status"] == "ok" and full["status"] == "ok":
+            row["speed_vs_full"] = row["tokens_per_second_per_gpu"] / full["tokens_per_second_per_gpu"]
+            row["peak_memory_vs_full"] = row["peak_memory_gb"] / full["peak_memory_gb"]
+            row["step_1_loss_equal_full"] = row["step_1_loss"] == full["step_1_loss"]
     return figures
 
 
@@ -397,6 +442,7 @@ CHECKS: tuple[tuple[str, Callable[[Runner, float], dict]], ...] = (
     ("gpu_tests", check_gpu_tests),
     ("bench_32k", check_bench(1)),
     ("levers", check_levers),
+    ("lora", check_lora),
     ("bench_16k", check_bench(0, find_max_tokens=True)),
 )
 

@@ -74,6 +74,12 @@ def test_every_sub_check_ran_and_passed_on_cpu(rehearsal):
     for lever in gpu_check.LEVERS:
         assert levers[lever.name]["status"] in ("ok", "not available in this build")
 
+    lora = checks["lora"]["figures"]
+    assert lora["full"]["status"] == "ok" and lora["lora_r16"]["status"] == "ok"
+    assert lora["lora_r16"]["step_1_loss_equal_full"], "adapters start at B = 0: step 1 is the base model's"
+    assert lora["qlora_r16"]["status"] in ("ok", "not installed: torchao")
+    assert lora["full"]["peak_memory_gb"] > 0 and lora["lora_r16"]["tokens_per_second_per_gpu"] > 0
+
     found = checks["bench_16k"]["figures"]["max_tokens_per_gpu"]
     assert found["liger_off"] is None and found["liger_on"] is None  # the search runs on CUDA only
     assert set(report["summary"]) >= {"mfu_32k_liger", "packed_over_padded", "max_tokens_liger_ac"}
