@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from utils import comma_list
+
 ADAPTER_NAME = "default"
 ALL_LINEAR = "all-linear"
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\." + ADAPTER_NAME + r"\.weight$")
@@ -56,7 +58,7 @@ class LoraSettings:
 
         targets = self.target_modules
         if targets != ALL_LINEAR:
-            targets = [name.strip() for name in targets.split(",") if name.strip()]
+            targets = comma_list(targets)
         elif model is not None:
             head = model.get_output_embeddings()
             targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()

@@ -126,6 +126,11 @@ def parse_config(config_cls: type[ConfigT], argv: list[str] | None = None, *, de
         raise  # unreachable: parser.error exits
 
 
+def comma_list(text: str) -> list[str]:
+    """The names of a comma-separated flag value (``"a, b,"`` -> ``["a", "b"]``)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def collect_errors(errors: list[str]) -> None:
     """Raise one ValueError listing every validation problem, if any."""
     if errors:

@@ -61,7 +61,7 @@ from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, flash_a
 from autotune import longest_first_plan, probe_max_tokens_per_gpu  # noqa: E402
 from flops import model_flops, training_flops  # noqa: E402
 from loss import CausalLMWithLoss  # noqa: E402
-from utils import (IGNORE_INDEX, DistInfo, cleanup, collect_errors, config_field, gpu_name,  # noqa: E402
+from utils import (IGNORE_INDEX, DistInfo, cleanup, collect_errors, comma_list, config_field, gpu_name,  # noqa: E402
                    init_distributed, log_rank_0, measure_bf16_matmul_tflops, parse_config, peak_memory_gb,
                    reset_peak_memory, setup_logging, synchronize)
 
@@ -124,7 +124,7 @@ class BenchConfig:
 
     @property
     def layout_list(self) -> list[str]:
-        return [name.strip() for name in self.layouts.split(",") if name.strip()]
+        return comma_list(self.layouts)
 
 
 @dataclass

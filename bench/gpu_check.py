@@ -51,7 +51,7 @@ from typing import Callable, Literal
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from utils import collect_errors, config_field, parse_config  # noqa: E402
+from utils import collect_errors, comma_list, config_field, parse_config  # noqa: E402
 
 OPTIONAL_WHEELS = ("liger-kernel", "peft", "flash-attn")
 REQUIRED_WHEELS = ("torch", "transformers", "datasets", "tokenizers", "safetensors", "numpy", "tqdm", "jinja2",
@@ -143,7 +143,7 @@ class GpuCheckConfig:
 
     @property
     def only_list(self) -> list[str]:
-        return [name.strip() for name in self.only.split(",") if name.strip()]
+        return comma_list(self.only)
 
 
 # ----------------------------------------------------------------------------

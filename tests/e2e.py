@@ -36,6 +36,13 @@ def write_tokenized_jsonl(path: Path, *, num_samples: int, vocab_size: int, seed
     return path
 
 
+def model_vocab_size(model_dir: Path) -> int:
+    """The vocabulary of the model saved in ``model_dir``, from its config (no weights loaded)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).vocab_size
+
+
 def unpacked_loss_sum(model, samples, *, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
     """The tests' reference: each ``(input_ids, labels)`` alone through ``model`` (no packing, no
     sharding, one process); the summed next-token cross-entropy (logits cast to ``dtype`` if given)

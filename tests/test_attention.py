@@ -23,6 +23,7 @@ import attention
 from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, cu_seqlens_from_position_ids,
                        register_attention_backends, varlen_reference)
 from autotune import DEFAULT_MAX_TOKENS_PER_GPU, longest_first_plan, probe_max_tokens_per_gpu, search_largest_fitting
+from e2e import model_vocab_size
 from loss import CausalLMWithLoss
 from setup_model_fsdp import apply_liger_kernels, resolve_attn_implementation
 from utils import IGNORE_INDEX, logger
@@ -281,7 +282,7 @@ def test_packed_loss_is_the_same_on_every_backend(tiny_models, template):
     path = tiny_models[template]
     register_attention_backends()
     lengths = [5, 11, 1, 8]
-    row, samples = packed_sample_batch(AutoModelForCausalLM.from_pretrained(path).config.vocab_size, lengths)
+    row, samples = packed_sample_batch(model_vocab_size(path), lengths)
 
     unpacked = torch.zeros(())
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
@@ -382,7 +383,7 @@ def test_torch_varlen_model_loss_matches_reference_on_gpu(chatml_model):
         pytest.skip(attention.torch_varlen_unavailable_reason())
     register_attention_backends()
     lengths = [5, 40, 1, 23]
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     row, _ = packed_sample_batch(vocab, lengths)
     row = {name: t.cuda() for name, t in row.items()}
     losses = {}
@@ -410,7 +411,7 @@ def test_sharded_model_through_setup_model_gives_the_same_loss(chatml_model, mon
     monkeypatch.setenv("MASTER_PORT", str(port))
     dist_info = init_distributed()
     lengths = [6, 2, 9]
-    row, _ = packed_sample_batch(AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size, lengths)
+    row, _ = packed_sample_batch(model_vocab_size(chatml_model), lengths)
     cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(row["position_ids"])
     losses = {}
     for name in ("sdpa", REFERENCE_VARLEN):

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from autotune import is_allocation_failure, trial_fits
-from e2e import torchrun, write_tokenized_jsonl
+from e2e import model_vocab_size, torchrun, write_tokenized_jsonl
 
 
 def test_allocation_failures_beyond_out_of_memory_error_mean_does_not_fit():
@@ -36,7 +35,7 @@ def test_allocation_failures_beyond_out_of_memory_error_mean_does_not_fit():
 
 @pytest.mark.parametrize("failing_ranks", ["*", "none"])
 def test_failed_trial_leaves_fsdp_consistent(tmp_path, chatml_model, failing_ranks):
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=12, vocab_size=vocab, seed=2)
     results = {}
     for name, env in (("failed", {"MINI_TRAINER_TEST_PROBE_FAIL": f"64:{failing_ranks}"}), ("clean", {})):
@@ -53,7 +52,7 @@ def test_failed_trial_leaves_fsdp_consistent(tmp_path, chatml_model, failing_ran
 def test_failure_on_one_rank_only_stops_the_job_without_a_hang(tmp_path, chatml_model):
     """Rank 0 is left inside a collective of the trial that rank 1 never joins: rank 1 waits for the
     verdicts only as long as the probe timeout, then stops the job with an error naming the way out."""
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=12, vocab_size=vocab, seed=2)
     began = time.monotonic()
     run = torchrun([str(chatml_model), str(data), str(tmp_path / "r.json")], script="tests/probe_recovery_run.py",

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
-from e2e import read_metrics, torchrun, write_tokenized_jsonl
+from e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from setup_model_fsdp import compile_refusal
 
@@ -32,7 +31,7 @@ RECOMPILE_LOGS = {"TORCH_LOGS": "recompiles"}
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory, chatml_model) -> Path:
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     return write_tokenized_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", num_samples=60,
                                  vocab_size=vocab, seed=3)
 

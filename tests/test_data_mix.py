@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from transformers import AutoModelForCausalLM
 
 from data_mix import MixedDataset, MixedStream, Source, data_paths, parse_data_spec
-from e2e import read_metrics, torchrun, write_tokenized_jsonl
+from e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from sampler import load_tokenized_dataset
 
@@ -78,7 +77,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def mix_spec(tmp_path_factory, chatml_model) -> str:
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     root = tmp_path_factory.mktemp("mix")
     a = write_tokenized_jsonl(root / "a.jsonl", num_samples=25, vocab_size=vocab, seed=1)
     b = write_tokenized_jsonl(root / "b.jsonl", num_samples=9, vocab_size=vocab, seed=2, max_len=20)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from api import config_to_argv
-from e2e import read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl
+from e2e import model_vocab_size, read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from lora import LoraSettings, apply_lora, export_states, lora_preflight
 from train import TrainConfig
@@ -35,7 +35,7 @@ SETTINGS = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-line
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory, chatml_model) -> Path:
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     return write_tokenized_jsonl(tmp_path_factory.mktemp("lora_data") / "train.jsonl", num_samples=48,
                                  vocab_size=vocab, seed=4)
 

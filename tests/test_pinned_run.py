@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
-from e2e import read_metrics, torchrun, write_tokenized_jsonl
+from e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from tiny_model import build_tiny_model
 
 # (step, loss, grad_norm, lr) of each optimizer step, then (step, val_loss) of each validation.
@@ -45,7 +44,7 @@ REL = 1e-6
 def pinned_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("pinned")
     model = build_tiny_model("chatml", root / "model")
-    vocab = AutoModelForCausalLM.from_pretrained(model).config.vocab_size
+    vocab = model_vocab_size(model)
     data = write_tokenized_jsonl(root / "train.jsonl", num_samples=40, vocab_size=vocab, seed=3)
     out = root / "out"
     result = torchrun(["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2Config
 
 pytest.importorskip("torchao", reason="QLoRA needs torchao (requirements-dev.txt)")
 
-from e2e import read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl  # noqa: E402
+from e2e import model_vocab_size, read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl  # noqa: E402
 from full_state import complete_checkpoints  # noqa: E402
 from lora import LoraSettings, apply_lora, lora_preflight  # noqa: E402
 from qlora import NF4_GROUP, nf4_refusal, quantize_base_weights  # noqa: E402
@@ -47,7 +47,7 @@ def wide_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory, wide_model) -> Path:
-    vocab = AutoModelForCausalLM.from_pretrained(wide_model).config.vocab_size
+    vocab = model_vocab_size(wide_model)
     return write_tokenized_jsonl(tmp_path_factory.mktemp("qlora_data") / "train.jsonl", num_samples=48,
                                  vocab_size=vocab, seed=4)
 
@@ -144,7 +144,7 @@ def test_what_cannot_be_quantized_is_a_one_line_error(chatml_model):
 
 
 def test_cli_refuses_an_unquantizable_model_on_every_rank(tmp_path, chatml_model):
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=8, vocab_size=vocab, seed=1)
     result = torchrun(_args(chatml_model, data, tmp_path / "out"))
     assert result.returncode != 0

@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
-from e2e import ROOT, _free_port, pickle_enums, read_metrics, torchrun, write_tokenized_jsonl
+from e2e import ROOT, _free_port, model_vocab_size, pickle_enums, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 
 BATCH = 12
@@ -35,7 +34,7 @@ CHECKPOINT_EVERY = 4 * BATCH  # full state after step 4 and step 8
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory, chatml_model) -> Path:
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     return write_tokenized_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", num_samples=60,
                                  vocab_size=vocab, seed=3)
 

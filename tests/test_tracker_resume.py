@@ -14,9 +14,8 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
 
-from e2e import torchrun, write_tokenized_jsonl
+from e2e import model_vocab_size, torchrun, write_tokenized_jsonl
 
 FAKE_WANDB = '''
 import json, os, uuid
@@ -72,7 +71,7 @@ def _args(model: Path, data: Path, out: Path, steps: int) -> list[str]:
 def test_resumed_run_continues_the_same_wandb_run(tmp_path, chatml_model, fake_wandb):
     import os
 
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=20, vocab_size=vocab, seed=2)
     log = tmp_path / "wandb_calls.jsonl"
     env = {"PYTHONPATH": f"{fake_wandb}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "FAKE_WANDB_LOG": str(log)}

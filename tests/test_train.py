@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from e2e import read_metrics, torchrun, torchrun_two_nodes, unpacked_loss_sum, write_tokenized_jsonl
+from e2e import model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, unpacked_loss_sum, write_tokenized_jsonl
 from sampler import InfiniteSampler, load_tokenized_dataset
 
 BATCH = 12
@@ -30,7 +30,7 @@ LR = 1e-2
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory, chatml_model) -> Path:
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
     return write_tokenized_jsonl(path, num_samples=40, vocab_size=vocab, seed=1)
 
@@ -239,7 +239,7 @@ def test_impossible_schedule_fails_before_the_model_loads(tmp_path, chatml_model
 
 def test_batch_without_loss_tokens_does_not_move_the_weights(tmp_path, chatml_model):
     """All labels masked: zero gradients, and AdamW's weight decay must not run either."""
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     data = tmp_path / "masked.jsonl"
     rng = np.random.default_rng(0)
     with data.open("w") as f:

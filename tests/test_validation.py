@@ -25,7 +25,7 @@ import checkpoint_policy
 import resume_policy
 import validation
 from batch_metrics import MetricsWriter
-from e2e import torchrun, unpacked_loss_sum, write_tokenized_jsonl
+from e2e import model_vocab_size, torchrun, unpacked_loss_sum, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from sampler import InfiniteSampler, load_tokenized_dataset
 
@@ -50,7 +50,7 @@ def _ok(result) -> None:
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory, chatml_model) -> Path:
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     return write_tokenized_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", num_samples=30,
                                  vocab_size=vocab, seed=4)
 
@@ -211,7 +211,7 @@ def test_validation_loss_is_exact_and_split_excludes_training_rows(tmp_path, cha
 
 
 def test_separate_validation_file_and_strict_json(tmp_path, chatml_model, data_path):
-    vocab = AutoModelForCausalLM.from_pretrained(chatml_model).config.vocab_size
+    vocab = model_vocab_size(chatml_model)
     val_path = write_tokenized_jsonl(tmp_path / "val.jsonl", num_samples=7, vocab_size=vocab, seed=8)
     out = tmp_path / "valfile"
     _ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "0", "--max-steps", "2",
