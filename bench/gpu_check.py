@@ -348,7 +348,7 @@ def _train_setup(runner: Runner, deadline: float) -> tuple[list, dict]:
 
 def _timed_train(runner: Runner, base: list, extra: tuple[str, ...], deadline: float) -> dict:
     """One train.py run: medians over its steps but the first (warm-up, compilation), from the metrics lines."""
-    out = runner.scratch / f"train_run_{len(runner.commands)}"
+    out = Path(tempfile.mkdtemp(prefix="train_run_", dir=runner.scratch))  # never a folder a run could resume
     runner.run([sys.executable, "train.py", *base, "--output-dir", out, *extra], deadline=deadline)
     records = [json.loads(line) for line in (out / "training_metrics_0.jsonl").read_text().splitlines()]
     shutil.rmtree(out, ignore_errors=True)
