@@ -38,6 +38,7 @@ from ``position_ids`` only when those are absent.
 from __future__ import annotations
 
 import inspect
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -45,12 +46,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from utils import log_rank_0
+
 TORCH_VARLEN = "torch_varlen"
 REFERENCE_VARLEN = "reference_varlen"
 VARLEN_BACKENDS = (TORCH_VARLEN, REFERENCE_VARLEN)
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
 BOUNDARY_BACKENDS = FLASH_BACKENDS + VARLEN_BACKENDS
 """Backends that read packed boundaries from explicit ``cu_seq_lens``/``max_length`` kwargs."""
+PACKED_ATTENTION = ("sdpa", "eager") + BOUNDARY_BACKENDS
+"""Every backend that honours packed boundaries without padding."""
 
 MIN_TORCH_FOR_VARLEN = (2, 10)
 
@@ -373,4 +378,78 @@ def flash_attn_unavailable_reason(name: str) -> str | None:
         __import__(module)
     except ImportError as err:
         return f"{module} does not import ({err})"
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Choosing the backend
+
+
+def resolve_attn_implementation(requested: str, device_type: str, needs: AttentionNeeds | None = None) -> str:
+    """Pick the attention backend for padding-free packed rows, and say why in one line.
+
+    'auto' -> the first backend, in speed order for the device, that the
+    architecture accepts (``attention.backend_refusal``) and that is available:
+    on CUDA ``flash_attention_2`` (flash_attn imports), ``torch_varlen``
+    (PyTorch's varlen flash kernel, torch >= 2.10), ``sdpa``, ``eager``; on CPU
+    ``sdpa``, ``eager``. Every candidate honours packed boundaries without
+    padding: sdpa/eager through transformers' block-diagonal mask built from
+    ``position_ids`` (O(T^2) memory), flash and varlen backends through explicit
+    ``cu_seqlens``. An explicit choice the architecture refuses, or that cannot
+    honour packed boundaries, is a one-line error naming the accepted ones; a
+    GPU-only backend asked for on CPU falls back to auto with a warning.
+
+    Args:
+        needs: what the model's attention needs (``attention.attention_needs``);
+            None accepts every backend (no model at hand).
+    """
+    register_attention_backends()
+    gpu_only = FLASH_BACKENDS + (TORCH_VARLEN,)
+    refusal = (lambda name: None) if needs is None else (lambda name: backend_refusal(name, needs))
+    if requested == "auto":
+        candidates = (("flash_attention_2", TORCH_VARLEN, "sdpa", "eager") if device_type == "cuda"
+                      else ("sdpa", "eager"))
+        skipped = []
+        for name in candidates:
+            why_not = refusal(name) or backend_unavailable_reason(name)
+            if why_not is None:
+                reason = "; ".join(skipped) or ("fastest packed backend on " + device_type)
+                level = logging.WARNING if device_type == "cuda" and name in ("sdpa", "eager") else logging.INFO
+                log_rank_0(f"attention: {name} ({reason})", level=level)
+                return name
+            skipped.append(f"not {name}: {why_not}")
+        raise AssertionError("eager accepts every architecture")
+    error = explicit_attention_refusal(requested, needs)
+    if error is not None:
+        raise ValueError(error)
+    if requested in gpu_only and device_type != "cuda":
+        fallback = resolve_attn_implementation("auto", device_type, needs)
+        log_rank_0(f"--attn-implementation {requested} needs a GPU: using {fallback} on {device_type}",
+                   level=logging.WARNING)
+        return fallback
+    missing = backend_unavailable_reason(requested)
+    if missing is not None:
+        raise ValueError(f"--attn-implementation {requested}: {missing}. Use --attn-implementation auto, or "
+                         "install the CUDA extras (pip install -r requirements-cuda.txt)")
+    return requested
+
+
+def explicit_attention_refusal(requested: str, needs: AttentionNeeds | None) -> str | None:
+    """The one-line error for an explicit backend that cannot serve packed rows of this architecture, or None."""
+    refusal = (lambda name: None) if needs is None else (lambda name: backend_refusal(name, needs))
+    accepted = ", ".join(name for name in PACKED_ATTENTION if refusal(name) is None)
+    if requested not in PACKED_ATTENTION:
+        return (f"--attn-implementation {requested!r} cannot honour packed sequence boundaries "
+                f"without padding; choose one of auto, {accepted}")
+    why_not = refusal(requested)
+    if why_not is not None:
+        return f"--attn-implementation {requested}: {why_not}; this model accepts auto, {accepted}"
+    return None
+
+
+def backend_unavailable_reason(name: str) -> str | None:
+    if name in FLASH_BACKENDS:
+        return flash_attn_unavailable_reason(name)
+    if name == TORCH_VARLEN:
+        return torch_varlen_unavailable_reason()
     return None

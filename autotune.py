@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+import fault_injection
 from utils import DistInfo, log_rank_0, positive_env_number
 
 DEFAULT_MAX_TOKENS_PER_GPU = 10000
@@ -175,31 +175,16 @@ def make_trial_step(model: torch.nn.Module, dataset, *, model_inputs: Callable) 
             if remaining <= 0:
                 break
         minibatch = sampler.collate_minibatch(samples)
-        test_hook = _test_fail_in_backward(model, num_tokens)
+        injected = fault_injection.probe_failure(
+            model, num_tokens, [m for m in model.modules() if isinstance(m, FSDPModule)][1:])
         try:
             model(**model_inputs(minibatch)).backward()
         finally:
-            if test_hook is not None:
-                test_hook.remove()
+            if injected is not None:
+                injected.remove()
             reset_fsdp_after_trial(model)
 
     return try_step
-
-
-def _test_fail_in_backward(model: torch.nn.Module, num_tokens: int):
-    """Test-only: MINI_TRAINER_TEST_PROBE_FAIL="TOKENS:RANK" (RANK may be '*') raises an allocation
-    failure half-way through that trial's backward, after the later blocks reduced their gradients."""
-    spec = os.environ.get("MINI_TRAINER_TEST_PROBE_FAIL", "")
-    tokens, _, rank = spec.partition(":")
-    if tokens != str(num_tokens) or rank not in ("*", os.environ.get("RANK", "0")):
-        return None
-    blocks = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
-    middle = blocks[len(blocks) // 2] if blocks else model
-
-    def fail(module, grad_output):
-        raise RuntimeError("CUBLAS_STATUS_ALLOC_FAILED (test hook MINI_TRAINER_TEST_PROBE_FAIL)")
-
-    return middle.register_full_backward_pre_hook(fail)
 
 
 def probe_max_tokens_per_gpu(try_step: Callable[[int], None], *, device_type: str, lower: int = 4096,

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from utils import logger
+
 
 @dataclass(frozen=True)
 class StepCounts:
@@ -96,3 +98,23 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop metric lines logged after the checkpoint we resume from, so no step appears twice."""
+    if not path.is_file():
+        return
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            # A kill mid-write leaves half a line; it is dropped (its step is re-run) rather than
+            # crashing rank 0 while the other ranks wait for it.
+            logger.warning("%s line %d is not complete JSON (a kill mid-write?): dropped", path, number)
+            continue
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))

@@ -1,4 +1,4 @@
-"""Model FLOPs of a training step, from the model's config alone (pure arithmetic, no torch).
+"""Model FLOPs of a training step, from the model's config alone (pure arithmetic), and the MFU denominator.
 
     python flops.py --shape Qwen2.5-1.5B --lengths 4096,32768      # GFLOP per trained token
 
@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from utils import gpu_name, synchronize
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,84 @@ def speed_metrics(shape: ModelFlops | None, lengths: Sequence[int], *, num_loss_
         "loss_tokens_per_second_per_gpu": num_loss_counted_tokens / seconds / world_size if seconds > 0
         else float("nan"),
     }
+
+
+# ----------------------------------------------------------------------------
+# The MFU denominator: one device's peak bf16 rate
+
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, in TFLOP/s. The first
+# entry whose every word appears in torch's device name wins, so the specific names come first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),   # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H800 PCIe", 756.0),
+    ("H800", 989.4),
+    ("H200 NVL", 835.0),
+    ("H200", 989.4),   # same SXM5 compute as the H100
+    ("GH200", 989.4),
+    ("B200", 2250.0),
+    ("B100", 1750.0),
+    ("A100", 312.0),   # SXM4 and PCIe, 40 and 80 GB
+    ("A800", 312.0),
+    ("L40S", 362.05),
+    ("L40", 181.05),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("A6000 Ada", 364.2),
+    ("A6000", 154.8),
+    ("MI300X", 1307.4),
+    ("MI325X", 1307.4),
+    ("MI250X", 383.0),
+)
+
+
+def peak_bf16_tflops_for(name: str) -> float | None:
+    """The data-sheet dense bf16 peak of a device named ``name`` (as torch names it), or None."""
+    words = name.replace("-", " ").split()
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if all(word in words for word in key.split()):
+            return tflops
+    return None
+
+
+def measure_bf16_matmul_tflops(device: Any, *, n: int = 8192, iters: int = 20) -> float | None:
+    """Sustained rate of an ``n``^3 bf16 matmul on ``device`` in TFLOP/s; None on CPU, where no
+    meaningful peak exists (MFU is reported as null there rather than guessed)."""
+    return time_bf16_matmul(device, n=n, iters=iters) if device.type == "cuda" else None
+
+
+def time_bf16_matmul(device: Any, *, n: int, iters: int = 20) -> float:
+    """TFLOP/s of ``iters`` ``n``^3 bf16 matmuls on any device (gpu_check times the CPU too)."""
+    import time
+
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    synchronize()  # CPU-GPU sync point: the timed region ends here
+    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+
+
+def device_peak_tflops(device: Any) -> tuple[float | None, str]:
+    """One device's peak bf16 rate for MFU and where it came from: the data sheet of a known GPU,
+    else one 8192^3 matmul measured now; (None, reason) on CPU."""
+    if device.type != "cuda":
+        return None, "no GPU: MFU is logged as null"
+    name = gpu_name()
+    known = peak_bf16_tflops_for(name)
+    if known is not None:
+        return known, f"{name}: data-sheet dense bf16 peak {known:g} TFLOP/s"
+    measured = measure_bf16_matmul_tflops(device)
+    return measured, f"{name} is not in flops.PEAK_BF16_TFLOPS: measured 8192^3 bf16 matmul {measured:.0f} TFLOP/s"
 
 
 def main(argv: list[str] | None = None) -> None:

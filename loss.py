@@ -1,4 +1,4 @@
-"""The training module: a Hugging Face causal LM plus a sum-reduced token loss.
+"""The loss: a Hugging Face causal LM wrapped with its own objective as a sum-reduced token loss.
 
 The loss never materialises fp32 logits for the whole packed row:
 

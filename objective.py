@@ -33,11 +33,12 @@ packing, ranks or minibatches.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+import fault_injection
 
 LOGIT_CONFIG_ATTRIBUTES = {
     # attribute: how the model's forward applies it to ``lm_head(hidden)``
@@ -47,8 +48,6 @@ LOGIT_CONFIG_ATTRIBUTES = {
 }
 """Config attributes a causal LM's forward applies to its logits before the loss."""
 
-TEST_DROP_SCALE_ENV = "MINI_TRAINER_TEST_DROP_LOGIT_SCALE"
-"""Test-only: set to 1 and the trainer forgets the logit scale, so tests prove the self-check catches it."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ def logit_transform(model: nn.Module) -> LogitTransform:
         else:
             continue
         sources.append(f"{attribute}={value:g}")
-    if os.environ.get(TEST_DROP_SCALE_ENV) == "1":
+    if fault_injection.drops_logit_scale():
         scale = 1.0
     return LogitTransform(scale=scale, softcap=softcap, sources=tuple(sources))
 

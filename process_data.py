@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chat_masking import ChatEncoder, Sample, SampleError, parse_chat_row, parse_row
+from chat_masking import ChatEncoder, SampleError, parse_chat_row, parse_row
 from utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
 
 

@@ -212,9 +212,3 @@ def gather_dequantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if is_main:
             full[name] = tensor.detach().cpu()
     return full
-
-
-def dequantized_linear_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``{module name: dequantized weight}`` of every NF4 base layer of an unsharded model (tests, exports)."""
-    return {name: module.weight.get_original_weight() for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and is_nf4(module.weight)}

@@ -20,20 +20,45 @@ All functions here are pure or touch only rank 0's files; no collectives.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
+
+import numpy as np
 
 from data_mix import parse_data_spec
 
 RUN_PARAM_FIELDS = ("learning_rate", "lr_scheduler", "num_warmup_steps", "batch_size", "seed", "weight_decay",
                     "adam_betas", "max_grad_norm")
 """TrainConfig fields a resumed run must keep (stop conditions may grow; see ``run_params``). The data
-itself (and the validation split carved from it) is checked by content in ``full_state.fingerprint``,
+itself (and the validation split carved from it) is checked by content in ``fingerprint``,
 so a moved or renamed data folder still resumes."""
 
 MOVABLE = ("full_state", "hf_format", "training_params.json")
+
+
+def fingerprint(model_config, dataset, lora=None) -> dict:
+    """What must not change between a checkpoint and its resume: model shape, adapters and data.
+
+    ``lora`` (``lora.LoraSettings`` or None) shapes the trainable parameters, so a
+    checkpoint of other adapters (or of full fine-tuning) cannot be resumed; its
+    base quantization (QLoRA) is part of it too.
+    """
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return {
+        "model_type": model_config.model_type,
+        "vocab_size": text_config.vocab_size,
+        "hidden_size": text_config.hidden_size,
+        "num_hidden_layers": text_config.num_hidden_layers,
+        "num_data_samples": len(dataset),
+        "data_lengths_sha1": hashlib.sha1(np.ascontiguousarray(dataset.lengths, dtype=np.int64)).hexdigest(),
+        # QLoRA's base rounding changes every loss: appended only when on, so LoRA checkpoints still match.
+        "lora": None if lora is None else ([lora.rank, lora.alpha, lora.target_modules, lora.use_rslora]
+                                           + ([lora.quantize_data_type] if lora.quantize_data_type != "none"
+                                              else [])),
+    }
 
 
 def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> dict:
@@ -82,7 +107,7 @@ def check_resume(checkpoints: list[Path], current: dict, *, allow_change: bool,
         checkpoints: the full-state folders a resume would consider, oldest first.
         current: ``run_params`` of this command.
         allow_change: ``--allow-config-change``.
-        fingerprint: ``full_state.fingerprint`` of this model and data; a mismatch is never resumable.
+        fingerprint: ``fingerprint`` of this model and data; a mismatch is never resumable.
 
     Returns:
         ``(error, notice)``: an error line that stops every rank, or a notice to log (either may be None).

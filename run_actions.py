@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
 import checkpoint_policy
 import validation
-from checkpoint import save_hf_checkpoint
+from attention import model_inputs
+from hf_export import save_hf_checkpoint
 from full_state import save_full_state
+from sampler import StepBatch
 from setup_run import Run
 from utils import log_rank_0
 
 
-def validation_due(run: Run, batch, *, done: str | None, preempted: bool) -> bool:
+def validation_due(run: Run, batch: StepBatch, *, done: str | None, preempted: bool) -> bool:
     """On its step or sample cadence, and always at the end (a preempted step leaves it to the rerun)."""
     config = run.config
     return run.val_plan is not None and not preempted and bool(done or validation.should_validate(
@@ -28,7 +31,8 @@ def validate(run: Run) -> str | None:
     began = time.perf_counter()
     val_loss, val_tokens = validation.run_validation(
         run.model, run.val_dataset, run.val_plan, rank=dist_info.rank, device=dist_info.device,
-        model_inputs=run.model_inputs)
+        model_inputs=functools.partial(model_inputs, attn_implementation=run.resolved.attn_implementation,
+                                       device=dist_info.device))
     record = validation.validation_record(step=state.step, samples_seen=state.samples_seen, val_loss=val_loss,
                                           num_loss_counted_tokens=val_tokens, num_samples=run.val_plan.num_samples,
                                           elapsed=time.perf_counter() - began)
@@ -42,7 +46,7 @@ def validate(run: Run) -> str | None:
         val_loss=val_loss, tokenizer=run.tokenizer, generation_config=run.generation_config, rank=dist_info.rank))
 
 
-def checkpoints_due(run: Run, batch, *, done: str | None, preempted: bool) -> tuple[bool, bool]:
+def checkpoints_due(run: Run, batch: StepBatch, *, done: str | None, preempted: bool) -> tuple[bool, bool]:
     """``(Hugging Face export due, full state due)`` after this step."""
     config, state = run.config, run.state
     # A preemption on the last step (or on a cadence step) still writes the export that step owes:

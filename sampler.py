@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from packing import batch_lengths_to_minibatches, plan_minibatches  # noqa: F401 (the original's import path)
+from packing import plan_minibatches
 from utils import IGNORE_INDEX, logger
 
 BALANCE_CHOICES = ("tokens", "attention")

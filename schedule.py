@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from full_state import TrainState
+from train_state import TrainState
 from train_config import TrainConfig
 from utils import logger
 

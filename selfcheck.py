@@ -52,17 +52,18 @@ reductions, far below what a skipped logit scale or router loss costs on a real 
 # Data against model
 
 
-def check_data_fits_model(dataset, data_path: str, model_name: str, *, trust_remote_code: bool = False) -> str | None:
+def check_data_fits_model(dataset, data_path: str, model_name: str, model_config, *,
+                          trust_remote_code: bool = False) -> str | None:
     """Rank 0: an error line when a token id is out of the model's vocabulary; warns on a tokenizer mismatch.
 
     Args:
         dataset: a ``sampler.TokenizedDataset``.
         model_name: the model's ``--model-name-or-path``.
+        model_config: its config (``AutoConfig``), loaded once at start-up.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    config = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
-    vocab_size = getattr(config.get_text_config(), "vocab_size", None) or config.vocab_size
+    vocab_size = getattr(model_config.get_text_config(), "vocab_size", None) or model_config.vocab_size
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):

@@ -34,10 +34,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from attention import (FLASH_BACKENDS, TORCH_VARLEN, AttentionNeeds, attention_needs, backend_refusal,
-                       flash_attn_unavailable_reason, register_attention_backends, torch_varlen_unavailable_reason)
+from attention import attention_needs, resolve_attn_implementation
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss, decoder_of
 from qlora import NF4, broadcast_nf4, gather_dequantized_state, is_nf4, pop_nf4, quantize_base_weights
@@ -45,7 +44,6 @@ from recurrent import run_mixers_per_sample
 from utils import DistInfo, log_rank_0
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "torch_varlen", "reference_varlen")
 
 
 @dataclass(frozen=True)
@@ -62,89 +60,11 @@ class ModelSetup:
     quantized: str = "none"  # what --lora-quantize-data-type did, for the startup log
 
 
-def resolve_attn_implementation(requested: str, device_type: str, needs: AttentionNeeds | None = None) -> str:
-    """Pick the attention backend for padding-free packed rows, and say why in one line.
-
-    'auto' -> the first backend, in speed order for the device, that the
-    architecture accepts (``attention.backend_refusal``) and that is available:
-    on CUDA ``flash_attention_2`` (flash_attn imports), ``torch_varlen``
-    (PyTorch's varlen flash kernel, torch >= 2.10), ``sdpa``, ``eager``; on CPU
-    ``sdpa``, ``eager``. Every candidate honours packed boundaries without
-    padding: sdpa/eager through transformers' block-diagonal mask built from
-    ``position_ids`` (O(T^2) memory), flash and varlen backends through explicit
-    ``cu_seqlens``. An explicit choice the architecture refuses, or that cannot
-    honour packed boundaries, is a one-line error naming the accepted ones; a
-    GPU-only backend asked for on CPU falls back to auto with a warning.
-
-    Args:
-        needs: what the model's attention needs (``attention.attention_needs``);
-            None accepts every backend (no model at hand).
-    """
-    register_attention_backends()
-    gpu_only = FLASH_BACKENDS + (TORCH_VARLEN,)
-    refusal = (lambda name: None) if needs is None else (lambda name: backend_refusal(name, needs))
-    if requested == "auto":
-        candidates = (("flash_attention_2", TORCH_VARLEN, "sdpa", "eager") if device_type == "cuda"
-                      else ("sdpa", "eager"))
-        skipped = []
-        for name in candidates:
-            why_not = refusal(name) or _unavailable_reason(name)
-            if why_not is None:
-                reason = "; ".join(skipped) or ("fastest packed backend on " + device_type)
-                level = logging.WARNING if device_type == "cuda" and name in ("sdpa", "eager") else logging.INFO
-                log_rank_0(f"attention: {name} ({reason})", level=level)
-                return name
-            skipped.append(f"not {name}: {why_not}")
-        raise AssertionError("eager accepts every architecture")
-    error = explicit_attention_refusal(requested, needs)
-    if error is not None:
-        raise ValueError(error)
-    if requested in gpu_only and device_type != "cuda":
-        fallback = resolve_attn_implementation("auto", device_type, needs)
-        log_rank_0(f"--attn-implementation {requested} needs a GPU: using {fallback} on {device_type}",
-                   level=logging.WARNING)
-        return fallback
-    missing = _unavailable_reason(requested)
-    if missing is not None:
-        raise ValueError(f"--attn-implementation {requested}: {missing}. Use --attn-implementation auto, or "
-                         "install the CUDA extras (pip install -r requirements-cuda.txt)")
-    return requested
-
-
-def explicit_attention_refusal(requested: str, needs: AttentionNeeds | None) -> str | None:
-    """The one-line error for an explicit backend that cannot serve packed rows of this architecture, or None."""
-    refusal = (lambda name: None) if needs is None else (lambda name: backend_refusal(name, needs))
-    accepted = ", ".join(name for name in PACKED_ATTENTION if refusal(name) is None)
-    if requested not in PACKED_ATTENTION:
-        return (f"--attn-implementation {requested!r} cannot honour packed sequence boundaries "
-                f"without padding; choose one of auto, {accepted}")
-    why_not = refusal(requested)
-    if why_not is not None:
-        return f"--attn-implementation {requested}: {why_not}; this model accepts auto, {accepted}"
-    return None
-
-
-def attention_preflight(model_name_or_path: str, requested: str, *, trust_remote_code: bool = False) -> str | None:
-    """Rank 0, before heavy work: the refusal line for an explicit ``--attn-implementation``, or None."""
-    if requested == "auto":
-        return None
-    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
-    return explicit_attention_refusal(requested, attention_needs(_meta_model(config, trust_remote_code)))
-
-
-def _meta_model(config, trust_remote_code: bool) -> nn.Module:
+def meta_model(config, trust_remote_code: bool) -> nn.Module:
     """The architecture on the meta device: no memory, no weights read."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
                                                 trust_remote_code=trust_remote_code)
-
-
-def _unavailable_reason(name: str) -> str | None:
-    if name in FLASH_BACKENDS:
-        return flash_attn_unavailable_reason(name)
-    if name == TORCH_VARLEN:
-        return torch_varlen_unavailable_reason()
-    return None
 
 
 def apply_liger_kernels(model: nn.Module, *, device_type: str) -> bool:
@@ -282,7 +202,8 @@ def build_mesh(strategy: str, dist_info: DistInfo, local_world_size: int) -> Dev
                             mesh_dim_names=("replicate", "shard"))
 
 
-def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementation: str,
+def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | None = None, dist_info: DistInfo,
+                attn_implementation: str,
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
                 use_liger_kernels: bool, local_world_size: int,
                 head_learned_positions_only: bool = True, compile: bool = False, trust_remote_code: bool = False,
@@ -291,6 +212,7 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
 
     Args:
         model_name_or_path: local folder or hub id understood by ``from_pretrained``.
+        model_config: its config when the caller has loaded it already (read here otherwise); not modified.
         dist_info: this process's place in the job.
         attn_implementation: 'auto' or a transformers attention backend.
         sharding_strategy: one of ``SHARDING_STRATEGIES``.
@@ -314,10 +236,11 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
     # fp32 master weights everywhere; bf16 compute only where the hardware makes it pay.
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    config = (copy.deepcopy(model_config) if model_config is not None
+              else AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code))
     config.use_cache = False
     # Every rank builds the architecture on meta (no memory); its attention needs pick the backend.
-    model = _meta_model(config, trust_remote_code)
+    model = meta_model(config, trust_remote_code)
     attn = resolve_attn_implementation(attn_implementation, device.type, attention_needs(model))
     if attn != "eager":
         model.set_attn_implementation(attn)
@@ -382,7 +305,7 @@ def setup_model(*, model_name_or_path: str, dist_info: DistInfo, attn_implementa
         compile_blocks(blocks, device_type=device.type)
     wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels,
                                head_learned_positions_only=head_learned_positions_only)
-    # Read by the export (checkpoint.py): the adapter's config and whether to merge it.
+    # Read by the export (hf_export.py): the adapter's config and whether to merge it.
     wrapper.lora_config = lora_config
     wrapper.lora_merge_on_export = lora is None or lora.merge_on_export
     num_trainable, num_params = count_parameters(model)

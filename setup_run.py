@@ -19,29 +19,38 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
 
 import checkpoint_policy
 import data_mix
+import fault_injection
 import flops
 import resume_policy
 import sampler
 import schedule
 import validation
-from attention import model_inputs
+from attention import attention_needs, explicit_attention_refusal, model_inputs
 from autotune import probe_token_budget
-from batch_metrics import MetricsWriter
-from full_state import (TrainState, complete_checkpoints, fingerprint, full_state_root, remove_leftover_tmp,
-                        resume_train_state, truncate_metrics)
+from batch_metrics import MetricsWriter, truncate_metrics
+from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
 from lora import lora_preflight
+from loss import CausalLMWithLoss
 from selfcheck import check_data_fits_model, check_objective
-from setup_model_fsdp import ModelSetup, attention_preflight, setup_model, shard_group_size
+from setup_model_fsdp import ModelSetup, meta_model, setup_model, shard_group_size
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
-from trackers import NullTracker, TrackerInitError, make_tracker
-from utils import DistInfo, device_peak_tflops, log_rank_0, logger, seed_everything
+from train_state import TrainState
+from trackers import NullTracker, Tracker, TrackerInitError, make_tracker
+from utils import DistInfo, fail_together, log_rank_0, logger, seed_everything
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+TrainingRows = sampler.TokenizedDataset | data_mix.MixedDataset | validation.RowSubset
+"""What the sampler draws from: a tokenized file, a data mix, or the rows a validation split left."""
 
 
 @dataclass
@@ -50,27 +59,24 @@ class Run:
 
     config: TrainConfig
     dist_info: DistInfo
-    dataset: Any                   # training rows (a MixedDataset for a data mix)
+    dataset: TrainingRows
     total_steps: int | None        # None: infinite sampling
     max_tokens: int                # resolved --max-tokens-per-gpu
-    model: torch.nn.Module         # the FSDP-sharded model with the trainer's loss (loss.py)
+    model: CausalLMWithLoss        # FSDP-sharded
     resolved: ModelSetup           # what setup_model decided: attention backend, dtype, mesh, ...
-    model_shape: Any               # flops.checked_model_flops: None where the config does not describe it
+    model_shape: flops.ModelFlops | None  # None where the config does not describe it
     peak_tflops: float | None      # the MFU denominator
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: LRScheduler
     state: TrainState              # counters, restored on resume
     run_params: dict               # what a resume compares (resume_policy.py)
     model_fingerprint: dict
-    tokenizer: Any                 # rank 0 only: saved with every export
-    generation_config: Any         # rank 0 only
+    tokenizer: PreTrainedTokenizerBase | None   # rank 0 only: saved with every export
+    generation_config: GenerationConfig | None  # rank 0 only
     metrics: MetricsWriter | None  # rank 0 only
-    tracker: Any
-    val_dataset: Any = None
+    tracker: Tracker
+    val_dataset: TrainingRows | None = None
     val_plan: validation.ValidationPlan | None = None
-
-    def model_inputs(self, minibatch) -> dict:
-        return model_inputs(minibatch, self.resolved.attn_implementation, self.dist_info.device)
 
 
 def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
@@ -78,33 +84,36 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     from transformers import AutoTokenizer
 
     seed_everything(config.seed)
-    _fail_together(dist_info, _preflight(config) if dist_info.is_main else None)
+    fail_together(_preflight(config) if dist_info.is_main else None)
+    model_config = _load_model_config(config)
+    fail_together(_model_preflight(config, model_config) if dist_info.is_main else None)
     if dist_info.is_main:
         for leftover in remove_leftover_tmp(config.output_dir):
             logger.warning("removed %s, left behind by a save that was interrupted", leftover)
     dataset = _load_dataset_rank0_first(config, dist_info)
-    _fail_together(dist_info, _check_data_fits_model(config, dataset) if dist_info.is_main else None)
+    fail_together(_check_data_fits_model(config, model_config, dataset) if dist_info.is_main else None)
     dataset, val_dataset, val_source = _validation_set(config, dataset, dist_info)
     total_steps = schedule.total_steps(config, len(dataset))
     schedule.check_scheduler(config, total_steps, is_main=dist_info.is_main)
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
-    _fail_together(dist_info, _resume_policy(config, run_params, dataset) if dist_info.is_main else None)
-    tracker, tracker_error = _start_tracker(config, dist_info)
-    _fail_together(dist_info, tracker_error)
+    model_fingerprint = resume_policy.fingerprint(model_config, dataset, config.lora)
+    fail_together(_resume_policy(config, run_params, model_fingerprint) if dist_info.is_main else None)
+    candidates = resume_candidates(config.output_dir, resume=config.resume, resume_from=config.resume_from)
+    tracker, tracker_error = _start_tracker(config, dist_info, candidates)
+    fail_together(tracker_error)
 
     model, resolved = setup_model(
-        model_name_or_path=config.model_name_or_path, dist_info=dist_info,
+        model_name_or_path=config.model_name_or_path, model_config=model_config, dist_info=dist_info,
         attn_implementation=config.attn_implementation, sharding_strategy=config.fsdp_sharding_strategy,
         cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
         use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
-        compile=config.compile,
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size)),
+        compile=config.compile, local_world_size=_local_world_size(),
         trust_remote_code=config.trust_remote_code, lora=config.lora,
     )
     model_shape, flops_reason = flops.checked_model_flops(model.model)
     log_rank_0(flops_reason)
-    peak_tflops, peak_reason = device_peak_tflops(dist_info.device)
+    peak_tflops, peak_reason = flops.device_peak_tflops(dist_info.device)
     log_rank_0("MFU denominator: %s", peak_reason)
     if not config.skip_objective_check:
         check_objective(model, dataset, attn_implementation=resolved.attn_implementation,
@@ -127,11 +136,10 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
                                   betas=config.adam_betas, weight_decay=config.weight_decay)
     scheduler = schedule.build_scheduler(config, optimizer, total_steps)
-    model_fingerprint = fingerprint(model.model.config, dataset, config.lora)
     began = time.perf_counter()
-    state = resume_train_state(model, optimizer, scheduler, output_dir=config.output_dir, resume=config.resume,
-                               resume_from=config.resume_from, model_fingerprint=model_fingerprint,
-                               dist_info=dist_info)
+    state = resume_train_state(model, optimizer, scheduler, candidates=candidates, resume=config.resume,
+                               model_fingerprint=model_fingerprint, dist_info=dist_info)
+    fault_injection.install(model, optimizer, state, dist_info.rank)
     if state.step:
         log_rank_0("resume took %.2fs", time.perf_counter() - began)
         if config.allow_config_change:
@@ -176,9 +184,7 @@ def close_run(run: Run) -> None:
 
 
 def _preflight(config: TrainConfig) -> str | None:
-    """Cheap checks on rank 0 before any heavy work; returns one error line or None."""
-    from transformers import AutoConfig
-
+    """Cheap checks of paths, packages and the output folder on rank 0; returns one error line or None."""
     try:
         paths = data_mix.data_paths(config.data_path)
     except ValueError as err:
@@ -190,20 +196,6 @@ def _preflight(config: TrainConfig) -> str | None:
         return "--validation-split takes rows of one dataset: with a data mix, give --validation-data-path"
     if config.validation_data_path and not Path(config.validation_data_path).exists():
         return f"--validation-data-path {config.validation_data_path}: no such file or folder"
-    try:
-        model_config = AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError) as err:
-        return f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
-    attention_error = attention_preflight(config.model_name_or_path, config.attn_implementation,
-                                          trust_remote_code=config.trust_remote_code)
-    if attention_error is not None:
-        return attention_error
-    if config.lora is not None:
-        error = lora_preflight(model_config, config.lora, shard_size=shard_group_size(
-            config.fsdp_sharding_strategy, dist.get_world_size(),
-            int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
-        if error:
-            return error
     for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
                                  ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
         if value is not None and importlib.util.find_spec(package) is None:
@@ -219,14 +211,37 @@ def _preflight(config: TrainConfig) -> str | None:
     return None
 
 
-def _fail_together(dist_info: DistInfo, error: str | None) -> None:
-    """Broadcast rank 0's verdict so every rank exits non-zero instead of hanging."""
-    payload = [error]
-    dist.broadcast_object_list(payload, src=0)
-    if payload[0] is not None:
-        if dist_info.is_main:
-            logger.error(payload[0])
-        raise SystemExit(1)
+def _load_model_config(config: TrainConfig) -> PretrainedConfig:
+    """The model's config, read once per rank at start-up (honouring --trust-remote-code) and handed to
+    everything that needs it; a config that does not load stops every rank with one line."""
+    from transformers import AutoConfig
+
+    model_config, error = None, None
+    try:
+        model_config = AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:
+        error = f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
+    fail_together(error)
+    return model_config
+
+
+def _model_preflight(config: TrainConfig, model_config: PretrainedConfig) -> str | None:
+    """Rank 0, before heavy work: an explicit attention backend or LoRA settings this model refuses."""
+    if config.attn_implementation != "auto":
+        needs = attention_needs(meta_model(model_config, config.trust_remote_code))
+        error = explicit_attention_refusal(config.attn_implementation, needs)
+        if error is not None:
+            return error
+    if config.lora is not None:
+        shard_size = shard_group_size(config.fsdp_sharding_strategy, dist.get_world_size(),
+                                      _local_world_size())
+        return lora_preflight(model_config, config.lora, shard_size=shard_size)
+    return None
+
+
+def _local_world_size() -> int:
+    """Processes per node (HYBRID_SHARD's shard group), as torchrun says."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
 def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
@@ -243,39 +258,30 @@ def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
     return dataset, val_dataset, source
 
 
-def _resume_policy(config: TrainConfig, run_params: dict, dataset) -> str | None:
+def _resume_policy(config: TrainConfig, run_params: dict, model_fingerprint: dict) -> str | None:
     """Rank 0, before the model loads: move an old run aside (--no-resume) or compare model, data and
     run parameters with the checkpoint a resume would load."""
-    from transformers import AutoConfig
-
     if not config.resume:
         moved = resume_policy.move_aside(config.output_dir)
         if moved is not None:
             logger.warning("--no-resume: moved the earlier run's checkpoints and metrics in %s to %s",
                            config.output_dir, moved)
         return None
-    candidates = ([Path(config.resume_from)] if config.resume_from
-                  else complete_checkpoints(full_state_root(config.output_dir)))
-    expected = (fingerprint(AutoConfig.from_pretrained(config.model_name_or_path), dataset, config.lora)
-                if candidates else None)
+    candidates = resume_candidates(config.output_dir, resume=True, resume_from=config.resume_from)
     error, notice = resume_policy.check_resume(candidates, run_params, allow_change=config.allow_config_change,
-                                               fingerprint=expected)
+                                               fingerprint=model_fingerprint if candidates else None)
     if notice:
         logger.warning(notice)
     return error
 
 
-def _start_tracker(config: TrainConfig, dist_info: DistInfo):
+def _start_tracker(config: TrainConfig, dist_info: DistInfo, candidates: list[Path]) -> tuple[Tracker, str | None]:
     """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb run);
     returns ``(tracker, error line or None)``."""
     if not dist_info.is_main or (config.wandb_project is None and config.tensorboard_dir is None):
         return NullTracker(), None
-    run_id = None
-    if config.resume:
-        candidates = ([Path(config.resume_from)] if config.resume_from
-                      else complete_checkpoints(full_state_root(config.output_dir)))
-        found = resume_policy.newest_trainer_state(candidates)
-        run_id = found[1].get("wandb_run_id") if found else None
+    found = resume_policy.newest_trainer_state(candidates)
+    run_id = found[1].get("wandb_run_id") if found else None
     try:
         return make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
                             run_config=dataclasses.asdict(config), rank=dist_info.rank, wandb_run_id=run_id), None
@@ -312,18 +318,18 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
                          f"{path} (shortest: {int(dataset.lengths.min())} tokens)")
         except ValueError as err:
             error = str(err)
-    _fail_together(dist_info, error)
+    fail_together(error)
     if not dist_info.is_main:
         dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
     return dataset
 
 
-def _check_data_fits_model(config: TrainConfig, dataset) -> str | None:
+def _check_data_fits_model(config: TrainConfig, model_config: PretrainedConfig, dataset) -> str | None:
     """Every source of the data against the model's vocabulary and tokenizer (selfcheck.py)."""
     parts = ([(source.path, part) for source, part in zip(dataset.sources, dataset.datasets)]
              if isinstance(dataset, data_mix.MixedDataset) else [(config.data_path, dataset)])
     for path, part in parts:
-        error = check_data_fits_model(part, path, config.model_name_or_path,
+        error = check_data_fits_model(part, path, config.model_name_or_path, model_config,
                                       trust_remote_code=config.trust_remote_code)
         if error:
             return error

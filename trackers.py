@@ -108,8 +108,12 @@ class TrackerGroup:
             tracker.close()
 
 
+Tracker = NullTracker | WandbTracker | TensorBoardTracker | TrackerGroup
+"""Anything with ``log(record)``, ``close()`` and ``wandb_run_id``."""
+
+
 def make_tracker(*, wandb_project: str | None, tensorboard_dir: str | None, run_config: dict, rank: int,
-                 wandb_run_id: str | None = None):
+                 wandb_run_id: str | None = None) -> Tracker:
     """The tracker(s) a run asked for, or the null tracker.
 
     Args:

@@ -28,12 +28,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 import resume_policy
-from full_state import PreemptionFlag
+from train_state import PreemptionFlag
 from run_actions import checkpoints_due, save, validate, validation_due
 from schedule import stop_reason
 from setup_run import batch_loader, close_run, setup_run
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
-from train_step import log_step, report_skipped_step, train_step
+from train_step import log_step, reduce_step, report_skipped_step, train_step
 from utils import (DistInfo, cleanup, exit_finished_process, init_distributed, log_rank_0, parse_config,
                    setup_logging)
 
@@ -67,7 +67,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     run.model.train()
     for batch in loader:
         result = train_step(run, batch)
-        preempted = log_step(run, batch, result, preemption_requested=preemption.requested, progress=progress)
+        counts, preempted = reduce_step(run, batch, result, preemption_requested=preemption.requested)
+        log_step(run, batch, result, counts, progress=progress)
         report_skipped_step(run, batch, result)
         done = stop_reason(config, run.state, len(run.dataset))
         if validation_due(run, batch, done=done, preempted=preempted):

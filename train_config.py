@@ -19,65 +19,51 @@ def _token_budget(text: str) -> int | str:
     return "auto" if str(text).lower() == "auto" else int(text)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
     """Every parameter of a training run; the CLI is generated from these fields."""
 
-    output_dir: str = config_field(help="folder for metrics, training_params.json and checkpoints")
-    min_samples_per_checkpoint: int = config_field(
-        help="samples between Hugging Face checkpoints (hf_format/samples_N); one is always written at the end")
-    model_name_or_path: str = config_field("Qwen/Qwen2.5-1.5B-Instruct",
-                                           help="Hugging Face model id or local folder")
-    data_path: str = config_field("test.jsonl", help="tokenized jsonl or process_data.py folder; or a mix: "
+    data_path: str = config_field("test.jsonl", section="Data", help="tokenized jsonl or process_data.py folder; or a mix: "
                                                      "`a:0.7,b:0.3` or a .yaml/.json mix file")
-    batch_size: int = config_field(1024, help="samples per optimizer step, whole job")
+    seed: int = config_field(42, help="seeds Python, NumPy, torch and the data order on every rank")
+    num_data_workers: int = config_field(1, help="DataLoader worker processes per rank (0 = in-process)")
+
+    model_name_or_path: str = config_field("Qwen/Qwen2.5-1.5B-Instruct",
+                                           section="Model", help="Hugging Face model id or local folder")
+    trust_remote_code: bool = config_field(
+        False, help="run the modelling and tokenizer code a checkpoint ships (only for sources you trust)")
+    attn_implementation: str = config_field(
+        "auto", help="auto (the fastest the model accepts), sdpa, eager, flash_attention_2, flash_attention_3, "
+                     "torch_varlen, reference_varlen (CPU)")
+
+    batch_size: int = config_field(1024, section="Batching", help="samples per optimizer step, whole job")
     max_tokens_per_gpu: int | Literal["auto"] = config_field(
         10000, parse=_token_budget,
         help="token budget of one packed minibatch on one rank; 'auto' probes the largest that fits "
              "on this GPU (with a 10%% safety margin)")
-    learning_rate: float = config_field(5e-6, help="peak learning rate")
-    num_warmup_steps: int = config_field(10, help="linear warmup steps from 0")
+    balance: Literal["tokens", "attention"] = config_field(
+        "tokens", help="packing balance cost: token counts, or tokens plus attention's quadratic term")
+
+    learning_rate: float = config_field(5e-6, section="Optimizer, schedule and stop", help="peak learning rate")
+    weight_decay: float = config_field(0.0, help="AdamW weight decay")
+    adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
+    max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
     lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
                                      help="transformers.get_scheduler name; decaying schedules need a stop condition")
+    num_warmup_steps: int = config_field(10, help="linear warmup steps from 0")
     min_lr_ratio: float = config_field(
         0.1, help="LR floor as a fraction of --learning-rate (cosine_with_min_lr, cosine_warmup_with_min_lr, "
                   "warmup_stable_decay)")
     decay_fraction: float = config_field(
         0.1, help="warmup_stable_decay: fraction of the run's steps spent decaying (after warmup and a "
                   "constant phase)")
-    seed: int = config_field(42, help="seeds Python, NumPy, torch and the data order on every rank")
-    use_liger_kernels: bool = config_field(
-        False, help="Liger fused linear cross-entropy plus RMSNorm/RoPE/SwiGLU kernels (CUDA; ignored with a "
-                    "warning on CPU)")
-    head_learned_positions_only: bool = config_field(
-        True, help="LM head and cross-entropy only on positions with a label: same loss and gradients, less work")
-    compile: bool = config_field(
-        False, help="torch.compile each decoder block (dynamic shapes); the first steps pay the compile time")
-    logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     max_steps: int | None = config_field(None, help="stop after this many optimizer steps")
     max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
     num_epochs: float | None = config_field(None, help="stop after this many passes over the data")
-    fsdp_sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = config_field(
-        "FULL_SHARD", help="FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP-like), HYBRID_SHARD "
-                           "(shard in a node, replicate across)")
-    cpu_offload: bool = config_field(False, help="keep sharded params, grads and optimizer state in host memory")
-    attn_implementation: str = config_field(
-        "auto", help="auto (the fastest the model accepts), sdpa, eager, flash_attention_2, flash_attention_3, "
-                     "torch_varlen, reference_varlen (CPU)")
-    trust_remote_code: bool = config_field(
-        False, help="run the modelling and tokenizer code a checkpoint ships (only for sources you trust)")
-    skip_objective_check: bool = config_field(
-        False, help="skip the start-up check that the trainer's loss equals the model's own forward(labels=...)")
-    weight_decay: float = config_field(0.0, help="AdamW weight decay")
-    adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
-    max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
-    activation_checkpointing: bool = config_field(True, help="recompute each decoder block in backward")
-    balance: Literal["tokens", "attention"] = config_field(
-        "tokens", help="packing balance cost: token counts, or tokens plus attention's quadratic term")
-    num_data_workers: int = config_field(1, help="DataLoader worker processes per rank (0 = in-process)")
-    resume: bool = config_field(True, help="continue from the newest complete full-state checkpoint in "
-                                           "--output-dir (--no-resume starts fresh)")
-    resume_from: str | None = config_field(None, help="resume from this full_state/samples_N folder")
+
+    output_dir: str = config_field(section="Output, checkpoints and resume", help="folder for metrics, training_params.json and checkpoints")
+    min_samples_per_checkpoint: int = config_field(
+        help="samples between Hugging Face checkpoints (hf_format/samples_N); one is always written at the end")
     keep_last_n_checkpoints: int | None = config_field(
         None, help="keep only the newest N Hugging Face exports (default: keep all); also caps the full states "
                    "kept when --keep-last-n-full-states is not given")
@@ -89,11 +75,15 @@ class TrainConfig:
                    "smaller)")
     full_state: bool = config_field(True, help="write full training states for exact resume (--no-full-state: "
                                                "Hugging Face exports only; the run cannot resume)")
+    resume: bool = config_field(True, help="continue from the newest complete full-state checkpoint in "
+                                           "--output-dir (--no-resume starts fresh)")
+    resume_from: str | None = config_field(None, help="resume from this full_state/samples_N folder")
     allow_config_change: bool = config_field(
         False, help="resume even if training parameters changed (learning rate, schedule, batch, seed, data); "
                     "new values apply from the next step")
+
     validation_data_path: str | None = config_field(
-        None, help="tokenized jsonl file or folder of held-out samples for the validation loss")
+        None, section="Validation", help="tokenized jsonl file or folder of held-out samples for the validation loss")
     validation_split: float | None = config_field(
         None, help="hold out this seeded fraction of --data-path for the validation loss (same rows on every "
                    "rank and after resume)")
@@ -107,13 +97,14 @@ class TrainConfig:
         0.0, help="a validation loss counts as better only when it is this much below the best so far")
     early_stopping_patience: int | None = config_field(
         None, help="stop after this many validations in a row without improvement")
+
+    logging_level: str = config_field("INFO", section="Logging and tracking", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     wandb_project: str | None = config_field(None, help="also log every metrics line to this Weights & Biases "
                                                          "project (pip install wandb)")
     tensorboard_dir: str | None = config_field(None, help="also log every metrics line to TensorBoard in this "
                                                           "folder (pip install tensorboard)")
-    max_bad_steps: int = config_field(5, help="abort after this many consecutive steps with a non-finite "
-                                              "loss or gradient norm (each one is skipped)")
-    lora_rank: int = config_field(0, help="LoRA rank r: train low-rank adapters on a frozen base model "
+
+    lora_rank: int = config_field(0, section="LoRA and QLoRA", help="LoRA rank r: train low-rank adapters on a frozen base model "
                                           "(0 = full fine-tuning)")
     lora_alpha: float | None = config_field(None, help="LoRA alpha; adapters are scaled by alpha / r "
                                                         "(default: 2 x --lora-rank)")
@@ -126,6 +117,24 @@ class TrainConfig:
         True, help="exports hold the merged model plus adapter/ (--no-lora-merge-on-export: the adapter alone)")
     lora_quantize_data_type: Literal["none", "nf4"] = config_field(
         "none", help="QLoRA: nf4 stores the adapted layers' frozen base weights in 4-bit NormalFloat (torchao)")
+
+    fsdp_sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = config_field(
+        "FULL_SHARD", section="Speed and memory", help="FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP-like), HYBRID_SHARD "
+                           "(shard in a node, replicate across)")
+    cpu_offload: bool = config_field(False, help="keep sharded params, grads and optimizer state in host memory")
+    activation_checkpointing: bool = config_field(True, help="recompute each decoder block in backward")
+    use_liger_kernels: bool = config_field(
+        False, help="Liger fused linear cross-entropy plus RMSNorm/RoPE/SwiGLU kernels (CUDA; ignored with a "
+                    "warning on CPU)")
+    head_learned_positions_only: bool = config_field(
+        True, help="LM head and cross-entropy only on positions with a label: same loss and gradients, less work")
+    compile: bool = config_field(
+        False, help="torch.compile each decoder block (dynamic shapes); the first steps pay the compile time")
+
+    skip_objective_check: bool = config_field(
+        False, section="Debugging and safety nets", help="skip the start-up check that the trainer's loss equals the model's own forward(labels=...)")
+    max_bad_steps: int = config_field(5, help="abort after this many consecutive steps with a non-finite "
+                                              "loss or gradient norm (each one is skipped)")
 
     def __post_init__(self) -> None:
         self.logging_level = self.logging_level.upper()
@@ -195,7 +204,7 @@ class TrainConfig:
 
 
 def _policy_errors(config: TrainConfig) -> list[str]:
-    """Validation, checkpoint-policy and resume flags (issue 14)."""
+    """Validation, checkpoint-policy and resume flags."""
     errors = []
     for name in ("min_samples_per_full_state", "keep_last_n_full_states", "validation_every_n_steps",
                  "validation_every_n_samples", "early_stopping_patience"):

@@ -8,19 +8,20 @@ loss-token count, which the sampler knows before any forward.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from tqdm import tqdm
 
 import data_mix
 import flops
+from attention import model_inputs
 from batch_metrics import StepCounts, step_record
 from objective import router_aux_weight
+from sampler import StepBatch
 from setup_model_fsdp import sync_gradients_on
 from setup_run import Run
 from utils import DistInfo, log_rank_0, logger, peak_memory_gb, reset_peak_memory, synchronize
@@ -45,7 +46,7 @@ class StepResult:
         return self.finite and not self.empty
 
 
-def train_step(run: Run, batch) -> StepResult:
+def train_step(run: Run, batch: StepBatch) -> StepResult:
     """Forward and backward over this rank's minibatches, clip, then update unless the step is skipped."""
     model, dist_info, state = run.model, run.dist_info, run.state
     reset_peak_memory()
@@ -59,6 +60,7 @@ def train_step(run: Run, batch) -> StepResult:
     backward_sum = torch.zeros((), device=dist_info.device)
     router_aux_sum = torch.zeros((), device=dist_info.device)
     local_loss_tokens = 0
+    attn, device = run.resolved.attn_implementation, dist_info.device
     for index, minibatch in enumerate(batch.minibatches):
         sync_gradients_on(model, sharding_strategy=run.config.fsdp_sharding_strategy,
                           final_minibatch=index == len(batch.minibatches) - 1)
@@ -66,8 +68,7 @@ def train_step(run: Run, batch) -> StepResult:
         aux_weight = router_aux_weight(
             model.router_loss, batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
             batch_num_samples=batch.num_samples, minibatch_num_samples=minibatch.num_samples)
-        mb_loss = model(**run.model_inputs(minibatch), router_aux_weight=aux_weight)
-        mb_loss = _test_inject_nan(mb_loss, model, state.step + 1, dist_info.rank)
+        mb_loss = model(**model_inputs(minibatch, attn, device), router_aux_weight=aux_weight)
         scaled = mb_loss * scale
         scaled.backward()
         loss_sum += model.last_ce_sum
@@ -91,18 +92,22 @@ def train_step(run: Run, batch) -> StepResult:
     state.samples_seen = batch.end_position
     state.samples_trained += batch.num_samples if finite and not empty else 0
     state.num_bad_steps = 0 if finite else state.num_bad_steps + 1
-    _test_after_step_hooks(state.step, dist_info.rank)
     return StepResult(started=start, forward_backward_time=forward_backward_time, loss_sum=loss_sum,
                       backward_sum=backward_sum, router_aux_sum=router_aux_sum,
                       local_loss_tokens=local_loss_tokens, grad_norm=grad_norm, finite=finite, empty=empty)
 
 
-def log_step(run: Run, batch, result: StepResult, *, preemption_requested: bool, progress) -> bool:
-    """Reduce the step's sums over ranks, write its metrics line; returns whether any rank was preempted."""
+def reduce_step(run: Run, batch: StepBatch, result: StepResult, *,
+                preemption_requested: bool) -> tuple[StepCounts, bool]:
+    """The step's sums over every rank, and whether any rank was asked to stop (SIGTERM/SIGUSR1)."""
+    return reduce_step_counts(result.loss_sum, result.backward_sum, result.local_loss_tokens,
+                              result.forward_backward_time, batch, run.dist_info, preemption_requested,
+                              result.router_aux_sum if run.model.router_loss is not None else None)
+
+
+def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts, *, progress: tqdm) -> None:
+    """Write the step's metrics line (file, trackers, progress bar)."""
     dist_info, state = run.dist_info, run.state
-    counts, preempted = reduce_step_counts(result.loss_sum, result.backward_sum, result.local_loss_tokens,
-                                           result.forward_backward_time, batch, dist_info, preemption_requested,
-                                           result.router_aux_sum if run.model.router_loss is not None else None)
     synchronize()
     # Dropped (over-long) samples are warned about by the loader, with their rows; here they are counted.
     record = step_record(step=state.step, lr=run.scheduler.get_last_lr()[0], grad_norm=float(result.grad_norm),
@@ -123,10 +128,9 @@ def log_step(run: Run, batch, result: StepResult, *, preemption_requested: bool,
     progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:.0f}",
                          samples=state.samples_seen)
     logger.debug("step %d: %s", state.step, record)
-    return preempted
 
 
-def report_skipped_step(run: Run, batch, result: StepResult) -> None:
+def report_skipped_step(run: Run, batch: StepBatch, result: StepResult) -> None:
     """Warn about a skipped update; abort after --max-bad-steps non-finite steps in a row."""
     state, config = run.state, run.config
     if not result.finite:
@@ -153,7 +157,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local_loss_tokens: int,
-                       forward_backward_time: float, batch, dist_info: DistInfo, preempt_requested: bool,
+                       forward_backward_time: float, batch: StepBatch, dist_info: DistInfo, preempt_requested: bool,
                        router_aux_sum: torch.Tensor | None = None) -> tuple[StepCounts, bool]:
     """All-reduce this step's sums and the preemption flags (any rank's signal stops all).
 
@@ -174,21 +178,3 @@ def reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local
                         num_minibatches=len(batch.minibatches), forward_backward_time_sum=time_total,
                         router_aux_loss_sum=None if router_aux_sum is None else router_aux_total)
     return counts, preempts > 0
-
-
-def _test_inject_nan(loss: torch.Tensor, model, step: int, rank: int) -> torch.Tensor:
-    """Test-only fault injection: MINI_TRAINER_TEST_NAN="STEP:RANK" poisons that rank's loss (and its
-    logged cross-entropy, as a real non-finite forward would)."""
-    if os.environ.get("MINI_TRAINER_TEST_NAN") == f"{step}:{rank}":
-        model.last_ce_sum = model.last_ce_sum * float("nan")
-        return loss * float("nan")
-    return loss
-
-
-def _test_after_step_hooks(step: int, rank: int) -> None:
-    """Test-only: MINI_TRAINER_TEST_SIGTERM="STEP:RANK" makes that rank SIGTERM itself after the step;
-    MINI_TRAINER_TEST_STEP_SLEEP=SECONDS slows every step so a test can signal a run mid-way."""
-    if os.environ.get("MINI_TRAINER_TEST_SIGTERM") == f"{step}:{rank}":
-        os.kill(os.getpid(), signal.SIGTERM)
-    if "MINI_TRAINER_TEST_STEP_SLEEP" in os.environ:
-        time.sleep(float(os.environ["MINI_TRAINER_TEST_STEP_SLEEP"]))

@@ -38,10 +38,12 @@ def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any
     """A dataclass field whose help text becomes the CLI flag's help.
 
     ``choices=`` restricts the CLI values; ``parse=`` is the CLI's string -> value
-    function for fields whose type argparse cannot infer (e.g. ``int | Literal["auto"]``).
+    function for fields whose type argparse cannot infer (e.g. ``int | Literal["auto"]``);
+    ``section=`` on a field opens a headed group of ``--help`` that holds it and the
+    fields after it, up to the next section.
     """
     metadata = {"help": help}
-    for key in ("choices", "parse"):
+    for key in ("choices", "parse", "section"):
         if key in kwargs:
             metadata[key] = kwargs.pop(key)
     if "default_factory" in kwargs:
@@ -63,13 +65,17 @@ def build_arg_parser(config_cls: type, *, description: str | None = None) -> arg
 
     Field ``foo_bar`` becomes ``--foo-bar``; booleans get ``--foo``/``--no-foo``;
     ``Literal`` types become choices; tuples become ``nargs``. Fields without a
-    default are required.
+    default are required. Sections (``config_field(section=...)``) become
+    argparse groups, printed in field order.
     """
     parser = argparse.ArgumentParser(description=description)
+    group: argparse.ArgumentParser | argparse._ArgumentGroup = parser
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         if not field.init:
             continue
+        if "section" in field.metadata:
+            group = parser.add_argument_group(field.metadata["section"])
         flag = "--" + field.name.replace("_", "-")
         tp, _ = _unwrap_optional(hints[field.name])
         kwargs: dict[str, Any] = {"help": field.metadata.get("help", ""), "dest": field.name}
@@ -94,7 +100,7 @@ def build_arg_parser(config_cls: type, *, description: str | None = None) -> arg
             kwargs["type"] = tp
             if "choices" in field.metadata:
                 kwargs["choices"] = field.metadata["choices"]
-        action = parser.add_argument(flag, **kwargs)
+        action = group.add_argument(flag, **kwargs)
         # Set after add_argument: Python 3.11's BooleanOptionalAction appends its own default to the help.
         action.help = flag_help(field.metadata.get("help", ""), kwargs.get("default", dataclasses.MISSING))
     return parser
@@ -283,6 +289,31 @@ def init_distributed(timeout_minutes: float = 30.0, *, cpu_offload: bool = False
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
+def first_error(error: str | None) -> str | None:
+    """The lowest rank's error line (each rank passes its own, or None), the same on every rank.
+
+    The one way ranks agree in this toolkit: a refusal or failure seen on any rank
+    (rank 0's checks, one rank's failed write) reaches every rank, so they stop
+    together instead of waiting in their next collective for a rank that left.
+    Collective: every rank calls it. Not for the hot path (it pickles).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((line for line in errors if line is not None), None)
+
+
+def fail_together(error: str | None) -> None:
+    """Exit every rank with code 1 when any rank has an error line; rank 0 logs it."""
+    error = first_error(error)
+    if error is not None:
+        log_rank_0(error, level=logging.ERROR)
+        raise SystemExit(1)
+
+
 def cleanup() -> None:
     """Leave the process group, pairing with ``init_distributed``."""
     import torch.distributed as dist
@@ -346,77 +377,3 @@ def gpu_name() -> str:
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-# Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, in TFLOP/s. The first
-# entry whose every word appears in torch's device name wins, so the specific names come first.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.4),   # SXM5 ("NVIDIA H100 80GB HBM3")
-    ("H800 PCIe", 756.0),
-    ("H800", 989.4),
-    ("H200 NVL", 835.0),
-    ("H200", 989.4),   # same SXM5 compute as the H100
-    ("GH200", 989.4),
-    ("B200", 2250.0),
-    ("B100", 1750.0),
-    ("A100", 312.0),   # SXM4 and PCIe, 40 and 80 GB
-    ("A800", 312.0),
-    ("L40S", 362.05),
-    ("L40", 181.05),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
-    ("A6000 Ada", 364.2),
-    ("A6000", 154.8),
-    ("MI300X", 1307.4),
-    ("MI325X", 1307.4),
-    ("MI250X", 383.0),
-)
-
-
-def peak_bf16_tflops_for(name: str) -> float | None:
-    """The data-sheet dense bf16 peak of a device named ``name`` (as torch names it), or None."""
-    words = name.replace("-", " ").split()
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if all(word in words for word in key.split()):
-            return tflops
-    return None
-
-
-def measure_bf16_matmul_tflops(device: Any, *, n: int = 8192, iters: int = 20) -> float | None:
-    """Sustained rate of an ``n``^3 bf16 matmul on ``device`` in TFLOP/s; None on CPU, where no
-    meaningful peak exists (MFU is reported as null there rather than guessed)."""
-    return time_bf16_matmul(device, n=n, iters=iters) if device.type == "cuda" else None
-
-
-def time_bf16_matmul(device: Any, *, n: int, iters: int = 20) -> float:
-    """TFLOP/s of ``iters`` ``n``^3 bf16 matmuls on any device (gpu_check times the CPU too)."""
-    import time
-
-    import torch
-
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    synchronize()  # CPU-GPU sync point: the timed region ends here
-    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
-
-
-def device_peak_tflops(device: Any) -> tuple[float | None, str]:
-    """One device's peak bf16 rate for MFU and where it came from: the data sheet of a known GPU,
-    else one 8192^3 matmul measured now; (None, reason) on CPU."""
-    if device.type != "cuda":
-        return None, "no GPU: MFU is logged as null"
-    name = gpu_name()
-    known = peak_bf16_tflops_for(name)
-    if known is not None:
-        return known, f"{name}: data-sheet dense bf16 peak {known:g} TFLOP/s"
-    measured = measure_bf16_matmul_tflops(device)
-    return measured, f"{name} is not in utils.PEAK_BF16_TFLOPS: measured 8192^3 bf16 matmul {measured:.0f} TFLOP/s"

@@ -223,7 +223,7 @@ def save_best_export(model, *, output_dir: str | Path, step: int, samples_seen: 
     The export is written to a staging folder first; rank 0 then swaps it in with two
     renames (the old one goes to ``best.old`` and is deleted), so ``best/`` is never half written.
     """
-    from checkpoint import save_hf_checkpoint
+    from hf_export import save_hf_checkpoint
 
     root = Path(output_dir) / "hf_format"
     staging_root = root / ".best_staging"

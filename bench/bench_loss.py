@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 QWEN_1_5B_FLOPS_PER_TOKEN = 10.3e9
-"""Training FLOPs per token of Qwen2.5-1.5B at 32k context (issue 23), to put the head's share in scale."""
+"""Training FLOPs per token of Qwen2.5-1.5B at 32k context, to put the head's share in scale."""
 
 
 def measure(args: argparse.Namespace, mode: str) -> dict:

@@ -59,10 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, flash_attn_unavailable_reason,  # noqa: E402
                        register_attention_backends)
 from autotune import longest_first_plan, probe_max_tokens_per_gpu  # noqa: E402
-from flops import model_flops, training_flops  # noqa: E402
+from flops import measure_bf16_matmul_tflops, model_flops, training_flops  # noqa: E402
 from loss import CausalLMWithLoss  # noqa: E402
 from utils import (IGNORE_INDEX, DistInfo, cleanup, collect_errors, comma_list, config_field, gpu_name,  # noqa: E402
-                   init_distributed, log_rank_0, measure_bf16_matmul_tflops, parse_config, peak_memory_gb,
+                   init_distributed, log_rank_0, parse_config, peak_memory_gb,
                    reset_peak_memory, setup_logging, synchronize)
 
 SHAPES: dict[str, dict] = {

@@ -457,7 +457,8 @@ def sub_env(_: dict) -> dict:
     import torch
     import transformers
 
-    from utils import gpu_name, peak_bf16_tflops_for
+    from flops import peak_bf16_tflops_for
+    from utils import gpu_name
 
     name = gpu_name()
     return {"device": name, "python": platform.python_version(), "torch": torch.__version__,
@@ -468,7 +469,8 @@ def sub_env(_: dict) -> dict:
 def sub_matmul(args: dict) -> dict:
     import torch
 
-    from utils import device_type, time_bf16_matmul
+    from flops import time_bf16_matmul
+    from utils import device_type
 
     device = torch.device(device_type())
     return {"n": args["n"], "device": device.type, "bf16_matmul_tflops": time_bf16_matmul(device, n=args["n"])}

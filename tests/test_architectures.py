@@ -32,7 +32,7 @@ import torch
 
 from architectures import ARCHITECTURES, ARCH_BY_NAME, build_architecture
 from e2e import read_metrics, torchrun, write_tokenized_jsonl
-from objective import TEST_DROP_SCALE_ENV
+from fault_injection import DROP_LOGIT_SCALE
 from sampler import InfiniteSampler, load_tokenized_dataset
 
 REFUSED = "gpt_oss"
@@ -76,7 +76,7 @@ def matrix(tmp_path_factory, chatml_model) -> dict:
     runs = [{"name": name, "args": _args(path, data, root / "runs" / name)} for name, path in models.items()]
     runs += [{"name": f"{name}{LORA}", "args": _args(models[name], data, root / "runs" / f"{name}{LORA}",
                                                       "--lora-rank", "4")} for name in TRAINED]
-    runs.append({"name": DROPPED, "env": {TEST_DROP_SCALE_ENV: "1"},
+    runs.append({"name": DROPPED, "env": {DROP_LOGIT_SCALE: "1"},
                  "args": _args(models["granite"], data, root / "runs" / DROPPED, "--skip-objective-check")})
     result = torchrun([json.dumps(run) for run in runs], script="tests/matrix_train.py", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -159,7 +159,7 @@ def test_skipped_check_lets_a_wrong_objective_train(matrix):
 
 def test_self_check_stops_a_wrong_objective(matrix, tmp_path):
     out = tmp_path / "out"
-    result = torchrun(_args(matrix["models"]["granite"], matrix["data"], out), env={TEST_DROP_SCALE_ENV: "1"},
+    result = torchrun(_args(matrix["models"]["granite"], matrix["data"], out), env={DROP_LOGIT_SCALE: "1"},
                       timeout=300)
     assert result.returncode != 0
     [line] = [ln for ln in result.stderr.splitlines() if "objective self-check failed" in ln]

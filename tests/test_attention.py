@@ -25,7 +25,8 @@ from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, cu_seql
 from autotune import DEFAULT_MAX_TOKENS_PER_GPU, longest_first_plan, probe_max_tokens_per_gpu, search_largest_fitting
 from e2e import model_vocab_size
 from loss import CausalLMWithLoss
-from setup_model_fsdp import apply_liger_kernels, resolve_attn_implementation
+from attention import resolve_attn_implementation
+from setup_model_fsdp import apply_liger_kernels
 from utils import IGNORE_INDEX, logger
 
 gpu_test = pytest.mark.gpu  # conftest.py skips it without a GPU; make gpu-check runs `pytest -m gpu`

@@ -8,7 +8,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from checkpoint import save_hf_checkpoint
+from hf_export import save_hf_checkpoint
 from setup_model_fsdp import setup_model
 from utils import init_distributed
 

@@ -13,7 +13,7 @@ from architectures import ARCHITECTURES, COMMON
 
 from flops import (ModelFlops, attended_pairs, checked_model_flops, matmul_params_of, model_flops,
                    speed_metrics, training_flops)
-from utils import peak_bf16_tflops_for
+from flops import peak_bf16_tflops_for
 
 
 def _meta_model(arch, vocab_size: int = 100):

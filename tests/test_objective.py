@@ -44,7 +44,7 @@ from e2e import ROOT, write_tokenized_jsonl
 from objective import LogitTransform, router_aux_sum
 from sampler import load_tokenized_dataset
 from selfcheck import check_data_fits_model
-from setup_model_fsdp import explicit_attention_refusal, resolve_attn_implementation
+from attention import explicit_attention_refusal, resolve_attn_implementation
 from utils import logger
 
 LIGER_SCRIPT = r"""
@@ -246,11 +246,12 @@ def test_varlen_backend_refuses_sinks_instead_of_dropping_them():
 
 def test_out_of_vocabulary_data_is_refused_and_tokenizer_mismatch_warned(tmp_path, chatml_model, llama3_model,
                                                                        caplog):
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(chatml_model))
     too_big = write_tokenized_jsonl(tmp_path / "big" / "data.jsonl", num_samples=4, vocab_size=vocab + 50, seed=0)
-    error = check_data_fits_model(load_tokenized_dataset(str(too_big)), str(too_big), str(chatml_model))
+    error = check_data_fits_model(load_tokenized_dataset(str(too_big)), str(too_big), str(chatml_model),
+                                  AutoConfig.from_pretrained(chatml_model))
     assert error is not None and "vocabulary of" in error and str(chatml_model) in error
 
     ok = write_tokenized_jsonl(tmp_path / "ok" / "data.jsonl", num_samples=4, vocab_size=vocab, seed=0)
@@ -261,7 +262,8 @@ def test_out_of_vocabulary_data_is_refused_and_tokenizer_mismatch_warned(tmp_pat
     logger.addHandler(caplog.handler)  # the toolkit's logger does not propagate once setup_logging ran
     try:
         with caplog.at_level(logging.WARNING, logger=logger.name):
-            assert check_data_fits_model(load_tokenized_dataset(str(ok)), str(ok), str(chatml_model)) is None
+            assert check_data_fits_model(load_tokenized_dataset(str(ok)), str(ok), str(chatml_model),
+                                         AutoConfig.from_pretrained(chatml_model)) is None
     finally:
         logger.removeHandler(caplog.handler)
     warned = [r.getMessage() for r in caplog.records if "tokenized with" in r.getMessage()]

@@ -254,7 +254,7 @@ class _RunsCode:
 
 
 def test_checkpoint_metadata_cannot_run_code(tmp_path, chatml_model, data_path, uninterrupted):
-    from full_state import MetadataSafeReader
+    from safe_metadata import MetadataSafeReader
 
     newest = complete_checkpoints(uninterrupted / "full_state")[-1]
     with (newest / ".metadata").open("rb") as f:

@@ -115,7 +115,7 @@ def test_metrics_line_has_every_documented_key(one_step_run):
     assert isinstance(record["num_loss_counted_tokens"], int)
     assert 0 < record["avg_time_per_minibatch"] * record["grad_accum"] < record["time_per_batch"]
     assert record["step"] == 1 and record["lr"] == pytest.approx(LR)
-    # Speed keys (issue 23): MFU is null on CPU rather than guessed; FLOPs come from the real sample lengths.
+    # Speed keys: MFU is null on CPU rather than guessed; FLOPs come from the real sample lengths.
     assert record["mfu"] is None
     assert record["model_flops_per_token"] > 0 and record["model_tflops_per_second_per_gpu"] > 0
     assert record["loss_tokens_per_second"] == pytest.approx(

@@ -109,7 +109,7 @@ def test_improvement_threshold_and_patience():
         save_best_val_loss = True
         early_stopping_patience = 2
 
-    from full_state import TrainState
+    from train_state import TrainState
 
     state, saved = TrainState(), []
     verdicts = [validation.update_best(state, loss, config=Config, save_best=lambda loss=loss: saved.append(loss))

@@ -18,23 +18,22 @@ adapter, at the top of the folder.
 from __future__ import annotations
 
 import copy
-import errno
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+import fault_injection
 from full_state import complete_checkpoints
 from lora import export_states, lora_scaling
 from loss import CausalLMWithLoss
 from setup_model_fsdp import gather_full_state_dict
-from utils import logger
+from utils import first_error, logger
 
 MAX_SHARD_SIZE = "5GB"
 
@@ -88,10 +87,9 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
             error = f"Hugging Face export {final} failed: {err}"
     # Rank 0's verdict instead of a bare barrier: the other ranks would otherwise wait in
     # their next collective until the process-group timeout for a rank that already died.
-    verdict = [error]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        logger.error("%s; earlier checkpoints are intact", verdict[0])
+    error = first_error(error)
+    if error is not None:
+        logger.error("%s; earlier checkpoints are intact", error)
         raise SystemExit(1)
     return final
 
@@ -99,8 +97,7 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
 def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokenizer, generation_config,
                   keep_last_n: int | None, max_shard_size: str) -> None:
     """Rank 0's half of ``save_hf_checkpoint``: write ``final`` through a ``.tmp`` folder."""
-    if os.environ.get("MINI_TRAINER_TEST_FAIL_EXPORT") == final.name:
-        raise OSError(errno.ENOSPC, "No space left on device (test hook MINI_TRAINER_TEST_FAIL_EXPORT)")
+    fault_injection.fail_export(final)
     model = wrapper.model
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
