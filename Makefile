@@ -40,7 +40,7 @@ demo: install
 
 # Tests, exactness, speed and memory on a CUDA GPU in about 15 minutes; DEVICE=cpu rehearses it at tiny sizes.
 gpu-check:
-	$(GPU_CHECK_PY) bench/gpu_check.py --output-dir "$(GPU_CHECK_DIR)" --device $(DEVICE) --only "$(GPU_CHECK_ONLY)"
+	$(GPU_CHECK_PY) -m bench.gpu_check --output-dir "$(GPU_CHECK_DIR)" --device $(DEVICE) --only "$(GPU_CHECK_ONLY)"
 
 clean:
 	rm -rf $(DEMO_DIR) gpu_check .pytest_cache .venv-matrix

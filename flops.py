@@ -300,7 +300,7 @@ def device_peak_tflops(device: Any) -> tuple[float | None, str]:
 def main(argv: list[str] | None = None) -> None:
     """Print GFLOP per trained token of a bench shape or a local/hub config at given sample lengths."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--shape", default="Qwen2.5-1.5B", help="a shape of bench/bench_train.py")
+    parser.add_argument("--shape", default="Qwen2.5-1.5B", help="a shape of model_shapes.py")
     parser.add_argument("--model-name-or-path", default=None, help="read this config instead of --shape")
     parser.add_argument("--lengths", default="4096,32768", help="comma-separated sample lengths")
     args = parser.parse_args(argv)
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
 
         config = AutoConfig.from_pretrained(args.model_name_or_path)
     else:
-        from bench.bench_train import model_config
+        from model_shapes import model_config
 
         config = model_config(args.shape)
     shape = model_flops(config)

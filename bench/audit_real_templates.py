@@ -1,8 +1,8 @@
-"""Run process_data.py on every real template of tests/real_templates.py and print its label audit.
+"""Run process_data.py on every real template of fixtures/real_templates.py and print its label audit.
 
-    .venv/bin/python bench/audit_real_templates.py --work-dir /tmp/audit_real_templates
+    .venv/bin/python -m bench.audit_real_templates --work-dir /tmp/audit_real_templates
 
-Each template gets the same rows: the conversations of tests/test_real_templates.py (single turn,
+Each template gets the same rows: the conversations tests/test_real_templates.py checks (single turn,
 multi-turn with a system prompt, reasoning_content, <think> in content, a tool call with its
 result), each without and with ``tools``, repeated ``--copies`` times, plus one pretrain row.
 Rows a template refuses stay in, so the table shows what the template itself rejects. Not part
@@ -12,18 +12,12 @@ of the test suite (it needs the real tokenizers, fetched by npm on first use).
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from process_data import ProcessDataConfig, process_data  # noqa: E402
-from real_templates import TEMPLATES, load  # noqa: E402
-from test_real_templates import CONVERSATIONS, TOOLS  # noqa: E402
-from utils import config_field, parse_config, setup_logging  # noqa: E402
+from fixtures.real_templates import CONVERSATIONS, TEMPLATES, TOOLS, load
+from process_data import ProcessDataConfig, process_data
+from utils import config_field, parse_config, setup_logging
 
 
 @dataclass

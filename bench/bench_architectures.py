@@ -1,12 +1,12 @@
 """Sweep: every causal LM transformers ships, one packed 2-rank step each, against the model's own loss.
 
-    python bench/bench_architectures.py                              # all of MODEL_FOR_CAUSAL_LM_MAPPING (CPU)
-    python bench/bench_architectures.py --families llama,deepseek_v3,olmo_hybrid
-    python bench/bench_architectures.py --nproc-per-node 1 --timeout 600
+    python -m bench.bench_architectures                              # all of MODEL_FOR_CAUSAL_LM_MAPPING (CPU)
+    python -m bench.bench_architectures --families llama,deepseek_v3,olmo_hybrid
+    python -m bench.bench_architectures --nproc-per-node 1 --timeout 600
 
 For each ``model_type`` of ``transformers.MODEL_FOR_CAUSAL_LM_MAPPING``:
 
-1. build it tiny from its own config (``tiny_configs.tiny_config``: every
+1. build it tiny from its own config (``fixtures.tiny_configs.tiny_config``: every
    size shrunk, one layer of each kind kept) with random weights and the
    test chatml tokenizer, saved and loaded like any checkpoint;
    encoder-decoder entries are out of scope, and a config the generic
@@ -16,8 +16,8 @@ For each ``model_type`` of ``transformers.MODEL_FOR_CAUSAL_LM_MAPPING``:
 2. train one step through the CLI's ``train.main`` under
    ``torchrun --nproc-per-node=2`` (the start-up self-check on, a token
    budget that forces several packed minibatches per rank), the same flags as
-   ``tests/test_architectures.py``; all families run in one torchrun job
-   (``tests/matrix_train.py``) so start-up is paid once, and a family that
+   ``tests/test_architectures.py`` (``fixtures.architectures.matrix_args``); all families run in one
+   torchrun job (``fixtures/matrix_train.py``) so start-up is paid once, and a family that
    crashes the job is recorded and the rest go on in a new job;
 3. compare the logged step-1 loss with the model's own
    ``forward(input_ids, labels=...)``, unpacked, one sample at a time.
@@ -39,22 +39,17 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import torch
 
-import torch  # noqa: E402
-
-from e2e import read_metrics, torchrun, write_tokenized_jsonl  # noqa: E402
-from matrix_train import RUN_MARKER  # noqa: E402
-from test_architectures import _args, _reference  # noqa: E402
-from tiny_configs import tiny_config  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
+from fixtures.architectures import matrix_args, reference_step_one
+from fixtures.e2e import ROOT, read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.matrix_train import RUN_MARKER
+from fixtures.tiny_configs import tiny_config
+from tiny_model import build_tiny_model
 
 EXACT_RTOL = 1e-5
 BUILD_SECONDS = 60
@@ -107,16 +102,16 @@ def _one_line(text: str, limit: int = 160) -> str:
 
 def train_all(names: list[str], models: dict[str, Path], data: Path, root: Path, *, nproc: int,
               timeout: float) -> dict[str, tuple[int, str]]:
-    """``{name: (exit code, its log)}``: all runs in one torchrun job (``tests/matrix_train.py``: start-up paid
+    """``{name: (exit code, its log)}``: all runs in one torchrun job (``fixtures/matrix_train.py``: start-up paid
     once); when a run crashes the job, the runs after it go on in a new job."""
     outcomes: dict[str, tuple[int, str]] = {}
     pending = list(names)
     while pending:
-        runs = [{"name": n, "args": _args(models[n], data, root / "runs" / n)} for n in pending]
+        runs = [{"name": n, "args": matrix_args(models[n], data, root / "runs" / n)} for n in pending]
         results_file = root / "runs" / "results_0.json"
         results_file.unlink(missing_ok=True)
         try:
-            proc = torchrun([json.dumps(run) for run in runs], nproc=nproc, script="tests/matrix_train.py",
+            proc = torchrun([json.dumps(run) for run in runs], nproc=nproc, module="fixtures.matrix_train",
                             timeout=timeout * len(runs))
             log = proc.stderr
         except subprocess.TimeoutExpired as err:
@@ -152,7 +147,7 @@ def judge(name: str, code: int, log: str, model_dir: Path, data: Path, root: Pat
     record = {"architecture": name, "rel_err": None, "reason": ""}
     if code == 0:
         [metrics] = read_metrics(root / "runs" / name)
-        ref = _reference(model_dir, data, with_gradients=False)
+        ref = reference_step_one(model_dir, data, with_gradients=False)
         error = abs(metrics["loss"] - ref["loss"]) / ref["loss"]
         record.update(result="exact" if error <= EXACT_RTOL else "wrong", rel_err=error)
         return record
@@ -161,7 +156,7 @@ def judge(name: str, code: int, log: str, model_dir: Path, data: Path, root: Pat
         record.update(result="refused", reason=_one_line(refusal[0].split(" ERROR ", 1)[-1], 400))
     else:
         try:
-            _reference(model_dir, data, with_gradients=False)
+            reference_step_one(model_dir, data, with_gradients=False)
         except Exception as err:  # noqa: BLE001 - the tiny config breaks the model's own forward too
             record.update(result="no reference", reason="the model's own forward(labels=...) fails on the tiny "
                           "config: " + _one_line(f"{type(err).__name__}: {err}"))

@@ -1,6 +1,6 @@
 """Time and disk cost of a full-state save, a resume, and a Hugging Face export.
 
-    .venv/bin/python bench/bench_checkpoint.py --nproc 2 --hidden-size 256 --num-layers 4
+    .venv/bin/python -m bench.bench_checkpoint --nproc 2 --hidden-size 256 --num-layers 4
 
 Builds a random model of the given shape (tiny_model.py), trains 2 steps with
 a checkpoint after each (2 gloo CPU processes, or one process per GPU when
@@ -20,10 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tiny_model import build_tiny_model
 
-from tiny_model import build_tiny_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SAVE_LINE = re.compile(r"saved (Hugging Face checkpoint|full training state) (\S+) in ([\d.]+)s \(([\d.]+) MB\)")
 RESUME_LINE = re.compile(r"resume took ([\d.]+)s")

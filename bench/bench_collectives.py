@@ -1,7 +1,7 @@
 """Collectives per optimizer step, counted on the real training loop (2 gloo CPU ranks).
 
-    python bench/bench_collectives.py                         # this checkout
-    python bench/bench_collectives.py --repo /tmp/before      # another checkout, same model and data
+    python -m bench.bench_collectives                         # this checkout
+    python -m bench.bench_collectives --repo /tmp/before      # another checkout, same model and data
 
 Every rank runs ``train.py`` with ``torch.distributed``'s collective functions
 wrapped by counters (FSDP2 looks them up on the module at call time, so the
@@ -44,9 +44,8 @@ def _worker(repo: Path, counts_path: Path, argv: list[str]) -> None:
             return __original(*args, **kwargs)
 
         setattr(dist, name, counted)
-    sys.path.insert(0, str(repo))
     sys.argv = [str(repo / "train.py"), *argv]
-    import train
+    import train  # the checkout under count: PYTHONPATH=repo (see _run)
 
     train.main(argv)
     if os.environ.get("RANK", "0") == "0":
@@ -60,9 +59,11 @@ def _run(repo: Path, work: Path, strategy: str, steps: int, model: Path, data: P
                   "--batch-size", "12", "--max-tokens-per-gpu", "64", "--max-steps", str(steps),
                   "--min-samples-per-checkpoint", "1000000", "--num-data-workers", "0", "--no-resume",
                   "--fsdp-sharding-strategy", strategy, "--lr-scheduler", "constant", "--num-warmup-steps", "0"]
+    # The worker is this file run by its path (it imports nothing of this checkout) and `train` comes from
+    # the checkout under count, whose root is the workers' only import root: PYTHONPATH, as `python -m` would.
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
                str(Path(__file__).resolve()), "--worker", str(repo), str(counts_path), "--", *train_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(repo)}
     result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{repo} {strategy} failed:\n{result.stderr[-4000:]}")
@@ -80,9 +81,7 @@ def main() -> None:
     parser.add_argument("--strategies", default="FULL_SHARD,SHARD_GRAD_OP,NO_SHARD")
     parser.add_argument("--output-json", default=str(ROOT / "bench" / "collectives_results.json"))
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "tests"))
-    from e2e import write_tokenized_jsonl
+    from fixtures.e2e import write_tokenized_jsonl
     from tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench_collectives_"))

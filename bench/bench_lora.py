@@ -1,7 +1,7 @@
 """Full fine-tuning, LoRA and QLoRA side by side: step time, peak memory, checkpoint sizes.
 
-    python bench/bench_lora.py                      # CPU: demo model, 2 gloo ranks, ~6 min
-    python bench/bench_lora.py --nproc-per-node 1 --lora-ranks 8,64 --repeats 3
+    python -m bench.bench_lora                      # CPU: demo model, 2 gloo ranks, ~6 min
+    python -m bench.bench_lora --nproc-per-node 1 --lora-ranks 8,64 --repeats 3
 
 Every mode trains the demo model (``demo.py``'s tokenizer, data and random
 Qwen2-style model, 256 wide by default so that every projection holds whole
@@ -29,33 +29,25 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.bench_process_data import run_timed
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_process_data import run_timed  # noqa: E402
-
-SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
-    "Qwen2.5-1.5B": (1536, 8960, 28, 12, 2, 151936),
-    "Llama-3-8B": (4096, 14336, 32, 32, 8, 128256),
-    "Llama-3-70B": (8192, 28672, 80, 64, 8, 128256),
-}
+SHAPES = ("Qwen2.5-1.5B", "Llama-3-8B", "Llama-3-70B")  # of model_shapes.py: the state-bytes table
 
 
-def state_bytes(shape: tuple[int, ...], lora_rank: int, *, quantize: bool = False,
+def state_bytes(shape: str, lora_rank: int, *, quantize: bool = False,
                 shard_size: int = 8) -> tuple[int, int, float]:
-    """(parameters, trainable parameters, GiB of weights + fp32 grads + AdamW state)."""
+    """(parameters, trainable parameters, GiB of weights + fp32 grads + AdamW state) of a named shape."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from lora import LoraSettings, apply_lora, count_parameters
+    from model_shapes import model_config
     from qlora import quantize_base_weights
 
-    hidden, intermediate, layers, heads, kv_heads, vocab = shape
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(model_config(shape))
     if lora_rank:
         apply_lora(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0,
                                        target_modules="all-linear", use_rslora=False))
@@ -122,10 +114,10 @@ def main() -> None:
         print(f"{mode:<12} {med['step_s']:>8.4f} {med['step_s'] / full_step:>8.2f} {med['peak_rss_gib']:>13.3f} "
               f"{med['metrics_peak_gb']:>14.2f} {med['full_state_mb']:>14.2f} {med['hf_export_mb']:>13.2f}")
     print(f"\n{'shape':<14} {'mode':<12} {'params':>14} {'trainable':>14} {'weights+grads+AdamW GiB':>24}")
-    for name, shape in SHAPES.items():
+    for name in SHAPES:
         for mode in modes:
             rank = 0 if mode == "full" else int(mode.split("=")[1])
-            total, trainable, gib = state_bytes(shape, rank, quantize=mode.startswith("qlora"))
+            total, trainable, gib = state_bytes(name, rank, quantize=mode.startswith("qlora"))
             results["shapes"][f"{name} {mode}"] = {"params": total, "trainable": trainable, "state_gib": gib}
             print(f"{name:<14} {mode:<12} {total:>14,} {trainable:>14,} {gib:>24.1f}")
     Path(args.output_json).write_text(json.dumps(results, indent=2))

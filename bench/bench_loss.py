@@ -1,8 +1,8 @@
 """The LM head and loss on learned positions only, against every position: time, peak memory, FLOPs.
 
-    python bench/bench_loss.py                     # CPU: Qwen2.5-1.5B head (1536 x 151,936), 256 tokens, ~4 min
-    python bench/bench_loss.py --tokens 1024 --masked-fraction 0.7 --repeats 3
-    python bench/bench_loss.py --device cuda --dtype bf16 --tokens 32768 --liger   # a GPU (make gpu-check)
+    python -m bench.bench_loss                     # CPU: Qwen2.5-1.5B head (1536 x 151,936), 256 tokens, ~4 min
+    python -m bench.bench_loss --tokens 1024 --masked-fraction 0.7 --repeats 3
+    python -m bench.bench_loss --device cuda --dtype bf16 --tokens 32768 --liger   # a GPU (make gpu-check)
 
 One row of ``--tokens`` positions, ``--masked-fraction`` of them prompt
 (label -100), goes through forward + backward of the trainer's own loss code
@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # A fixed glibc mmap threshold: every large tensor gets its own mapping, returned to the system when
 # freed, so the process's peak RSS follows the live tensors instead of a heap that only grows.
@@ -141,8 +140,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"all": [], "learned": []}
     for _ in range(args.repeats):
         for mode in runs:
-            done = subprocess.run([sys.executable, __file__, *forwarded, "--worker", mode], capture_output=True,
-                                  text=True, check=False, env=WORKER_ENV)
+            done = subprocess.run([sys.executable, "-m", "bench.bench_loss", *forwarded, "--worker", mode], cwd=ROOT,
+                                  capture_output=True, text=True, check=False, env=WORKER_ENV)
             if done.returncode != 0:
                 raise SystemExit(f"{mode} run failed:\n{done.stderr[-3000:]}")
             [line] = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
@@ -157,7 +156,7 @@ def main() -> None:
                for mode, rs in runs.items()}
     saved = real_masked * args.step_tokens * per_position
     saved_at_row_fraction = args.masked_fraction * args.step_tokens * per_position
-    result = {"command": " ".join([Path(sys.executable).name, "bench/bench_loss.py", *forwarded]),
+    result = {"command": " ".join([Path(sys.executable).name, "-m", "bench.bench_loss", *forwarded]),
               "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype,
                         "device": args.device, "liger": args.liger, "masked_fraction": args.masked_fraction},
               "modes": summary, "speedup": summary["all"]["median_s"] / summary["learned"]["median_s"],

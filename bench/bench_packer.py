@@ -1,7 +1,7 @@
 """Benchmark the minibatch planner against the LPT reference, side by side.
 
-    .venv/bin/python bench/bench_packer.py                       # table + bench/bench_packer.json
-    .venv/bin/python bench/bench_packer.py --repeats 3 --output-json /dev/null
+    .venv/bin/python -m bench.bench_packer                       # table + bench/bench_packer.json
+    .venv/bin/python -m bench.bench_packer --repeats 3 --output-json /dev/null
 
 For batch sizes 128/1024/4096, world sizes 1/8/64 and budgets 8k/32k/128k
 tokens (27 configurations) on two length distributions, it reports per
@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from packing import lpt_minibatches, minibatches_lower_bound, plan_minibatches, rank_loads  # noqa: E402
+from packing import lpt_minibatches, minibatches_lower_bound, plan_minibatches, rank_loads
 
 BATCH_SIZES = (128, 1024, 4096)
 WORLD_SIZES = (1, 8, 64)

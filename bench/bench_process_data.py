@@ -1,10 +1,10 @@
 """Benchmark process_data.py end to end on a realistic chat dataset.
 
-    .venv/bin/python bench/bench_process_data.py --num-proc 2
-    .venv/bin/python bench/bench_process_data.py --num-samples 2000 --no-verify   # quick look
+    .venv/bin/python -m bench.bench_process_data --num-proc 2
+    .venv/bin/python -m bench.bench_process_data --num-samples 2000 --no-verify   # quick look
     git worktree add /tmp/old_pd HEAD~1   # or: git archive HEAD~1 | tar -x -C /tmp/old_pd
-    .venv/bin/python bench/bench_process_data.py --baseline-dir /tmp/old_pd --repeats 3   # old vs new
-    .venv/bin/python bench/bench_process_data.py --mix reasoning_tools --no-verify   # what reasoning/tools cost
+    .venv/bin/python -m bench.bench_process_data --baseline-dir /tmp/old_pd --repeats 3   # old vs new
+    .venv/bin/python -m bench.bench_process_data --mix reasoning_tools --no-verify   # what reasoning/tools cost
 
 Builds once into ``--work-dir`` (reused on later runs):
   - a ChatML tokenizer trained to a 32k vocabulary on Python's own prose
@@ -15,7 +15,7 @@ Builds once into ``--work-dir`` (reused on later runs):
     ``--mix reasoning_tools`` the same rows, but every reply carries
     ``reasoning_content`` (a quarter of its tokens) and 40% of the chat rows open
     with a tool call and its result under a ``tools`` schema; they are rendered
-    with Qwen3's real template (``tests/assets/chat_templates``), which drops the
+    with Qwen3's real template (``fixtures/chat_templates``), which drops the
     reasoning of turns before the last user message.
 
 Then times ``python process_data.py`` as a subprocess (process start to exit),
@@ -48,11 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tiny_model import build_tokenizer
+from utils import IGNORE_INDEX, collect_errors, config_field, parse_config
 
-from tiny_model import build_tokenizer  # noqa: E402
-from utils import IGNORE_INDEX, collect_errors, config_field, parse_config  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CHARS_PER_TOKEN = {"prose": 4.3, "code": 3.4}
 
@@ -71,7 +70,7 @@ class BenchConfig:
     repeats: int = config_field(1, help="timed runs of each side; medians are reported")
     mix: str = config_field("chat", choices=("chat", "reasoning_tools"),
                             help="chat: plain conversations; reasoning_tools: every reply with reasoning_content, "
-                                 "40% of rows with a tool call, rendered with Qwen3's template (no --verify)")
+                                 "40%% of rows with a tool call, rendered with Qwen3's template (no --verify)")
 
     def __post_init__(self):
         errors = []
@@ -133,7 +132,7 @@ def make_content(num_tokens: int, prose: str, code: str, rng: random.Random, *, 
     return take(prose, int(num_tokens * CHARS_PER_TOKEN["prose"]), rng)
 
 
-QWEN3_TEMPLATE = ROOT / "tests" / "assets" / "chat_templates" / "Qwen-Qwen3-0.6B.jinja"
+QWEN3_TEMPLATE = ROOT / "fixtures" / "chat_templates" / "Qwen-Qwen3-0.6B.jinja"
 BENCH_TOOLS = [{"type": "function", "function": {"name": "search_docs", "description": "Search the documentation.",
                                                  "parameters": {"type": "object", "properties": {
                                                      "query": {"type": "string"}}, "required": ["query"]}}}]

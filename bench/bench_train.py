@@ -1,11 +1,11 @@
 """Training throughput: packed padding-free rows against padded batches of the same samples.
 
-    python bench/bench_train.py --shape Qwen2.5-1.5B --max-tokens-per-gpu 32768 --find-max-tokens
-    torchrun --nproc-per-node=2 bench/bench_train.py --shape Llama-3-8B --max-tokens-per-gpu 16384
-    python bench/bench_train.py --shape tiny --max-tokens-per-gpu 2048 --median-len 64 --p99-len 850 \\
+    python -m bench.bench_train --shape Qwen2.5-1.5B --max-tokens-per-gpu 32768 --find-max-tokens
+    torchrun --nproc-per-node=2 -m bench.bench_train --shape Llama-3-8B --max-tokens-per-gpu 16384
+    python -m bench.bench_train --shape tiny --max-tokens-per-gpu 2048 --median-len 64 --p99-len 850 \\
         --max-len 1024 --num-steps 4 --repeats 5 --layouts packed,packed_reference,padded   # CPU, ~2 min
 
-A random-init model of a named shape (configs below, nothing downloaded) is
+A random-init model of a named shape (``model_shapes.py``, nothing downloaded) is
 trained exactly as ``train.py`` trains it: FSDP2 (one rank is fine), fp32
 master weights with bf16 compute on GPU, AdamW, the chunked or Liger loss of
 ``loss.CausalLMWithLoss``. Configurations:
@@ -43,7 +43,6 @@ import dataclasses
 import gc
 import json
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,35 +53,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, flash_attn_unavailable_reason,  # noqa: E402
+from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, flash_attn_unavailable_reason,
                        register_attention_backends)
-from autotune import longest_first_plan, probe_max_tokens_per_gpu  # noqa: E402
-from flops import measure_bf16_matmul_tflops, model_flops, training_flops  # noqa: E402
-from loss import CausalLMWithLoss  # noqa: E402
-from utils import (IGNORE_INDEX, DistInfo, cleanup, collect_errors, comma_list, config_field, gpu_name,  # noqa: E402
+from autotune import longest_first_plan, probe_max_tokens_per_gpu
+from flops import measure_bf16_matmul_tflops, model_flops, training_flops
+from loss import CausalLMWithLoss
+from model_shapes import SHAPES, model_config
+from utils import (IGNORE_INDEX, DistInfo, cleanup, collect_errors, comma_list, config_field, first_error, gpu_name,
                    init_distributed, log_rank_0, parse_config, peak_memory_gb,
                    reset_peak_memory, setup_logging, synchronize)
 
-SHAPES: dict[str, dict] = {
-    # Published configs of the named models (architecture = the transformers model type).
-    "Qwen2.5-0.5B": dict(architecture="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6),
-    "Qwen2.5-1.5B": dict(architecture="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6),
-    "Qwen2.5-7B": dict(architecture="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                       tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6),
-    "Llama-3-8B": dict(architecture="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                       tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5),
-    "tiny": dict(architecture="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
-                 tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6),
-}
 LAYOUTS = ("packed", "packed_flash", "packed_reference", "padded")
 DEFAULT_LAYOUTS = "packed,packed_flash,padded"
 
@@ -199,15 +179,6 @@ def collate_padded(batch: list[Sample], pad_id: int = 0) -> dict[str, torch.Tens
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "attention_mask": mask}
 
 
-def model_config(shape: str, *, max_position_embeddings: int = 32768):
-    """The transformers config of a named shape (random init, nothing downloaded)."""
-    from transformers import LlamaConfig, Qwen2Config
-
-    fields = dict(SHAPES[shape])
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[fields.pop("architecture")]
-    return config_cls(**fields, max_position_embeddings=max_position_embeddings, use_cache=False)
-
-
 # ----------------------------------------------------------------------------
 # Model, one training step, one configuration
 
@@ -316,18 +287,12 @@ def run_configuration(config: BenchConfig, dist_info: DistInfo, *, layout: str, 
 
         result["max_tokens_per_gpu_that_fits"] = probe_max_tokens_per_gpu(
             try_step, device_type=device.type, lower=4096, upper=config.max_probe_tokens, safety=1.0,
-            resolution=1024, agree=lambda ok: _all_ranks(ok, device))
+            resolution=1024, agree=lambda ok: first_error(None if ok else "trial failed") is None)
     del wrapper, optimizer
     gc.collect()
     if device.type == "cuda":
         torch.accelerator.empty_cache()
     return result
-
-
-def _all_ranks(ok: bool, device: torch.device) -> bool:
-    flag = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 # ----------------------------------------------------------------------------

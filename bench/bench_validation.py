@@ -1,6 +1,6 @@
 """Cost of the validation pass on the demo model and data, and training throughput with and without it.
 
-    .venv/bin/python bench/bench_validation.py --nproc 2 --max-steps 30 --every 5
+    .venv/bin/python -m bench.bench_validation --nproc 2 --max-steps 30 --every 5
 
 Builds the demo's tokenizer and random model (demo.py) and tokenizes
 data/demo_chat.jsonl, then runs train.py twice under torchrun with the same
@@ -23,10 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from demo import DEMO_DATA, DemoConfig, build_demo_model
 
-from demo import DEMO_DATA, DemoConfig, build_demo_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(args: argparse.Namespace, model: Path, data: Path, out: Path, *extra: str) -> list[dict]:

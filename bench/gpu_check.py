@@ -3,7 +3,7 @@
     make gpu-check                                   # CUDA machine, about 15 minutes, into gpu_check/
     make gpu-check GPU_CHECK_DIR=$OUT/gpu_check      # choose the folder (e.g. one the caller collects)
     make gpu-check DEVICE=cpu                        # the CPU rehearsal: same code path, tiny sizes, ~2 min
-    python bench/gpu_check.py --output-dir gpu_check --device cpu
+    python -m bench.gpu_check --output-dir gpu_check --device cpu
 
 Every sub-check runs as its own subprocess with its own time limit (``CHECKS``); one
 that fails or runs out of time is recorded and the next one runs. The sub-checks:
@@ -48,10 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from utils import collect_errors, comma_list, config_field, parse_config
 
-from utils import collect_errors, comma_list, config_field, parse_config  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 OPTIONAL_WHEELS = ("liger-kernel", "peft", "flash-attn")
 REQUIRED_WHEELS = ("torch", "transformers", "datasets", "tokenizers", "safetensors", "numpy", "tqdm", "jinja2",
@@ -118,7 +117,7 @@ CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, 
 # wrong denominator) moves the loss of these sharp-logit test models by well over 1%. fp32 (CPU)
 # differs only in summation order: 1e-4.
 EXACT_RTOL = {"bfloat16": 1e-2, "float32": 1e-4}
-EXACT_ARCHS = ("llama", "qwen3_moe_aux")  # dense, and MoE with the router loss (tests/architectures.py)
+EXACT_ARCHS = ("llama", "qwen3_moe_aux")  # dense, and MoE with the router loss (fixtures/architectures.py)
 
 TARGETS = {"mfu_32k_liger": 0.50, "packed_over_padded": 1.5, "max_tokens_liger_ac": 131072}
 
@@ -187,7 +186,7 @@ class Runner:
 
     def helper(self, sub: str, args: dict, *, deadline: float) -> dict:
         """Run one ``--sub`` helper of this script in a fresh process; its last stdout line is JSON."""
-        result = self.run([sys.executable, "bench/gpu_check.py", "--sub", sub, "--args", json.dumps(args)],
+        result = self.run([sys.executable, "-m", "bench.gpu_check", "--sub", sub, "--args", json.dumps(args)],
                           deadline=deadline)
         return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -248,10 +247,8 @@ def check_gpu_tests(runner: Runner, deadline: float) -> dict:
 
 
 def check_exactness(runner: Runner, deadline: float) -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from architectures import ARCH_BY_NAME, build_architecture
-    from e2e import write_tokenized_jsonl
-
+    from fixtures.architectures import ARCH_BY_NAME, build_architecture
+    from fixtures.e2e import write_tokenized_jsonl
     from tiny_model import build_tokenizer
 
     tokenizer_dir = runner.scratch / "tokenizer"
@@ -286,7 +283,7 @@ def check_exactness(runner: Runner, deadline: float) -> dict:
 
 def _bench_args(runner: Runner, budget: int, output_json: Path) -> list:
     s = runner.sizes
-    return [sys.executable, "bench/bench_train.py", "--shape", s.shape, "--max-tokens-per-gpu", budget,
+    return [sys.executable, "-m", "bench.bench_train", "--shape", s.shape, "--max-tokens-per-gpu", budget,
             "--median-len", s.median_len, "--p99-len", s.p99_len, "--max-len", min(s.max_len, budget),
             "--num-steps", s.num_steps, "--num-warmup-steps", s.num_warmup_steps, "--activation-checkpointing",
             "on", "--output-json", output_json]
@@ -481,9 +478,7 @@ def sub_reference_loss(args: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from e2e import unpacked_loss_sum
-
+    from fixtures.e2e import unpacked_loss_sum
     from utils import device_type
 
     device = torch.device(device_type())
@@ -507,7 +502,8 @@ def sub_lever_setup(args: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench_train import BenchConfig, draw_samples, model_config
+    from bench.bench_train import BenchConfig, draw_samples
+    from model_shapes import model_config
     from tiny_model import build_tokenizer
     from utils import device_type
 
@@ -685,7 +681,6 @@ def _cuda_visible() -> bool:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(GpuCheckConfig, argv, description=__doc__.split("\n\n")[0])
     if config.sub:
-        sys.path.insert(0, str(ROOT / "bench"))
         print(json.dumps(SUBS[config.sub](json.loads(config.args or "{}"))))
         return
     gpu_check(config)

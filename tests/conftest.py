@@ -7,15 +7,11 @@ Run the suite with ``make test`` (or ``.venv/bin/python -m pytest -q tests``).
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tiny_model import TEMPLATES, build_tiny_model  # noqa: E402
+from tiny_model import TEMPLATES, build_tiny_model
 
 TEMPLATE_NAMES = sorted(TEMPLATES)
 # `make test-matrix` runs the data and packing tests under interpreters that have no CPU build of

@@ -16,7 +16,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from e2e import _free_port
+from fixtures.e2e import _free_port
 
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo")
 

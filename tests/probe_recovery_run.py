@@ -1,7 +1,7 @@
 """Torchrun helper of tests/test_autotune.py (not a test itself): a ``--max-tokens-per-gpu auto``
 trial step that fails mid-backward (``MINI_TRAINER_TEST_PROBE_FAIL``), then one real training step.
 
-    torchrun --nproc-per-node=2 tests/probe_recovery_run.py MODEL_DIR DATA_FILE RESULT_JSON
+    torchrun --nproc-per-node=2 -m tests.probe_recovery_run MODEL_DIR DATA_FILE RESULT_JSON   # from the repository root
 
 Writes the trial's verdict and a checksum of the updated full weights (rank 0).
 """
@@ -12,15 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-import sampler  # noqa: E402
-from attention import model_inputs  # noqa: E402
-from autotune import make_trial_step, probe_agreement, trial_fits  # noqa: E402
-from setup_model_fsdp import gather_full_state_dict, setup_model  # noqa: E402
-from utils import cleanup, init_distributed  # noqa: E402
+import sampler
+from attention import model_inputs
+from autotune import make_trial_step, probe_agreement, trial_fits
+from setup_model_fsdp import gather_full_state_dict, setup_model
+from utils import cleanup, init_distributed
 
 
 def main(model_dir: str, data_file: str, result: str) -> None:

@@ -2,15 +2,16 @@
 
     .venv/bin/python -m pytest -q tests/test_architectures.py
 
-Thirty-three tiny random causal LMs (``tests/architectures.py``: dense, tied
+Thirty-three tiny random causal LMs (``fixtures/architectures.py``: dense, tied
 embeddings, Granite's logits_scaling, Cohere's logit_scale, Gemma's
 softcapping, sliding windows, attention sinks, MoE with and without the router
 loss, DeepSeek-V2/V3 and MiniCPM3 multi-head latent attention, Llama-4's
 chunked attention, NoPE layers, the linear-attention hybrids Kimi-Linear,
 Qwen3.5(-MoE), Qwen3-Next and OLMo-hybrid, the Mamba-2 hybrid Nemotron-H and
 LFM2's short convolutions, Seed-OSS's biases; the last fourteen are the CI sample of
-``bench/bench_architectures.py``, built by its generic ``tiny_configs``) are trained for one step in ONE ``torchrun --nproc-per-node=2`` job
-(``tests/matrix_train.py`` runs ``train.main`` once per architecture), with a
+``bench/bench_architectures.py``, built by its generic ``fixtures/tiny_configs.py``) are trained for one
+step in ONE ``torchrun --nproc-per-node=2`` job
+(``fixtures/matrix_train.py`` runs ``train.main`` once per architecture), with a
 token budget that forces several packed minibatches per rank. The invariant:
 the logged step-1 loss (and router loss, and for one dense and one MoE model
 the gradient norm) equals the model's own ``forward(input_ids, labels=...)``
@@ -25,15 +26,13 @@ also runs with ``--lora-rank 4`` (peft adapters, base frozen): its step-1 loss i
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
-from architectures import ARCHITECTURES, ARCH_BY_NAME, build_architecture
-from e2e import read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.architectures import (ARCHITECTURES, ARCH_BY_NAME, build_architecture, matrix_args,
+                                    reference_step_one)
 from fault_injection import DROP_LOGIT_SCALE
-from sampler import InfiniteSampler, load_tokenized_dataset
+from fixtures.e2e import read_metrics, torchrun, write_tokenized_jsonl
 
 REFUSED = "gpt_oss"
 """Its forward builds the attention mask without position_ids, so eager lets packed samples see each other,
@@ -45,22 +44,11 @@ LORA_REFUSED = {"nemotron_h": "peft cannot adapt NemotronHForCausalLM", "qwen3_n
 """LoRA that stops at start-up with one line instead of a traceback: peft refuses Mamba layers' out_proj/conv1d
 (Nemotron-H); all-linear's names reach fused 3-D experts beside same-named shared-expert projections, whose
 adapters have no merge into the original keys."""
-BATCH = 12
-BUDGET = 64
-SEED = 7
 WITH_GRADIENTS = ("llama", "qwen3_moe_aux")
 DROPPED = "granite_scale_dropped_unchecked"
 LORA = "_lora"
 """Suffix of the same architectures trained with --lora-rank 4: adapters start with B = 0, so step 1's loss
 is the base model's own."""
-
-
-def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),
-            "--batch-size", str(BATCH), "--max-tokens-per-gpu", str(BUDGET), "--seed", str(SEED),
-            "--learning-rate", "1e-3", "--num-warmup-steps", "0", "--lr-scheduler", "constant",
-            "--max-grad-norm", "0", "--max-steps", "1", "--min-samples-per-checkpoint", "100000",
-            "--num-data-workers", "0", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -73,44 +61,15 @@ def matrix(tmp_path_factory, chatml_model) -> dict:
 
     vocab = len(AutoTokenizer.from_pretrained(chatml_model))
     data = write_tokenized_jsonl(root / "data.jsonl", num_samples=40, vocab_size=vocab, seed=3)
-    runs = [{"name": name, "args": _args(path, data, root / "runs" / name)} for name, path in models.items()]
-    runs += [{"name": f"{name}{LORA}", "args": _args(models[name], data, root / "runs" / f"{name}{LORA}",
+    runs = [{"name": name, "args": matrix_args(path, data, root / "runs" / name)} for name, path in models.items()]
+    runs += [{"name": f"{name}{LORA}", "args": matrix_args(models[name], data, root / "runs" / f"{name}{LORA}",
                                                       "--lora-rank", "4")} for name in TRAINED]
     runs.append({"name": DROPPED, "env": {DROP_LOGIT_SCALE: "1"},
-                 "args": _args(models["granite"], data, root / "runs" / DROPPED, "--skip-objective-check")})
-    result = torchrun([json.dumps(run) for run in runs], script="tests/matrix_train.py", timeout=900)
+                 "args": matrix_args(models["granite"], data, root / "runs" / DROPPED, "--skip-objective-check")})
+    result = torchrun([json.dumps(run) for run in runs], module="fixtures.matrix_train", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     exits = json.loads((root / "runs" / "results_0.json").read_text())
     return {"root": root, "models": models, "data": data, "exits": exits, "log": result.stderr}
-
-
-def _reference(model_dir: Path, data: Path, *, with_gradients: bool) -> dict:
-    """Step 1 by the model's own forward(labels=...), unpacked, one sample at a time, one process."""
-    from transformers import AutoModelForCausalLM
-
-    dataset = load_tokenized_dataset(str(data))
-    indices = [int(i) for i in InfiniteSampler(len(dataset), SEED).take(BATCH) if dataset.lengths[i] <= BUDGET]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    coef = model.router_aux_loss_coef if getattr(model.config, "output_router_logits", False) else 0.0
-    ce_sums, aux, num_tokens = [], [], 0
-    with torch.set_grad_enabled(with_gradients):
-        for index in indices:
-            input_ids, labels = dataset.sample(index)
-            out = model(input_ids=torch.tensor([input_ids]), labels=torch.tensor([labels]))
-            n = sum(1 for t in labels[1:] if t != -100)
-            sample_aux = out.aux_loss if coef else torch.zeros(())
-            ce_sums.append((out.loss - coef * sample_aux) * n)  # the model's own mean CE, back to a sum
-            aux.append(sample_aux)
-            num_tokens += n
-        loss = torch.stack(ce_sums).sum() / num_tokens
-        router = torch.stack(aux).mean()
-        objective = loss + coef * router
-    grad_norm = None
-    if with_gradients:
-        objective.backward()
-        grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
-    return {"loss": loss.item(), "router_aux_loss": router.item() if coef else None,
-            "objective": objective.item(), "grad_norm": None if grad_norm is None else grad_norm.item()}
 
 
 @pytest.mark.parametrize("name", TRAINED)
@@ -118,7 +77,7 @@ def test_step_one_equals_the_models_own_forward(matrix, name):
     assert matrix["exits"][name] == 0
     [record] = read_metrics(matrix["root"] / "runs" / name)
     assert record["grad_accum"] >= 2, "the budget should force several packed minibatches per rank"
-    ref = _reference(matrix["models"][name], matrix["data"], with_gradients=name in WITH_GRADIENTS)
+    ref = reference_step_one(matrix["models"][name], matrix["data"], with_gradients=name in WITH_GRADIENTS)
     error = abs(record["loss"] - ref["loss"]) / ref["loss"]
     print(f"\nMATRIX {name} | {ARCH_BY_NAME[name].exercises} | loss {record['loss']:.6f} "
           f"ref {ref['loss']:.6f} rel err {error:.1e}")
@@ -159,7 +118,7 @@ def test_skipped_check_lets_a_wrong_objective_train(matrix):
 
 def test_self_check_stops_a_wrong_objective(matrix, tmp_path):
     out = tmp_path / "out"
-    result = torchrun(_args(matrix["models"]["granite"], matrix["data"], out), env={DROP_LOGIT_SCALE: "1"},
+    result = torchrun(matrix_args(matrix["models"]["granite"], matrix["data"], out), env={DROP_LOGIT_SCALE: "1"},
                       timeout=300)
     assert result.returncode != 0
     [line] = [ln for ln in result.stderr.splitlines() if "objective self-check failed" in ln]
@@ -174,7 +133,7 @@ def test_lora_trains_every_architecture_on_its_own_objective(matrix, name):
     (self-check on, activation checkpointing on), and the adapters are all that trains."""
     assert matrix["exits"][f"{name}{LORA}"] == 0
     [record] = read_metrics(matrix["root"] / "runs" / f"{name}{LORA}")
-    ref = _reference(matrix["models"][name], matrix["data"], with_gradients=False)
+    ref = reference_step_one(matrix["models"][name], matrix["data"], with_gradients=False)
     assert record["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert record["loss_backward"] == pytest.approx(ref["objective"], rel=1e-5)
 

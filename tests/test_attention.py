@@ -23,7 +23,7 @@ import attention
 from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, cu_seqlens_from_position_ids,
                        register_attention_backends, varlen_reference)
 from autotune import DEFAULT_MAX_TOKENS_PER_GPU, longest_first_plan, probe_max_tokens_per_gpu, search_largest_fitting
-from e2e import model_vocab_size
+from fixtures.e2e import model_vocab_size
 from loss import CausalLMWithLoss
 from attention import resolve_attn_implementation
 from setup_model_fsdp import apply_liger_kernels

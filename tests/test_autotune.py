@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest -q tests/test_autotune.py
 
-Real torchrun with 2 gloo CPU processes (tests/probe_recovery_run.py); the failure is injected with the
+Real torchrun with 2 gloo CPU processes (``python -m tests.probe_recovery_run``); the failure is injected with the
 test-only ``MINI_TRAINER_TEST_PROBE_FAIL`` hook, an allocation failure raised as a plain RuntimeError
 half-way through backward.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from autotune import is_allocation_failure, trial_fits
-from e2e import model_vocab_size, torchrun, write_tokenized_jsonl
+from fixtures.e2e import model_vocab_size, torchrun, write_tokenized_jsonl
 
 
 def test_allocation_failures_beyond_out_of_memory_error_mean_does_not_fit():
@@ -40,7 +40,7 @@ def test_failed_trial_leaves_fsdp_consistent(tmp_path, chatml_model, failing_ran
     results = {}
     for name, env in (("failed", {"MINI_TRAINER_TEST_PROBE_FAIL": f"64:{failing_ranks}"}), ("clean", {})):
         path = tmp_path / f"{name}.json"
-        run = torchrun([str(chatml_model), str(data), str(path)], script="tests/probe_recovery_run.py", env=env,
+        run = torchrun([str(chatml_model), str(data), str(path)], module="tests.probe_recovery_run", env=env,
                        timeout=240)
         assert run.returncode == 0, run.stderr[-4000:]
         results[name] = json.loads(Path(path).read_text())
@@ -55,7 +55,7 @@ def test_failure_on_one_rank_only_stops_the_job_without_a_hang(tmp_path, chatml_
     vocab = model_vocab_size(chatml_model)
     data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=12, vocab_size=vocab, seed=2)
     began = time.monotonic()
-    run = torchrun([str(chatml_model), str(data), str(tmp_path / "r.json")], script="tests/probe_recovery_run.py",
+    run = torchrun([str(chatml_model), str(data), str(tmp_path / "r.json")], module="tests.probe_recovery_run",
                    env={"MINI_TRAINER_TEST_PROBE_FAIL": "64:1", "MINI_TRAINER_PROBE_TIMEOUT_SECONDS": "5"},
                    timeout=240)
     assert run.returncode != 0

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from e2e import pickle_enums
+from fixtures.e2e import pickle_enums
 from safe_metadata import MetadataSafeReader, _MetadataUnpickler, enum_member_by_name
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
 

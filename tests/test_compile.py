@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from setup_model_fsdp import compile_refusal
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from data_mix import MixedDataset, MixedStream, Source, data_paths, parse_data_spec
-from e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from sampler import load_tokenized_dataset
 

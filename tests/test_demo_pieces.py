@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import runpy
 import subprocess
 import sys
 import types
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from e2e import ROOT, read_metrics, write_tokenized_jsonl
+from fixtures.e2e import ROOT, read_metrics, write_tokenized_jsonl
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -332,11 +333,7 @@ def test_demo_dataset_is_valid_and_varied():
 
 
 def test_demo_dataset_is_the_generator_output():
-    sys.path.insert(0, str(ROOT / "data"))
-    try:
-        from make_demo_data import build_rows
-    finally:
-        sys.path.remove(str(ROOT / "data"))
+    build_rows = runpy.run_path(str(ROOT / "data" / "make_demo_data.py"))["build_rows"]  # a script, not a module
     assert build_rows(0, num_conversations=360) == _demo_rows()
 
 

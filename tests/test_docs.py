@@ -11,7 +11,8 @@ Pages: README.md and docs/*.md. Every fenced ``bash``/``sh``/``console``/``pytho
 - ``# needs: gpu, hub, ...``: what a test machine lacks. Such a block is not run, but each of its
   commands must still parse: ``train.py`` and ``process_data.py`` through ``utils.parse_config`` (what
   their ``main`` does, ``__post_init__`` validation included), after stripping environment variables
-  and a ``torchrun`` prefix (parsed by torchrun's own parser); other scripts through their own
+  and a ``torchrun`` prefix (parsed by torchrun's own parser); other root scripts, and
+  ``python -m bench.<script>`` (the only way a script outside the root runs), through their own
   argparse (run up to ``parse_args`` and stopped there); ``make`` targets and variables against the
   Makefile; ``pip install -r`` files, ``bash`` scripts and ``pytest`` paths must exist.
   A command that fits none of these fails the test, so no block can rot unseen.
@@ -95,37 +96,52 @@ class _Parsed(Exception):
     pass
 
 
-def _parse_with_script_argparse(script: Path, args: list[str]) -> None:
-    """Run ``script`` as ``__main__`` until its argparse has parsed ``args``, then stop it there."""
+def _parse_with_own_argparse(run, argv0: str, args: list[str]) -> None:
+    """Run a script or module as ``__main__`` (``run``) until its argparse has parsed ``args``, then stop it."""
     original = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, argv=None, namespace=None):
         original(self, argv, namespace)
         raise _Parsed
 
-    saved_argv, saved_path = sys.argv, list(sys.path)
+    saved_argv = sys.argv
     argparse.ArgumentParser.parse_args = parse_then_stop
-    sys.argv = [str(script), *args]
-    sys.path[:0] = [str(script.parent), str(ROOT)]
+    sys.argv = [argv0, *args]
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        run()
     except _Parsed:
         return
     finally:
         argparse.ArgumentParser.parse_args = original
-        sys.argv, sys.path[:] = saved_argv, saved_path
-    raise AssertionError(f"{script.name} ran to the end without parsing arguments with argparse")
+        sys.argv = saved_argv
+    raise AssertionError(f"{argv0} ran to the end without parsing arguments with argparse")
 
 
 def check_script(script: str, args: list[str]) -> None:
     path = ROOT / script
     assert path.is_file(), f"no such script {script}"
+    # Only the root's scripts run by path; anything under bench/ or tests/ imports from the root.
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    assert path.parent == ROOT, f"{script} runs as `python -m {module}` from the repository root"
     if path.name == "train.py":
         parse_config(TrainConfig, args)
     elif path.name == "process_data.py":
         parse_config(ProcessDataConfig, args)
     else:
-        _parse_with_script_argparse(path, args)
+        _parse_with_own_argparse(lambda: runpy.run_path(str(path), run_name="__main__"), str(path), args)
+
+
+def check_module(module: str, args: list[str]) -> None:
+    """``python -m bench.x ...`` from the repository root (docs/code-layout.md, "How imports work")."""
+    path = ROOT / (module.replace(".", "/") + ".py")
+    assert path.is_file() and path.parent != ROOT, f"no module {module} under bench/, tests/ or fixtures/"
+    imported = sys.modules.pop(module, None)  # another script imported it: `python -m` would run it fresh
+    try:
+        _parse_with_own_argparse(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True), str(path),
+                                 args)
+    finally:
+        if imported is not None:
+            sys.modules[module] = imported
 
 
 def check_torchrun(args: list[str]) -> None:
@@ -133,7 +149,8 @@ def check_torchrun(args: list[str]) -> None:
 
     # Shell variables stand for values the job knows ($NNODES, $HEAD_NODE:29500): any number fits them.
     parsed = get_args_parser().parse_args([re.sub(r"\$\{?\w+\}?", "1", word) for word in args])
-    check_script(parsed.training_script, parsed.training_script_args)
+    check = check_module if parsed.module else check_script
+    check(parsed.training_script, parsed.training_script_args)
 
 
 def check_make(args: list[str]) -> None:
@@ -178,6 +195,8 @@ def check_command(words: list[str]) -> None:
             assert paths and all((ROOT / path).exists() for path in paths), f"pytest of missing paths {paths}"
         elif rest[:1] == ["-c"]:
             compile(rest[1], "<python -c>", "exec")
+        elif rest[:1] == ["-m"]:
+            check_module(rest[1], rest[2:])
         else:
             check_script(rest[0], rest[1:])
     else:

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from architectures import ARCHITECTURES, COMMON
+from fixtures.architectures import ARCHITECTURES, COMMON
 
 from flops import (ModelFlops, attended_pairs, checked_model_flops, matmul_params_of, model_flops,
                    speed_metrics, training_flops)
@@ -69,7 +69,7 @@ def test_a_config_without_attention_heads_logs_null_flops_instead_of_raising(mod
     """FalconMamba's config raises on num_attention_heads: start-up crashed there (bench_architectures sweep)."""
     from transformers import AutoModelForCausalLM
 
-    from tiny_configs import tiny_config
+    from fixtures.tiny_configs import tiny_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, 100))

@@ -14,10 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import gpu_check  # noqa: E402
+from bench import gpu_check
+from fixtures.e2e import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +90,7 @@ def test_report_md_names_device_checks_and_commands(rehearsal):
     assert text.startswith("# gpu-check report (cpu)")
     for name, _ in gpu_check.CHECKS:
         assert f"### {name}: ok" in text
-    for command in ("python train.py", "python bench/bench_train.py", "python -m pytest -q -m gpu"):
+    for command in ("python train.py", "python -m bench.bench_train", "python -m pytest -q -m gpu"):
         assert command in text
     assert f"| torch | {torch.__version__} |" in text
     assert "## Targets" in text

@@ -1,6 +1,13 @@
-"""The house's shape: no import cycles between the toolkit's modules; the training loop fits one screen.
+"""The house's shape: no import cycle anywhere in the repository; each folder imports only the ones below
+it; the training loop fits one screen.
 
     .venv/bin/python -m pytest -q tests/test_layout.py
+
+The import graph covers every ``*.py`` of the root, ``fixtures/``, ``bench/``, ``tests/`` and ``data/``,
+imports inside functions included. The folders are layers (docs/code-layout.md, "How imports work"): the
+root imports only the root; ``fixtures/`` the root and itself; ``bench/`` those and itself; ``tests/``
+everything. A module outside the root is imported by its dotted path from the repository root
+(``fixtures.e2e``, ``bench.bench_train``); a bare name that only a sys.path edit could resolve is reported.
 """
 
 from __future__ import annotations
@@ -8,20 +15,62 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from e2e import ROOT
+from fixtures.e2e import ROOT
 
+LAYERS = {"": 0, "data": 0, "fixtures": 1, "bench": 2, "tests": 3}
+"""A module may import modules of its own layer or a lower one (``data/``: the demo data's standalone generator)."""
+FOLDERS = ("", "fixtures", "bench", "tests", "data")
 MODULES = {path.stem: path for path in ROOT.glob("*.py")}
 
 
-def _imports(path: Path) -> set[str]:
-    """The toolkit modules ``path`` imports, at the top or inside functions."""
-    found = set()
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+TREE = {_module_name(path): path for folder in FOLDERS for path in sorted((ROOT / folder).glob("*.py"))}
+
+
+def _folder(name: str) -> str:
+    return name.split(".")[0] if "." in name or name in FOLDERS else ""
+
+
+def _resolve(name: str, importer: str) -> tuple[str | None, bool]:
+    """The repository module ``name`` means, and whether it is spelled as from the root. A bare name that
+    is no root module is resolved as the sys.path edit it needs would have (a sibling first, else the
+    only module of that name elsewhere), so an old-style import still shows in the graph."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        if (candidate := ".".join(parts[:end])) in TREE:
+            return candidate, True
+    siblings = [n for n in TREE if n.rsplit(".", 1)[-1] == parts[0] and n != parts[0]]
+    if not siblings:
+        return None, True
+    own = [n for n in siblings if _folder(n) == _folder(importer)]
+    return (own or siblings)[0], False
+
+
+def _imports(path: Path) -> dict[str, bool]:
+    """``{module: spelled from the root}`` for every repository module ``path`` imports, anywhere in it."""
+    importer, found = _module_name(path), {}
     for node in ast.walk(ast.parse(path.read_text())):
-        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                 else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
-                 else [])
-        found.update(name.split(".")[0] for name in names if name.split(".")[0] in MODULES)
-    return found - {path.stem}
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            package = importer.split(".")[:len(importer.split(".")) - node.level] if node.level else []
+            base = ".".join([*package, *([node.module] if node.module else [])])
+            # `from bench import bench_train` names a module; `from utils import IGNORE_INDEX` does not.
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in TREE else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            module, rooted = _resolve(name, importer)
+            if module is not None and module != importer:
+                found[module] = found.get(module, True) and rooted
+    return found
+
+
+GRAPH = {name: _imports(path) for name, path in TREE.items()}
 
 
 def _cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
@@ -38,13 +87,33 @@ def _cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_module_imports_itself_through_others():
-    graph = {name: _imports(path) for name, path in MODULES.items()}
-    cycles = [cycle for name in sorted(graph) if (cycle := _cycle_from(name, graph))]
+    cycles = [cycle for name in sorted(GRAPH) if (cycle := _cycle_from(name, GRAPH))]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_each_folder_imports_only_its_own_layer_or_lower():
+    upward = [f"{name} -> {imported}" for name, imports in sorted(GRAPH.items()) for imported in sorted(imports)
+              if _folder(name) in LAYERS and LAYERS[_folder(imported)] > LAYERS[_folder(name)]]
+    assert not upward, ("imports against the layers (root < fixtures < bench < tests; shared helpers go to "
+                        "fixtures/): " + "; ".join(upward))
+
+
+def test_modules_outside_the_root_are_imported_from_the_root():
+    bare = [f"{name} imports {imported} by a bare name" for name, imports in sorted(GRAPH.items())
+            for imported, rooted in sorted(imports.items()) if not rooted]
+    assert not bare, "; ".join(bare) + " (write `fixtures.e2e`, `bench.bench_train`, ...)"
+
+
+def test_no_file_edits_sys_path():
+    edits = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in TREE.values()
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+             and node.value.id == "sys"]
+    assert not edits, f"sys.path used at {edits}: the repository root is the import root (docs/code-layout.md)"
+
+
 def test_only_entry_points_import_train():
-    importers = sorted(name for name, path in MODULES.items() if "train" in _imports(path))
+    importers = sorted(name for name, imports in GRAPH.items() if "train" in imports and _folder(name) == "")
     assert importers == [], f"{importers} import train.py: import train_config (the config) instead"
 
 

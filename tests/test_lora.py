@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from api import config_to_argv
-from e2e import model_vocab_size, read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl
+from fixtures.e2e import model_vocab_size, read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from lora import LoraSettings, apply_lora, export_states, lora_preflight
 from train import TrainConfig

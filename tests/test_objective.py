@@ -16,7 +16,7 @@ several architectures, logit scaling, softcapping, LoRA and Liger; equal up
 to fp32 summation order (the terms are the same, their grouping into sums is
 not), and the prompt positions' hidden-state gradient exactly 0 in both.
 
-The start-up self-check on the sweep's tiny configs (``tiny_configs``: every
+The start-up self-check on the sweep's tiny configs (``fixtures/tiny_configs.py``: every
 dropout off, large initial weights, so a leak shows): BERT-style encoders,
 whose forward runs a prediction transform between the encoder and the LM head,
 are refused with that reason (Electra's and RoFormer's head is wider than the
@@ -38,9 +38,9 @@ import pytest
 import torch
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from architectures import ARCH_BY_NAME, COMMON
 from attention import attention_needs, backend_refusal, reference_varlen_attention_forward
-from e2e import ROOT, write_tokenized_jsonl
+from fixtures.architectures import ARCH_BY_NAME, COMMON
+from fixtures.e2e import ROOT, write_tokenized_jsonl
 from objective import LogitTransform, router_aux_sum
 from sampler import load_tokenized_dataset
 from selfcheck import check_data_fits_model
@@ -48,8 +48,7 @@ from attention import explicit_attention_refusal, resolve_attn_implementation
 from utils import logger
 
 LIGER_SCRIPT = r"""
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
+import json, torch
 from loss import chunked_cross_entropy_sum, learned_positions, make_liger_fused_loss
 from objective import LogitTransform
 torch.manual_seed(0)
@@ -91,7 +90,8 @@ print("RESULTS" + json.dumps(results))
 def test_liger_fused_loss_equals_plain_path_under_triton_interpreter():
     pytest.importorskip("liger_kernel")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", LIGER_SCRIPT, str(ROOT)], env=env, capture_output=True,
+    # `python -c` imports from its working directory: the repository root, as every launch here.
+    result = subprocess.run([sys.executable, "-c", LIGER_SCRIPT], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULTS")]
@@ -271,13 +271,13 @@ def test_out_of_vocabulary_data_is_refused_and_tokenizer_mismatch_warned(tmp_pat
 
 
 def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str = "sdpa") -> list[str]:
-    """``check_objective`` on the sweep's tiny ``model_type`` (``tiny_configs``), one process, no FSDP;
+    """``check_objective`` on the sweep's tiny ``model_type`` (``fixtures/tiny_configs.py``), one process, no FSDP;
     its ERROR lines (empty when it passes)."""
     from transformers import AutoModelForCausalLM
 
+    from fixtures.tiny_configs import tiny_config
     from loss import CausalLMWithLoss
     from selfcheck import check_objective
-    from tiny_configs import tiny_config
 
     vocab = 96
     torch.manual_seed(0)
@@ -341,7 +341,7 @@ def test_a_forward_without_position_ids_is_refused_saying_so(tmp_path, caplog):
 def test_tiny_configs_turn_every_dropout_off_and_use_large_weights(model_type):
     """The sweep compares a training-mode step with an eval-mode reference: any dropout left on (Seed-OSS's
     residual_dropout=0.1) makes them differ (1e-2), whatever the trainer does."""
-    from tiny_configs import tiny_config
+    from fixtures.tiny_configs import tiny_config
 
     values = tiny_config(model_type, 96).to_dict()
     dropouts = {name: value for name, value in values.items()

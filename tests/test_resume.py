@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import ROOT, _free_port, model_vocab_size, pickle_enums, read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.e2e import ROOT, _free_port, model_vocab_size, pickle_enums, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 
 BATCH = 12

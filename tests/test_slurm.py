@@ -27,10 +27,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from e2e import ROOT, _free_port, read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.e2e import ROOT, _free_port, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
-from local_slurm import LocalSlurm, unavailable_reason
-from test_resume import _assert_same_steps, _final_weights
+from tests.local_slurm import LocalSlurm, unavailable_reason
+from tests.test_resume import _assert_same_steps, _final_weights
 
 BATCH = 12
 STEPS = 10

@@ -7,7 +7,7 @@ import pytest
 from jinja2.exceptions import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import TEMPLATE_NAMES
+from tests.conftest import TEMPLATE_NAMES
 
 
 @pytest.mark.parametrize("name", TEMPLATE_NAMES)

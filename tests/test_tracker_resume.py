@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import model_vocab_size, torchrun, write_tokenized_jsonl
+from fixtures.e2e import model_vocab_size, torchrun, write_tokenized_jsonl
 
 FAKE_WANDB = '''
 import json, os, uuid

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from e2e import model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, unpacked_loss_sum, write_tokenized_jsonl
+from fixtures.e2e import (model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, unpacked_loss_sum,
+                          write_tokenized_jsonl)
 from sampler import InfiniteSampler, load_tokenized_dataset
 
 BATCH = 12

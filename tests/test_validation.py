@@ -25,7 +25,7 @@ import checkpoint_policy
 import resume_policy
 import validation
 from batch_metrics import MetricsWriter
-from e2e import model_vocab_size, torchrun, unpacked_loss_sum, write_tokenized_jsonl
+from fixtures.e2e import model_vocab_size, torchrun, unpacked_loss_sum, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from sampler import InfiniteSampler, load_tokenized_dataset
 
