@@ -342,6 +342,9 @@ def _check_sharded_equals_single(mesh) -> None:
         torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=1e-12)
     for (name, p), (_, q) in zip(single.named_parameters(), sharded.named_parameters()):
         torch.testing.assert_close(_full(q).detach(), p.detach(), rtol=0, atol=1e-12)
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    with torch.no_grad():  # the next all-gather reads the projected shards
+        torch.testing.assert_close(sharded(x), single(x), rtol=0, atol=1e-12)
 
 
 def _check_fill(mesh) -> None:
