@@ -6,7 +6,8 @@ Each target weight W (N x M, r = min(N, M)) is split by an SVD, W = U diag(S) V^
     trainable  U_low  (N x r-k)    S_low  (r-k)    V_low  (M x r-k)     the rest
 
 with k = floor(r * (1 - unfreeze_rank_ratio)), at most r - 1. ``OSFTLinear`` computes
-y = ((x V_high) * S_high) U_high^T + ((x V_low) * S_low) U_low^T + b and never rebuilds W.
+y = x W^T + b with W = U_high S_high V_high^T + U_low S_low V_low^T, either through the factors or by
+rebuilding W first, whichever costs fewer FLOPs for the call's token count (training: rebuilding).
 Training keeps U_low orthogonal to U_high and V_low to V_high: the gradients are projected before
 clipping (``project_gradients``), the parameters again after the optimizer step
 (``project_parameters``), because AdamW's per-element scaling moves a projected gradient back into
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from utils import peak_memory_gb, reset_peak_memory
@@ -52,6 +54,26 @@ def num_frozen_directions(out_features: int, in_features: int, unfreeze_rank_rat
     rank = min(out_features, in_features)
     # The 1e-9 keeps a product that lands a rounding error below an integer (64 * (1 - 0.75)) on it.
     return min(math.floor(rank * (1.0 - unfreeze_rank_ratio) + 1e-9), rank - 1)
+
+
+UPCAST_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+RECONSTRUCTION_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
+"""Largest relative error ||U S V^T - W|| / ||W|| accepted at start-up per factor dtype (measured
+~1e-6 in fp32): far below a wrong factor, a transposed V or a swapped shard, which give O(1)."""
+
+
+@dataclass(frozen=True)
+class OSFTSettings:
+    """What ``--osft`` and its flags resolve to (``TrainConfig.osft``)."""
+
+    unfreeze_rank_ratio: float
+    target_patterns: list[str] | None  # None: every nn.Linear of the decoder blocks
+    upcast_dtype: torch.dtype
+
+    def describe(self) -> str:
+        targets = ",".join(self.target_patterns) if self.target_patterns else "every linear layer of the decoder blocks"
+        return (f"OSFT: unfreeze rank ratio {self.unfreeze_rank_ratio:g} on {targets}, SVD in "
+                f"{str(self.upcast_dtype).removeprefix('torch.')}")
 
 
 def osft_targets(model: nn.Module, *, blocks: list[nn.Module], patterns: list[str] | None = None) -> list[str]:
@@ -129,7 +151,7 @@ def reconstruct(factors: OSFTFactors | dict[str, torch.Tensor], *, upcast_dtype:
 
 
 class OSFTLinear(nn.Module):
-    """``nn.Linear`` as frozen top-k and trainable remaining SVD factors; the forward never rebuilds W.
+    """``nn.Linear`` as frozen top-k and trainable remaining SVD factors.
 
     The frozen factors are parameters with ``requires_grad=False``, not buffers: ``fully_shard``
     shards parameters on dim 0 but replicates buffers, so as parameters their memory divides by the
@@ -175,7 +197,17 @@ class OSFTLinear(nn.Module):
                 param = param.to_local()
             param.copy_(full)
 
+    def dense_weight(self) -> torch.Tensor:
+        """W = U_high diag(S_high) V_high^T + U_low diag(S_low) V_low^T, (N, M), in the factors' dtype."""
+        return torch.addmm((self.U_high * self.S_high) @ self.V_high.T, self.U_low * self.S_low, self.V_low.T)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., M) -> (..., N)
+        # Whichever costs fewer FLOPs, both exact. Through the factors: 2 (N + M) r per token. Rebuilding
+        # W first: 2 N M r once, then the dense 2 N M per token. With r = min(N, M), (N + M) r - N M = r^2,
+        # so rebuilding wins once the call holds more than N M / r = max(N, M) tokens: every training
+        # minibatch of a real model (thousands of tokens); autograd carries dW into the trainable factors.
+        if x.numel() > self.in_features * max(self.in_features, self.out_features):
+            return F.linear(x, self.dense_weight(), self.bias)
         y = ((x @ self.V_high) * self.S_high) @ self.U_high.T + ((x @ self.V_low) * self.S_low) @ self.U_low.T
         return y if self.bias is None else y + self.bias
 
@@ -212,6 +244,18 @@ def osft_modules(model: nn.Module) -> list[tuple[str, OSFTLinear]]:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The ranks that split the OSFT factors' dim 0 (the FSDP2 mesh's shard dimension: the whole mesh
+    under FULL_SHARD, ``mesh["shard"]`` under HYBRID_SHARD), for the projections; None without any
+    sharded OSFT module."""
+    modules = osft_modules(model)
+    param = modules[0][1].U_low if modules else None
+    if not isinstance(param, DTensor):
+        return None
+    [dim] = [i for i, placement in enumerate(param.placements) if isinstance(placement, Shard)]
+    return param.device_mesh.get_group(dim)
 
 
 def _check_group(param: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -321,10 +365,12 @@ class DecompositionReport:
     gflop_here: float  # SVD cost units (N*M*min(N,M)) / 1e9 decomposed on this rank
     seconds: float
     peak_memory_gb: float  # utils.peak_memory_gb: device peak on GPU, process peak RSS on CPU
+    max_reconstruction_error: float = 0.0  # max over all matrices (all ranks) of ||U S V^T - W|| / ||W||
 
     def describe(self) -> str:
         return (f"OSFT: {self.num_matrices} matrices decomposed ({self.num_decomposed_here} on this rank, "
-                f"{self.gflop_here:.2f} G SVD units) in {self.seconds:.1f}s, peak memory {self.peak_memory_gb:.2f} GB")
+                f"{self.gflop_here:.2f} G SVD units) in {self.seconds:.1f}s, peak memory {self.peak_memory_gb:.2f} GB; "
+                f"factors reproduce the weights to {self.max_reconstruction_error:.1e} (relative)")
 
 
 def fill_osft_factors(model: nn.Module, dense_weights: dict[str, torch.Tensor], *,
@@ -369,12 +415,16 @@ def fill_osft_factors(model: nn.Module, dense_weights: dict[str, torch.Tensor], 
             mine[name] = torch.empty((m.out_features, m.in_features), device=device, dtype=dtype)
             dist.recv(mine[name], group_src=0, group=group)
     cost = sum(svd_flops(m.out_features, m.in_features) for (_, m), owner in zip(modules, owners) if owner == rank)
-    factors = {}
+    factors, worst = {}, 0.0
     for (name, m), owner in zip(modules, owners):
         if owner == rank:
             device = comm_device or _local(m.U_low).device
-            factors[name] = decompose(mine.pop(name).to(device), m.S_high.shape[0], upcast_dtype=upcast_dtype,
-                                      dtype=m.U_low.dtype)
+            weight = mine.pop(name).to(device)
+            factors[name] = decompose(weight, m.S_high.shape[0], upcast_dtype=upcast_dtype, dtype=m.U_low.dtype)
+            # The factors as training holds them (their dtype) against the weight: the start-up self-check.
+            dense = weight.to(upcast_dtype)
+            error = (reconstruct(factors[name], upcast_dtype=upcast_dtype) - dense).norm() / dense.norm().clamp_min(1e-30)
+            worst = max(worst, float(error))
     for (name, m), owner in zip(modules, owners):
         if size > 1:
             shapes = [tuple(getattr(m, f).shape) for f in FACTORS]
@@ -388,6 +438,10 @@ def fill_osft_factors(model: nn.Module, dense_weights: dict[str, torch.Tensor], 
             parts = [p.view(s) for p, s in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
             factors[name] = OSFTFactors(*parts)
         m.load_factors(factors.pop(name))
+    if size > 1 and modules:
+        worst_tensor = torch.tensor([worst], dtype=torch.float64, device=comm_device or _local(modules[0][1].U_low).device)
+        dist.all_reduce(worst_tensor, op=dist.ReduceOp.MAX, group=group)
+        worst = float(worst_tensor)
     return DecompositionReport(num_matrices=len(modules), num_decomposed_here=sum(o == rank for o in owners),
                                gflop_here=cost / 1e9, seconds=time.perf_counter() - began,
-                               peak_memory_gb=peak_memory_gb())
+                               peak_memory_gb=peak_memory_gb(), max_reconstruction_error=worst)

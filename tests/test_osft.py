@@ -95,7 +95,7 @@ def test_moe_family_targets(tmp_path):
     is a target whose k is 0, so apply_osft leaves it a plain nn.Linear."""
     from transformers import AutoModelForCausalLM
 
-    from tiny_configs import tiny_config
+    from fixtures.tiny_configs import tiny_config
 
     AutoModelForCausalLM.from_config(tiny_config("qwen2_moe", 128)).save_pretrained(tmp_path)
     model = _load(tmp_path)
