@@ -124,8 +124,8 @@ class TrainConfig:
         help="freeze each targeted weight's top singular directions and train the rest, so the model "
              "forgets less (docs/osft.md)")
     osft_unfreeze_rank_ratio: float | None = config_field(
-        None, help="fraction of each weight's singular directions that train, in [0, 1] (required with --osft; "
-                   "0.25 is a common choice; 1.0 freezes nothing: plain full fine-tuning)")
+        None, help="fraction of each weight's singular directions that train, in [0, 1], e.g. 0.25 (required "
+                   "with --osft; 1.0: full fine-tuning)")
     osft_target_patterns: str | None = config_field(
         None, help="comma-separated module names or globs to decompose (e.g. q_proj,*.mlp.down_proj; default: "
                    "every linear layer of the decoder blocks)")

@@ -129,6 +129,27 @@ def test_c1_reconstruction(dtype, tol, shape, ratio):
     assert _rel(reconstruct(factors, upcast_dtype=dtype) - weight, weight) <= tol
 
 
+def test_forward_rebuilds_w_or_runs_the_factors_by_token_count_with_equal_results():
+    """max(N, M) = 24: 8 tokens run through the factors, 40 rebuild W first; outputs and gradients agree."""
+    torch.manual_seed(0)
+    dense = nn.Linear(24, 16, dtype=torch.float64)
+    layer = OSFTLinear.from_linear(dense, 10, upcast_dtype=torch.float64)
+    rebuilt, dense_weight = [], layer.dense_weight
+    layer.dense_weight = lambda: rebuilt.append(1) or dense_weight()
+    trainable = [layer.U_low, layer.S_low, layer.V_low, layer.bias]
+    for num_tokens, rebuilds in ((8, False), (40, True)):
+        x = torch.randn(num_tokens, 24, dtype=torch.float64)
+        rebuilt.clear()
+        y = layer(x)
+        assert bool(rebuilt) == rebuilds
+        torch.testing.assert_close(y, dense(x), rtol=0, atol=1e-12)
+        factored = (((x @ layer.V_high) * layer.S_high) @ layer.U_high.T
+                    + ((x @ layer.V_low) * layer.S_low) @ layer.U_low.T + layer.bias)
+        for grad, expected in zip(torch.autograd.grad(y.square().sum(), trainable),
+                                  torch.autograd.grad(factored.square().sum(), trainable)):
+            torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_layer_keeps_the_bias_object(chatml_model):
     model = _load(chatml_model)
     bias = model.model.layers[0].self_attn.q_proj.bias
