@@ -325,6 +325,10 @@ def shard_row(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch
     """
     if not 0 <= rank < num_ranks:
         raise ValueError(f"rank {rank} is outside a context-parallel group of {num_ranks}")
+    if position_ids.numel() < num_ranks:
+        # A rank with no token would run the model on an empty row; the caller pads dummy rows instead.
+        raise ValueError(f"a packed row of {position_ids.numel()} tokens cannot be shared by {num_ranks} ranks: "
+                         f"pad it to at least {num_ranks} tokens (a padding document with IGNORE_INDEX labels)")
     lengths = document_lengths(position_ids.cpu().numpy())
     splits = split_row(lengths, num_ranks, balance=balance)
     index = torch.from_numpy(splits[rank])

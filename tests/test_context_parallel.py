@@ -139,6 +139,12 @@ def test_loss_counts_per_rank_add_up():
     assert sum(counts) == int((labels != IGNORE_INDEX).sum())
 
 
+def test_a_row_shorter_than_the_group_is_refused():
+    row = torch.zeros(1, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="pad it to at least 2 tokens"):
+        shard_row(row, row, row, rank=0, num_ranks=2)
+
+
 def test_document_lengths_reads_positions():
     assert document_lengths([0, 1, 2, 0, 1, 0]).tolist() == [3, 2, 1]
     with pytest.raises(ValueError, match="first position_id"):
