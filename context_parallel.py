@@ -50,6 +50,8 @@ the same again for the per-segment key row).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -59,10 +61,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from utils import IGNORE_INDEX
+from attention import CONTEXT_PARALLEL, REFERENCE_VARLEN, TORCH_VARLEN, AttentionNeeds, call_varlen_attn
+from sampler import DUMMY_TOKEN_ID, Minibatch, StepBatch
+from utils import IGNORE_INDEX, DistInfo
 
-CONTEXT_PARALLEL = "context_parallel"
-"""Attention backend name, for transformers' ``AttentionInterface``."""
+__all__ = ["CONTEXT_PARALLEL", "ContextGroup", "shard_minibatch", "shard_row", "split_row"]
+
 BALANCES = ("attention", "tokens")
 
 
@@ -387,6 +391,40 @@ def flash_attn_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                                   softmax_scale=scale, causal=True)
 
 
+def torch_varlen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                        scale: float | None = None) -> torch.Tensor:
+    """``InnerKernel`` through torch's ``varlen_attn`` (CUDA, torch >= 2.10; flash's bottom-right causal mask)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    # The flash kernel takes fp16/bf16 only; fp32 compute (unusual on GPU) runs it in bf16.
+    dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    out = call_varlen_attn(varlen_attn, q.to(dtype), k.to(dtype), v.to(dtype), cu_seqlens_q, max_seqlen_q,
+                            causal=True, scale=scale, sliding_window=None, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_k=max_seqlen_k)
+    return out.to(q.dtype)
+
+
+INNER_KERNELS: dict[str, InnerKernel] = {REFERENCE_VARLEN: reference_kernel, "flash_attention_2": flash_attn_kernel,
+                                         TORCH_VARLEN: torch_varlen_kernel}
+"""The varlen backends context parallelism wraps, by name, and the kernel each lends it."""
+
+
+def inner_backend(resolved: str, device_type: str) -> tuple[str | None, str]:
+    """The varlen backend ``context_parallel`` wraps, given the one resolved without it, and why.
+
+    Returns:
+        ``(name, reason)``, or ``(None, refusal)`` when no wrapped kernel serves this device.
+    """
+    if resolved in INNER_KERNELS:
+        return resolved, f"wrapping {resolved}"
+    if device_type != "cuda":
+        return REFERENCE_VARLEN, f"wrapping {REFERENCE_VARLEN} (the exact CPU kernel; {resolved} has no key boundaries)"
+    return None, (f"--context-parallel-size needs flash_attention_2 or torch_varlen on GPU (keys with their own "
+                  f"boundaries), got {resolved}: install flash-attn or torch >= 2.10, or pick one with "
+                  "--attn-implementation")
+
+
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn); same semantics.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -465,13 +503,24 @@ def context_parallel_attention_forward(
     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
     sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
     context_parallel_plan: ContextParallelPlan | None = None,
-    context_parallel_kernel: InnerKernel = reference_kernel, **kwargs,
+    context_parallel_kernel: InnerKernel | None = None, context_parallel_inner: str | None = None, **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query/key/value [1, H, t, D] -> ([1, t, Hq, Dv], None).
 
-    The plan and the inner kernel arrive as keyword arguments of the model's
-    forward, which transformers hands down to every attention call.
+    The plan (and optionally the inner kernel) arrive as keyword arguments of
+    the model's forward, which transformers hands down to every attention call.
+    ``context_parallel_inner`` (bound at registration) names the wrapped varlen
+    backend: its kernel serves the plan, and a forward without a plan (the
+    start-up self-check, one rank's own row) runs that backend itself.
     """
+    if context_parallel_plan is None and context_parallel_inner is not None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS[context_parallel_inner](
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, **kwargs)
+    if context_parallel_kernel is None:
+        context_parallel_kernel = INNER_KERNELS[context_parallel_inner or REFERENCE_VARLEN]
     problems = [problem for bad, problem in (
         (context_parallel_plan is None, "no context_parallel_plan was passed to the model's forward"),
         (attention_mask is not None, "it takes packed rows, not an attention_mask"),
@@ -491,8 +540,102 @@ def context_parallel_attention_forward(
     return out.unsqueeze(0), None
 
 
-def register_context_parallel_backend() -> None:
-    """Register ``context_parallel`` with transformers' ``AttentionInterface`` (idempotent)."""
+def register_context_parallel_backend(inner: str | None = None) -> None:
+    """Register ``context_parallel`` with transformers' ``AttentionInterface``, wrapping the varlen backend
+    ``inner`` (None: only the CPU reference kernel, and a forward without a plan is an error)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(CONTEXT_PARALLEL, context_parallel_attention_forward)
+    from attention import register_attention_backends
+
+    register_attention_backends()
+    forward = (context_parallel_attention_forward if inner is None
+               else functools.partial(context_parallel_attention_forward, context_parallel_inner=inner))
+    AttentionInterface.register(CONTEXT_PARALLEL, forward)
+
+
+# ----------------------------------------------------------------------------
+# The training run's groups: N consecutive ranks share each packed row
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """This rank's context-parallel group: ``size`` consecutive ranks that are one data rank to the sampler.
+
+    Ranks ``[g * size, (g + 1) * size)`` form group ``g``; FSDP still shards
+    over every rank (the group folds into the shard dimension, as torchtitan's
+    ``dp_shard * cp``), so gradients need no extra reduction.
+    """
+
+    size: int
+    rank: int  # place in the group
+    data_rank: int  # the group's index: its rank for the sampler
+    num_data_ranks: int
+    group: dist.ProcessGroup | None  # None with size 1
+
+
+def new_context_group(size: int, dist_info: DistInfo) -> ContextGroup:
+    """Split the job into groups of ``size`` consecutive ranks (collective: every rank calls it)."""
+    assert dist_info.world_size % size == 0, "checked at start-up"
+    group = None
+    if size > 1:
+        group, _ = dist.new_subgroups(group_size=size)
+    return ContextGroup(size=size, rank=dist_info.rank % size, data_rank=dist_info.rank // size,
+                        num_data_ranks=dist_info.world_size // size, group=group)
+
+
+def refusal(size: int, *, world_size: int, needs: AttentionNeeds, num_recurrent_mixers: int,
+            router_loss: bool) -> str | None:
+    """The one line that refuses ``--context-parallel-size size`` for this job and model, or None."""
+    flag = f"--context-parallel-size {size}"
+    if world_size % size:
+        return f"{flag} needs a world size divisible by {size}, got {world_size} ranks"
+    problems = [problem for bad, problem in (
+        (num_recurrent_mixers > 0, f"{needs.model_class}'s {num_recurrent_mixers} linear-attention/SSM layers "
+                                   "carry a state along the row, which a split row would cut"),
+        (needs.sliding_window is not None, f"{needs.model_class}'s sliding-window attention"),
+        (needs.softcap is not None, f"{needs.model_class}'s attention logit softcapping"),
+        (needs.sinks, f"{needs.model_class}'s attention sinks"),
+        (needs.attention_chunk_size is not None, f"{needs.model_class}'s chunked attention"),
+        (router_loss, "the MoE router loss (per sample, over tokens the group splits; "
+                      "set output_router_logits=false to train without it)"),
+    ) if bad]
+    return f"{flag} does not support {'; '.join(problems)} yet" if problems else None
+
+
+def shard_step_batch(batch: StepBatch, context: ContextGroup, *, device: torch.device | str) -> StepBatch:
+    """The group's step batch (the same on each of its ranks) with each minibatch cut to this rank's shard."""
+    if context.size == 1:
+        return batch
+    return dataclasses.replace(batch, minibatches=[shard_minibatch(minibatch, context, device=device)
+                                                   for minibatch in batch.minibatches])
+
+
+def shard_minibatch(minibatch: Minibatch, context: ContextGroup, *, device: torch.device | str) -> Minibatch:
+    """This rank's part of the group's packed row, as a ``Minibatch`` carrying its attention plan.
+
+    A row shorter than the group (the sampler's 1-token dummy) first gets a
+    padding document with IGNORE_INDEX labels, so every rank holds a token.
+    ``num_loss_counted_tokens`` becomes this rank's own count: summed over
+    ranks, the step's counts then equal the unsharded run's.
+    """
+    if minibatch.num_tokens < context.size:
+        minibatch = _pad_row(minibatch, context.size)
+    shard = shard_row(minibatch.input_ids, minibatch.labels, minibatch.position_ids, rank=context.rank,
+                      num_ranks=context.size, group=context.group, device=device)
+    plan = shard.plan
+    return dataclasses.replace(
+        minibatch, input_ids=shard.input_ids, labels=shard.labels, position_ids=shard.position_ids,
+        cu_seqlens=plan.cu_seqlens_q.cpu(), max_seqlen=plan.max_seqlen_q,
+        num_loss_counted_tokens=shard.num_loss_counted_tokens, num_tokens=int(shard.token_index.numel()),
+        context_parallel_plan=plan)
+
+
+def _pad_row(minibatch: Minibatch, num_tokens: int) -> Minibatch:
+    """The row followed by one padding document of ``DUMMY_TOKEN_ID`` tokens up to ``num_tokens`` tokens."""
+    extra = num_tokens - minibatch.num_tokens
+    pad = (lambda row, value: torch.cat([row, row.new_full((1, extra), value)], dim=1))
+    cu_seqlens = torch.cat([minibatch.cu_seqlens, minibatch.cu_seqlens.new_tensor([num_tokens])])
+    return dataclasses.replace(
+        minibatch, input_ids=pad(minibatch.input_ids, DUMMY_TOKEN_ID), labels=pad(minibatch.labels, IGNORE_INDEX),
+        position_ids=torch.cat([minibatch.position_ids, torch.arange(extra).unsqueeze(0)], dim=1),
+        cu_seqlens=cu_seqlens, max_seqlen=max(minibatch.max_seqlen, extra), num_tokens=num_tokens)
