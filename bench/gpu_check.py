@@ -24,7 +24,10 @@ that fails or runs out of time is recorded and the next one runs. The sub-checks
   know is recorded as "not available in this build";
 * ``lora``: the same ``train.py`` runs as full fine-tuning, LoRA r=16 and QLoRA r=16 (NF4
   base): tokens/s, peak memory and step-1 loss side by side (a missing peft or torchao is
-  recorded, not fatal).
+  recorded, not fatal);
+* ``long_context``: ``bench/bench_long_context.py`` on one GPU, one sample per step
+  (activation checkpointing on, Liger on where installed): tokens/s, MFU and peak memory at
+  32k, 64k and 128k tokens, then the longest single sample that trains (binary search).
 
 Writes ``report.md`` (every figure with its command), ``report.json`` and
 ``log.txt`` (each command's output) into ``--output-dir``; models and data go to a
@@ -96,18 +99,20 @@ class Sizes:
     lever_steps: int              # train.py steps per lever run; the first is not timed
     time_budget_s: float          # the whole check
     limits_s: dict = dataclasses.field(default_factory=dict)  # per sub-check
+    long_context_lengths: tuple[int, ...] = (32768, 65536, 131072)  # one sample of each, one GPU
 
 
 GPU_SIZES = Sizes(shape="Qwen2.5-1.5B", budgets=(16384, 32768), median_len=600, p99_len=8000, max_len=16384,
                   num_steps=4, num_warmup_steps=1, max_probe_tokens=262144, matmul_size=8192, lever_budget=32768,
-                  lever_steps=6, time_budget_s=890,
+                  lever_steps=6, time_budget_s=1310,
                   limits_s=dict(environment=60, matmul_peak=60, gpu_tests=150, exactness=150, bench_32k=150,
-                                bench_16k=300, levers=240, lora=200))
+                                bench_16k=300, levers=240, lora=200, long_context=420))
 CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, max_len=256, num_steps=1,
                   num_warmup_steps=0, max_probe_tokens=1024, matmul_size=256, lever_budget=512, lever_steps=2,
                   time_budget_s=1800,  # generous: CI machines are shared; about 2 minutes on 2 idle cores
                   limits_s=dict(environment=120, matmul_peak=120, gpu_tests=300, exactness=600, bench_32k=300,
-                                bench_16k=300, levers=600, lora=600))
+                                bench_16k=300, levers=600, lora=600, long_context=600),
+                  long_context_lengths=(256, 512))
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.4%). The packed path (varlen attention,
 # one long row, FSDP, several minibatches) and the unpacked reference (sdpa, one sample at a time)
@@ -415,6 +420,22 @@ def check_lora(runner: Runner, deadline: float) -> dict:
     return figures
 
 
+def check_long_context(runner: Runner, deadline: float) -> dict:
+    """One sample per step on one GPU at the long-context lengths, then the longest one that trains."""
+    s = runner.sizes
+    output_json = runner.scratch / "long_context.json"
+    search = ["--find-longest", "--max-probe-tokens", s.max_probe_tokens] if runner.device == "cuda" else []
+    runner.run([sys.executable, "-m", "bench.bench_long_context", "--shape", s.shape, "--context-parallel-sizes", 1,
+                "--lengths", ",".join(str(n) for n in s.long_context_lengths), "--repeats", 1,
+                "--liger" if _liger(runner) == "both" else "--no-liger", "--activation-checkpointing", *search,
+                "--output-json", output_json], deadline=deadline)
+    report = json.loads(output_json.read_text())
+    return {"liger": "on" if _liger(runner) == "both" else _why_no_liger(runner), "rows": report["rows"],
+            "longest_single_sample": report["longest_sample_by_n"].get("1"),
+            "note": ("longest single sample that trains: AC on, no safety margin, binary search at 1024 tokens"
+                     if search else "not searched: the search runs on CUDA only")}
+
+
 def _median(values: list) -> float | None:
     values = sorted(v for v in values if v is not None)
     return values[len(values) // 2] if values else None
@@ -440,6 +461,7 @@ CHECKS: tuple[tuple[str, Callable[[Runner, float], dict]], ...] = (
     ("bench_32k", check_bench(1)),
     ("levers", check_levers),
     ("lora", check_lora),
+    ("long_context", check_long_context),
     ("bench_16k", check_bench(0, find_max_tokens=True)),
 )
 
@@ -570,6 +592,8 @@ def summarize(checks: dict) -> dict:
         "packed_over_padded": {"value": ratio, "target": TARGETS["packed_over_padded"],
                                "liger": bool(packed and padded)},
         "max_tokens_liger_ac": {"value": max_liger, "target": TARGETS["max_tokens_liger_ac"]},
+        "longest_single_sample_ac": {"value": checks.get("long_context", {}).get("figures", {}).get(
+            "longest_single_sample"), "target": None},
     }
 
 

@@ -78,6 +78,13 @@ def test_every_sub_check_ran_and_passed_on_cpu(rehearsal):
     assert lora["qlora_r16"]["status"] in ("ok", "not installed: torchao")
     assert lora["full"]["peak_memory_gb"] > 0 and lora["lora_r16"]["tokens_per_second_per_gpu"] > 0
 
+    long_context = checks["long_context"]["figures"]
+    rows = {row["length"]: row for row in long_context["rows"]}
+    assert set(rows) == set(gpu_check.CPU_SIZES.long_context_lengths)
+    assert all(r["status"] == "ok" and r["context_parallel_size"] == 1 and r["tokens_per_second_per_gpu"] > 0
+               and r["mfu"] is None for r in rows.values())
+    assert long_context["longest_single_sample"] is None and "CUDA only" in long_context["note"]
+
     found = checks["bench_16k"]["figures"]["max_tokens_per_gpu"]
     assert found["liger_off"] is None and found["liger_on"] is None  # the search runs on CUDA only
     assert set(report["summary"]) >= {"mfu_32k_liger", "packed_over_padded", "max_tokens_liger_ac"}
