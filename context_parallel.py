@@ -46,6 +46,15 @@ keys of their own document up to their own position.
 Memory per rank: local activations for T/N tokens, plus K and V of the whole
 row during each attention call (``2 * T * kv_heads * head_dim`` values, and
 the same again for the per-segment key row).
+
+4. Training (``--context-parallel-size N``): ``new_context_group`` makes groups
+   of N consecutive ranks, each one data rank to the sampler with N x the
+   per-GPU budget; ``shard_step_batch`` / ``shard_minibatch`` cut every
+   collated row of the group to this rank's shard (a ``Minibatch`` carrying its
+   plan, with its own loss-token count); ``refusal`` says in one line what a
+   job or model cannot combine with yet. The backend wraps the varlen backend
+   the run would use without it (``inner_backend``) and runs that backend
+   itself for a forward without a plan (the start-up self-check).
 """
 
 from __future__ import annotations
@@ -61,7 +70,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from attention import CONTEXT_PARALLEL, REFERENCE_VARLEN, TORCH_VARLEN, AttentionNeeds, call_varlen_attn
+from attention import (CONTEXT_PARALLEL, REFERENCE_VARLEN, TORCH_VARLEN, AttentionNeeds, call_varlen_attn,
+                       register_attention_backends)
 from sampler import DUMMY_TOKEN_ID, Minibatch, StepBatch
 from utils import IGNORE_INDEX, DistInfo
 
@@ -544,8 +554,6 @@ def register_context_parallel_backend(inner: str | None = None) -> None:
     """Register ``context_parallel`` with transformers' ``AttentionInterface``, wrapping the varlen backend
     ``inner`` (None: only the CPU reference kernel, and a forward without a plan is an error)."""
     from transformers import AttentionInterface
-
-    from attention import register_attention_backends
 
     register_attention_backends()
     forward = (context_parallel_attention_forward if inner is None

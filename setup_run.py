@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import time
@@ -118,6 +119,10 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     )
     # Collective: every rank makes every group. The sampler then sees each group as one data rank.
     context = context_parallel.new_context_group(config.context_parallel_size, dist_info)
+    if context.size > 1 and _local_world_size() % context.size:
+        log_rank_0(f"--context-parallel-size {context.size} does not divide the {_local_world_size()} processes per "
+                   "node: some groups span nodes, and their K/V all-gather of every layer crosses the network",
+                   level=logging.WARNING)
     model_shape, flops_reason = flops.checked_model_flops(model.model)
     log_rank_0(flops_reason)
     peak_tflops, peak_reason = flops.device_peak_tflops(dist_info.device)
