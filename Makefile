@@ -38,7 +38,7 @@ test-matrix:
 demo: install
 	$(PY) demo.py --output-dir $(DEMO_DIR) --nproc-per-node $(NPROC)
 
-# Tests, exactness, speed and memory on a CUDA GPU in about 15 minutes; DEVICE=cpu rehearses it at tiny sizes.
+# Tests, exactness, speed and memory on a CUDA GPU in about 22 minutes; DEVICE=cpu rehearses it at tiny sizes.
 gpu-check:
 	$(GPU_CHECK_PY) -m bench.gpu_check --output-dir "$(GPU_CHECK_DIR)" --device $(DEVICE) --only "$(GPU_CHECK_ONLY)"
 

@@ -36,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from attention import attention_needs, resolve_attn_implementation
+from attention import CONTEXT_PARALLEL, attention_needs, resolve_attn_implementation
+from context_parallel import inner_backend, register_context_parallel_backend
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss, decoder_of
 from osft import FACTORS as OSFT_FACTORS
@@ -61,6 +62,7 @@ class ModelSetup:
     num_trainable_params: int
     num_params: int
     quantized: str = "none"  # what --lora-quantize-data-type did, for the startup log
+    context_parallel_inner: str | None = None  # the varlen backend context_parallel wraps (None: no CP)
 
 
 def meta_model(config, trust_remote_code: bool) -> nn.Module:
@@ -210,8 +212,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
                 use_liger_kernels: bool, local_world_size: int,
                 head_learned_positions_only: bool = True, compile: bool = False, trust_remote_code: bool = False,
-                lora: LoraSettings | None = None, osft: OSFTSettings | None = None
-                ) -> tuple[CausalLMWithLoss, ModelSetup]:
+                lora: LoraSettings | None = None, osft: OSFTSettings | None = None,
+                context_parallel_size: int = 1) -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank.
 
     Args:
@@ -229,6 +231,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
         trust_remote_code: run the modelling code a checkpoint ships (off unless the user asks).
         lora: inject LoRA adapters and freeze the base weights (None: full fine-tuning).
         osft: replace the targeted linear layers by their SVD factors (``osft.py``; None: dense).
+        context_parallel_size: above 1, attention runs as ``context_parallel`` around the resolved varlen
+            backend (``context_parallel.inner_backend``).
 
     Returns:
         The FSDP2-wrapped ``CausalLMWithLoss`` and what was resolved.
@@ -247,6 +251,14 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     # Every rank builds the architecture on meta (no memory); its attention needs pick the backend.
     model = meta_model(config, trust_remote_code)
     attn = resolve_attn_implementation(attn_implementation, device.type, attention_needs(model))
+    inner = None
+    if context_parallel_size > 1:
+        inner, reason = inner_backend(attn, device.type)
+        if inner is None:
+            raise ValueError(reason)
+        register_context_parallel_backend(inner)
+        log_rank_0(f"attention: {CONTEXT_PARALLEL} over groups of {context_parallel_size} ranks, {reason}")
+        attn = CONTEXT_PARALLEL
     if attn != "eager":
         model.set_attn_implementation(attn)
     # OSFT shells replace the targeted nn.Linear on meta, before anything else wraps the model (LoRA and
@@ -372,7 +384,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
 
     return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
                                block_class=block_class, mesh_shape=tuple(mesh.shape),
-                               num_trainable_params=num_trainable, num_params=num_params)
+                               num_trainable_params=num_trainable, num_params=num_params,
+                               context_parallel_inner=inner)
 
 
 def _apply_osft_shells(model: nn.Module, osft: OSFTSettings | None) -> list[str]:

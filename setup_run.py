@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import time
@@ -21,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
 import checkpoint_policy
+import context_parallel
 import data_mix
 import fault_injection
 import flops
@@ -40,6 +43,7 @@ from full_state import remove_leftover_tmp, resume_candidates, resume_train_stat
 from lora import lora_preflight
 from loss import CausalLMWithLoss
 from osft import osft_targets
+from recurrent import recurrent_mixers
 from selfcheck import check_data_fits_model, check_objective
 from setup_model_fsdp import ModelSetup, find_decoder_blocks, meta_model, setup_model, shard_group_size
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
@@ -76,6 +80,7 @@ class Run:
     generation_config: GenerationConfig | None  # rank 0 only
     metrics: MetricsWriter | None  # rank 0 only
     tracker: Tracker
+    context: context_parallel.ContextGroup  # this rank's context-parallel group (size 1 without it)
     val_dataset: TrainingRows | None = None
     val_plan: validation.ValidationPlan | None = None
 
@@ -111,7 +116,14 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
         compile=config.compile, local_world_size=_local_world_size(),
         trust_remote_code=config.trust_remote_code, lora=config.lora, osft=config.osft_settings,
+        context_parallel_size=config.context_parallel_size,
     )
+    # Collective: every rank makes every group. The sampler then sees each group as one data rank.
+    context = context_parallel.new_context_group(config.context_parallel_size, dist_info)
+    if context.size > 1 and _local_world_size() % context.size:
+        log_rank_0(f"--context-parallel-size {context.size} does not divide the {_local_world_size()} processes per "
+                   "node: some groups span nodes, and their K/V all-gather of every layer crosses the network",
+                   level=logging.WARNING)
     model_shape, flops_reason = flops.checked_model_flops(model.model)
     log_rank_0(flops_reason)
     peak_tflops, peak_reason = flops.device_peak_tflops(dist_info.device)
@@ -127,7 +139,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     val_plan = None
     if val_dataset is not None:
         val_plan = validation.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
-                                              max_tokens_per_rank=max_tokens, num_ranks=dist_info.world_size,
+                                              max_tokens_per_rank=max_tokens * context.size,
+                                              num_ranks=context.num_data_ranks,
                                               group_size=config.batch_size, balance=config.balance)
         validation.announce(val_plan, val_source)
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
@@ -160,18 +173,24 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
                model=model, resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
                optimizer=optimizer, scheduler=scheduler, state=state, run_params=run_params,
                model_fingerprint=model_fingerprint, tokenizer=tokenizer, generation_config=generation_config,
-               metrics=metrics, tracker=tracker, val_dataset=val_dataset, val_plan=val_plan)
+               metrics=metrics, tracker=tracker, context=context, val_dataset=val_dataset, val_plan=val_plan)
 
 
 def batch_loader(run: Run):
-    """The infinite, seeded stream of packed batches, from where the run stands."""
-    config, dist_info = run.config, run.dist_info
-    return sampler.make_batch_loader(
-        run.dataset, batch_size=config.batch_size, max_tokens_per_rank=run.max_tokens,
-        rank=dist_info.rank, world_size=dist_info.world_size, seed=config.seed,
+    """The infinite, seeded stream of packed batches, from where the run stands.
+
+    With context parallelism the sampler plans for the groups (one data rank
+    each, N x the per-GPU budget), every rank of a group collates the same
+    rows, and each keeps its own shard of every row.
+    """
+    config, dist_info, context = run.config, run.dist_info, run.context
+    loader = sampler.make_batch_loader(
+        run.dataset, batch_size=config.batch_size, max_tokens_per_rank=run.max_tokens * context.size,
+        rank=context.data_rank, world_size=context.num_data_ranks, seed=config.seed,
         start_position=run.state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
         pin_memory=dist_info.device.type == "cuda",  # lets the non_blocking host-to-GPU copies overlap
     )
+    return (context_parallel.shard_step_batch(batch, context, device=dist_info.device) for batch in loader)
 
 
 def close_run(run: Run) -> None:
@@ -227,7 +246,16 @@ def _load_model_config(config: TrainConfig) -> PretrainedConfig:
 
 
 def _model_preflight(config: TrainConfig, model_config: PretrainedConfig) -> str | None:
-    """Rank 0, before heavy work: an explicit attention backend or LoRA settings this model refuses."""
+    """Rank 0, before heavy work: an explicit attention backend, context parallelism or LoRA settings this
+    model refuses."""
+    if config.context_parallel_size > 1:
+        model = meta_model(model_config, config.trust_remote_code)
+        error = context_parallel.refusal(
+            config.context_parallel_size, world_size=dist.get_world_size(), needs=attention_needs(model),
+            num_recurrent_mixers=len(recurrent_mixers(find_decoder_blocks(model))),
+            router_loss=bool(getattr(model_config, "output_router_logits", False)))
+        if error is not None:
+            return error
     if config.attn_implementation != "auto":
         needs = attention_needs(meta_model(model_config, config.trust_remote_code))
         error = explicit_attention_refusal(config.attn_implementation, needs)
@@ -320,16 +348,32 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
     if dist_info.is_main:
         try:
             dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
-            budget = config.max_tokens_per_gpu
-            if budget != "auto" and int(dataset.lengths.min(initial=budget + 1)) > budget:
-                error = (f"--max-tokens-per-gpu {config.max_tokens_per_gpu} is below every sample of "
-                         f"{path} (shortest: {int(dataset.lengths.min())} tokens)")
+            error = _budget_error(config, dataset, path)
         except ValueError as err:
             error = str(err)
     fail_together(error)
     if not dist_info.is_main:
         dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
     return dataset
+
+
+def _budget_error(config: TrainConfig, dataset, path: str) -> str | None:
+    """A budget below every sample; with context parallelism, any sample longer than a group's budget."""
+    budget, size = config.max_tokens_per_gpu, config.context_parallel_size
+    if budget == "auto" or not len(dataset):
+        return None
+    if int(dataset.lengths.min()) > budget * size:
+        return (f"--max-tokens-per-gpu {budget} is below every sample of {path} "
+                f"(shortest: {int(dataset.lengths.min())} tokens)")
+    longest = int(np.argmax(dataset.lengths))
+    length = int(dataset.lengths[longest])
+    if size > 1 and length > budget * size:
+        # Without context parallelism such samples are dropped and counted; a user who asked for long
+        # context wants every sample trained, so the run refuses rather than drop the longest ones.
+        return (f"--context-parallel-size {size} x --max-tokens-per-gpu {budget} holds {budget * size} tokens "
+                f"per sample, but row {longest} of {path} has {length}: it needs --context-parallel-size "
+                f"{-(-length // budget)} or --max-tokens-per-gpu {-(-length // size)}")
+    return None
 
 
 def _check_data_fits_model(config: TrainConfig, model_config: PretrainedConfig, dataset) -> str | None:
@@ -371,6 +415,12 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_sa
     log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
                "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
                config.batch_size, max_tokens)
+    if config.context_parallel_size > 1:
+        size = config.context_parallel_size
+        log_rank_0("context parallelism: %d groups of %d consecutive ranks, each one data rank packing rows of up "
+                   "to %d tokens (%d x %d) and splitting each row over its ranks; FSDP still shards over all %d "
+                   "ranks", dist_info.world_size // size, size, size * max_tokens, size, max_tokens,
+                   dist_info.world_size)
     log_rank_0("schedule %s, warmup %d, %s", config.lr_scheduler, config.num_warmup_steps,
                f"{total_steps} steps" if total_steps else "infinite sampling (no stop condition)")
 
@@ -381,6 +431,7 @@ def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, m
     params = dataclasses.asdict(config)
     params.update(world_size=dist_info.world_size, device=dist_info.device.type,
                   attn_implementation_resolved=resolved.attn_implementation,
+                  context_parallel_inner=resolved.context_parallel_inner,
                   max_tokens_per_gpu_resolved=max_tokens,
                   torch_version=torch.__version__, transformers_version=transformers.__version__)
     path = Path(config.output_dir) / "training_params.json"

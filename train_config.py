@@ -44,6 +44,9 @@ class TrainConfig:
              "on this GPU (with a 10%% safety margin)")
     balance: Literal["tokens", "attention"] = config_field(
         "tokens", help="packing balance cost: token counts, or tokens plus attention's quadratic term")
+    context_parallel_size: int = config_field(
+        1, help="N ranks share each packed row (context parallelism): samples up to N x --max-tokens-per-gpu "
+                "(docs/long-context.md)")
 
     learning_rate: float = config_field(5e-6, section="Optimizer, schedule and stop", help="peak learning rate")
     weight_decay: float = config_field(0.0, help="AdamW weight decay")
@@ -197,6 +200,7 @@ class TrainConfig:
             errors.append(f"--compile with --lora-quantize-data-type {self.lora_quantize_data_type} is not "
                           "supported yet: drop one of them")
         errors += _osft_errors(self)
+        errors += _context_parallel_errors(self)
         collect_errors(errors)
 
     @property
@@ -224,6 +228,21 @@ class TrainConfig:
     @property
     def has_validation(self) -> bool:
         return self.validation_data_path is not None or self.validation_split is not None
+
+
+def _context_parallel_errors(config: TrainConfig) -> list[str]:
+    """What --context-parallel-size cannot combine with yet (the model-dependent refusals come at start-up)."""
+    size = config.context_parallel_size
+    if size < 1:
+        return [f"--context-parallel-size must be at least 1, got {size}"]
+    if size == 1:
+        return []
+    refused = [(config.compile, "--compile (dynamo would trace the K/V all-gather of every attention call)"),
+               (config.lora_quantize_data_type != "none",
+                f"--lora-quantize-data-type {config.lora_quantize_data_type} (QLoRA: untested with sharded rows)"),
+               (config.max_tokens_per_gpu == "auto",
+                "--max-tokens-per-gpu auto (the probe measures unsharded rows): give the per-GPU budget")]
+    return [f"--context-parallel-size {size} does not combine with {what} yet" for bad, what in refused if bad]
 
 
 def _policy_errors(config: TrainConfig) -> list[str]:
