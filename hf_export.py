@@ -4,7 +4,13 @@ Each export is a folder that ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` load as is: bf16 safetensors sharded at
 5 GB (``model-0000x-of-0000y.safetensors`` plus ``model.safetensors.index.json``
 when there is more than one shard), ``config.json``, ``generation_config.json``
-and the tokenizer files. It is written into ``samples_<N>.tmp`` and renamed
+and the tokenizer files. An image-text-to-text checkpoint (``multimodal.py``) is
+exported whole, in its own class and config, for ``AutoModelForImageTextToText``:
+the trained language model in bf16, the frozen towers and projectors exactly as
+they were loaded (their stored dtype), and the processor files
+(``multimodal.PROCESSOR_FILES``) copied from the source; with
+``--export-text-only``, the language model alone as the causal LM of its text
+config. It is written into ``samples_<N>.tmp`` and renamed
 only when complete, so a crash mid-save never leaves a folder that looks
 finished.
 
@@ -32,6 +38,7 @@ import fault_injection
 from full_state import complete_checkpoints
 from lora import export_states, lora_scaling
 from loss import CausalLMWithLoss
+from multimodal import PROCESSOR_FILES
 from setup_model_fsdp import gather_full_state_dict
 from utils import first_error, logger
 
@@ -104,9 +111,15 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
     tmp.mkdir(parents=True)
     lora_config = getattr(wrapper, "lora_config", None)
     merge = getattr(wrapper, "lora_merge_on_export", True)
+    multimodal = getattr(wrapper, "multimodal_export", None)
+    text_only = multimodal.key_map if multimodal is not None else None
     if lora_config is not None:
         state, adapter = export_states(state, scaling=lora_scaling(lora_config),
                                        fan_in_fan_out=lora_config.fan_in_fan_out)
+        if text_only is not None:
+            adapter = _renamed_adapter(adapter, text_only)
+            lora_config = copy.deepcopy(lora_config)
+            lora_config.base_model_name_or_path = None  # the base is the text-only export, not the source
         _save_adapter(adapter, lora_config, (tmp / "adapter") if merge else tmp)
     if lora_config is None or merge:
         tied_key = _tied_output_key(model)
@@ -115,8 +128,15 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
             for name, tensor in state.items()
             if name != tied_key
         }
-        _save_model(state, model.config, generation_config, tmp, max_shard_size)
+        config = model.config
+        if multimodal is not None:
+            # Whole: the frozen towers beside the trained language model, bit for bit as loaded; or text-only.
+            config = multimodal.config
+            state = {name: tensor.contiguous() for name, tensor in multimodal.state(state).items()}
+        _save_model(state, config, generation_config, tmp, max_shard_size)
     tokenizer.save_pretrained(tmp)
+    if multimodal is not None and text_only is None:
+        _copy_processor_files(model.config, tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -142,6 +162,33 @@ def _save_model(state: dict[str, torch.Tensor], model_config, generation_config,
     config.save_pretrained(folder)
     if generation_config is not None:
         generation_config.save_pretrained(folder)
+
+
+def _renamed_adapter(adapter: dict[str, torch.Tensor], key_map: dict[str, str]) -> dict[str, torch.Tensor]:
+    """peft adapter keys (``base_model.model.<module>.lora_A.weight``) renamed for the text-only causal LM."""
+    renamed = {}
+    for key, tensor in adapter.items():
+        module, which = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        renamed[f"base_model.model.{key_map[module + '.weight'].removesuffix('.weight')}.lora_{which}"] = tensor
+    return renamed
+
+
+def _copy_processor_files(model_config, folder: Path) -> None:
+    """The source checkpoint's processor files (image/video preprocessor, chat template), copied as they are."""
+    from transformers.utils import cached_file
+
+    source = getattr(model_config, "_name_or_path", "")
+    if not source:
+        return
+    for name in PROCESSOR_FILES:
+        if (folder / name).exists():
+            continue  # the tokenizer wrote its own (chat_template.jinja)
+        path = Path(source) / name
+        if not path.is_file():
+            path = cached_file(source, name, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+        if path is not None and Path(path).is_file():
+            shutil.copyfile(path, folder / name)
 
 
 def _save_adapter(adapter: dict[str, torch.Tensor], lora_config, folder: Path) -> None:

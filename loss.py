@@ -112,6 +112,7 @@ class CausalLMWithLoss(nn.Module):
         self.liger_loss = None
         if use_liger_kernels:
             self.liger_loss = _make_liger_loss(self.logit_transform)
+        self.text_positions_first = takes_text_positions_first(decoder_of(model))
         self.last_ce_sum: torch.Tensor | None = None
         self.last_router_aux_sum: torch.Tensor | None = None
 
@@ -140,8 +141,13 @@ class CausalLMWithLoss(nn.Module):
         flat_labels = labels.flatten()
         # Before the decoder: the sync then waits only for the input copies, not for the blocks' work.
         positions = learned_positions(flat_labels) if self.head_learned_positions_only else None
+        decoder_positions = position_ids
+        if self.text_positions_first:
+            # [4, 1, T]: text positions (where the mask finds packed samples), then temporal, height, width,
+            # which for text are the same positions (Qwen-VL's get_rope_index on a text-only row).
+            decoder_positions = position_ids.expand(4, *position_ids.shape)
         outputs = decoder_of(self.model)(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra, **attention_kwargs
+            input_ids=input_ids, position_ids=decoder_positions, use_cache=False, **extra, **attention_kwargs
         )
         hidden = outputs.last_hidden_state.flatten(0, 1)  # [T, H]
         if positions is not None:
@@ -169,24 +175,37 @@ class CausalLMWithLoss(nn.Module):
         return ce_sum + router_aux_weight * aux_sum
 
 
+def takes_text_positions_first(decoder: nn.Module) -> bool:
+    """Whether ``decoder`` uses multimodal rotary positions (sections for time, height and width: the Qwen-VL
+    families). Its forward then finds packed samples only in a 4-row ``position_ids`` whose first row holds
+    the text positions; from 2-D positions it builds a plain causal mask, and packed samples see each other."""
+    return any(hasattr(module, "mrope_section") for module in decoder.modules())
+
+
 def decoder_of(model: nn.Module) -> nn.Module:
     """The module that returns the causal LM's final hidden states (``last_hidden_state``).
 
     ``get_decoder()`` looks for the attribute named by ``base_model_prefix`` and
     returns the model itself when there is none (Llama-4 text: prefix
     ``language_model``, decoder at ``.model``); the decoder is then the one
-    pretrained-model child of the causal LM.
+    pretrained-model child of the causal LM. A multimodal model's
+    ``get_decoder()`` returns its language model, itself a causal LM in some
+    families (Llama-4), whose decoder is then taken.
     """
     from transformers import PreTrainedModel
 
     decoder = model.get_decoder()
-    if decoder is not model:
-        return decoder
-    children = [child for child in model.children() if isinstance(child, PreTrainedModel)]
-    if len(children) != 1:
-        raise ValueError(f"cannot find the decoder of {type(model).__name__}: get_decoder() returns the model "
-                         f"itself and it has {len(children)} pretrained-model children")
-    return children[0]
+    if decoder is model:
+        children = [child for child in model.children() if isinstance(child, PreTrainedModel)]
+        if len(children) != 1:
+            raise ValueError(f"cannot find the decoder of {type(model).__name__}: get_decoder() returns the model "
+                             f"itself and it has {len(children)} pretrained-model children")
+        decoder = children[0]
+    if decoder is not model and isinstance(decoder, PreTrainedModel) and decoder.get_output_embeddings() is not None:
+        # A multimodal model whose language model is a whole causal LM (Llama-4: language_model is
+        # Llama4ForCausalLM): its decoder is one level further down.
+        return decoder_of(decoder)
+    return decoder
 
 
 def _make_liger_loss(transform: LogitTransform) -> nn.Module | None:

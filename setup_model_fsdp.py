@@ -34,11 +34,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from attention import attention_needs, resolve_attn_implementation
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss, decoder_of
+from multimodal import auto_model_class, detach_non_text, is_multimodal, text_only_export, whole_export
 from qlora import NF4, broadcast_nf4, gather_dequantized_state, is_nf4, pop_nf4, quantize_base_weights
 from recurrent import run_mixers_per_sample
 from utils import DistInfo, log_rank_0
@@ -61,10 +62,14 @@ class ModelSetup:
 
 
 def meta_model(config, trust_remote_code: bool) -> nn.Module:
-    """The architecture on the meta device: no memory, no weights read."""
+    """The architecture on the meta device: no memory, no weights read. An image-text-to-text checkpoint
+    is built whole (``multimodal.py``) and its non-text parts detached: what is left is what trains."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
-                                                trust_remote_code=trust_remote_code)
+        model = auto_model_class(config).from_config(config, dtype=torch.float32, attn_implementation="eager",
+                                                     trust_remote_code=trust_remote_code)
+    if is_multimodal(config):
+        detach_non_text(model)
+    return model
 
 
 def apply_liger_kernels(model: nn.Module, *, device_type: str) -> bool:
@@ -207,7 +212,7 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
                 use_liger_kernels: bool, local_world_size: int,
                 head_learned_positions_only: bool = True, compile: bool = False, trust_remote_code: bool = False,
-                lora: LoraSettings | None = None) -> tuple[CausalLMWithLoss, ModelSetup]:
+                lora: LoraSettings | None = None, export_text_only: bool = False) -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank.
 
     Args:
@@ -224,6 +229,7 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
         compile: ``torch.compile`` each decoder block (``compile_blocks``).
         trust_remote_code: run the modelling code a checkpoint ships (off unless the user asks).
         lora: inject LoRA adapters and freeze the base weights (None: full fine-tuning).
+        export_text_only: a multimodal checkpoint's exports hold its language model alone, as a causal LM.
 
     Returns:
         The FSDP2-wrapped ``CausalLMWithLoss`` and what was resolved.
@@ -241,6 +247,12 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     config.use_cache = False
     # Every rank builds the architecture on meta (no memory); its attention needs pick the backend.
     model = meta_model(config, trust_remote_code)
+    multimodal = is_multimodal(config)
+    # How a multimodal checkpoint is exported; its text-only key map is read before LoRA renames anything.
+    export = None
+    if multimodal:
+        export = (text_only_export(model, trust_remote_code=trust_remote_code) if export_text_only
+                  else whole_export(config, trust_remote_code=trust_remote_code))
     attn = resolve_attn_implementation(attn_implementation, device.type, attention_needs(model))
     if attn != "eager":
         model.set_attn_implementation(attn)
@@ -249,9 +261,23 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     if dist_info.rank == 0:
         # The stored dtype (bf16 for most checkpoints): one copy of the weights in host memory, at its
         # smallest. The loaded module is dropped; its tensors live on in the state dict until broadcast.
-        loaded = AutoModelForCausalLM.from_pretrained(model_name_or_path, config=copy.deepcopy(config), dtype="auto",
-                                                      attn_implementation="eager",
-                                                      trust_remote_code=trust_remote_code)
+        loaded = auto_model_class(config).from_pretrained(model_name_or_path, config=copy.deepcopy(config),
+                                                          dtype="auto", attn_implementation="eager",
+                                                          trust_remote_code=trust_remote_code)
+        if multimodal:
+            # The towers and projectors stay here, on rank 0's host, as loaded: the export writes them back.
+            non_text_state, detached = detach_non_text(loaded)
+            if not export_text_only:
+                unmatched = export.keep_non_text(non_text_state, model_name_or_path)
+                if unmatched:
+                    log_rank_0(f"{len(unmatched)} frozen tensors ({', '.join(unmatched[:3])}, ...) are not under "
+                               "these names in the checkpoint's files: exported in the dtype they loaded in",
+                               level=logging.WARNING)
+            num_frozen = sum(t.numel() for t in non_text_state.values())
+            log_rank_0(f"{type(loaded).__name__}: training its language model ({type(decoder_of(loaded)).__name__} "
+                       f"and the LM head); {', '.join(detached[:4])}{', ...' if len(detached) > 4 else ''} "
+                       f"({num_frozen:,} parameters) stay frozen in rank 0's host memory for the exports, "
+                       "neither sharded nor trained")
         if lora is not None:
             # Adapters are initialised here, on rank 0, and reach the other ranks with the weights.
             apply_lora(loaded, lora)
@@ -308,6 +334,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     # Read by the export (hf_export.py): the adapter's config and whether to merge it.
     wrapper.lora_config = lora_config
     wrapper.lora_merge_on_export = lora is None or lora.merge_on_export
+    # Read by the export too: how a multimodal checkpoint is written (None for a causal LM).
+    wrapper.multimodal_export = export
     num_trainable, num_params = count_parameters(model)
 
     fsdp_kwargs = {

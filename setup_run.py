@@ -38,6 +38,7 @@ from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, truncate_metrics
 from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
 from lora import lora_preflight
+from multimodal import multimodal_preflight
 from loss import CausalLMWithLoss
 from selfcheck import check_data_fits_model, check_objective
 from setup_model_fsdp import ModelSetup, meta_model, setup_model, shard_group_size
@@ -109,7 +110,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
         use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
         compile=config.compile, local_world_size=_local_world_size(),
-        trust_remote_code=config.trust_remote_code, lora=config.lora,
+        trust_remote_code=config.trust_remote_code, lora=config.lora, export_text_only=config.export_text_only,
     )
     model_shape, flops_reason = flops.checked_model_flops(model.model)
     log_rank_0(flops_reason)
@@ -226,7 +227,12 @@ def _load_model_config(config: TrainConfig) -> PretrainedConfig:
 
 
 def _model_preflight(config: TrainConfig, model_config: PretrainedConfig) -> str | None:
-    """Rank 0, before heavy work: an explicit attention backend or LoRA settings this model refuses."""
+    """Rank 0, before heavy work: a multimodal checkpoint whose language model cannot be trained alone (or
+    exported alone, with --export-text-only), an explicit attention backend or LoRA settings this model refuses."""
+    error = multimodal_preflight(model_config, trust_remote_code=config.trust_remote_code,
+                                 export_text_only=config.export_text_only)
+    if error is not None:
+        return error
     if config.attn_implementation != "auto":
         needs = attention_needs(meta_model(model_config, config.trust_remote_code))
         error = explicit_attention_refusal(config.attn_implementation, needs)
