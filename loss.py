@@ -134,8 +134,8 @@ class CausalLMWithLoss(nn.Module):
                 ``cu_seq_lens_q/k`` and ``max_length_q/k``.
         """
         if own_forward:
-            return self.model(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False,
-                              **attention_kwargs).loss
+            return own_text_model(self.model)(input_ids=input_ids, position_ids=position_ids, labels=labels,
+                                              use_cache=False, **attention_kwargs).loss
         with_router = self.router_loss is not None and router_aux_weight != 0.0
         extra = {"output_router_logits": with_router} if self.router_loss is not None else {}
         flat_labels = labels.flatten()
@@ -173,6 +173,19 @@ class CausalLMWithLoss(nn.Module):
                                  top_k=self.router_loss.top_k)
         self.last_router_aux_sum = aux_sum.detach()
         return ce_sum + router_aux_weight * aux_sum
+
+
+def own_text_model(model: nn.Module) -> nn.Module:
+    """The module whose ``forward(labels=...)`` is ``model``'s own text objective: the model itself, or a
+    multimodal model's language model where that is a whole causal LM of its own (Llama-4's
+    ``language_model``, whose wrapper's forward adds only the image path)."""
+    from transformers import PreTrainedModel
+
+    language_model = model.get_decoder()
+    if language_model is not model and isinstance(language_model, PreTrainedModel) \
+            and language_model.get_output_embeddings() is model.get_output_embeddings():
+        return language_model
+    return model
 
 
 def takes_text_positions_first(decoder: nn.Module) -> bool:
