@@ -52,7 +52,10 @@ def hf_checkpoint_dir(output_dir: str | Path, num_samples: int) -> Path:
 def _tied_output_key(model: torch.nn.Module) -> str | None:
     """State-dict key of the LM head weight when it is tied to the input embedding."""
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if not getattr(text_config, "tie_word_embeddings", False):
+    # transformers ties by the config of the class that holds both (a multimodal model's own config:
+    # Mistral-3 ties with its text config saying otherwise); the text config where that one is silent.
+    tied = getattr(model.config, "tie_word_embeddings", None)
+    if not (tied if tied is not None else getattr(text_config, "tie_word_embeddings", False)):
         return None
     head = model.get_output_embeddings()
     for name, module in model.named_modules():
@@ -120,6 +123,7 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
             adapter = _renamed_adapter(adapter, text_only)
             lora_config = copy.deepcopy(lora_config)
             lora_config.base_model_name_or_path = None  # the base is the text-only export, not the source
+            lora_config.target_modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter})
         _save_adapter(adapter, lora_config, (tmp / "adapter") if merge else tmp)
     if lora_config is None or merge:
         tied_key = _tied_output_key(model)

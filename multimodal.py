@@ -26,6 +26,7 @@ language model alone as the causal LM of its text config (``text_only_export``).
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -59,6 +60,16 @@ def text_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head): its language model cannot "
                          "be trained as a causal LM")
     return decoder_of(model), head
+
+
+def language_model_targets(model: nn.Module, targets) -> str | object:
+    """peft ``target_modules`` confined to the language model: a regex over module names. Loaded onto the
+    whole checkpoint, all-linear's plain names (``q_proj``, ``gate_proj``) would also adapt the towers."""
+    if isinstance(targets, str):
+        return targets  # already a pattern of the user's
+    decoder = decoder_of(model)
+    [prefix] = [name for name, module in model.named_modules() if module is decoder]
+    return rf"{re.escape(prefix)}\..*\.({'|'.join(sorted(re.escape(name) for name in targets))})"
 
 
 def detach_non_text(model: nn.Module) -> tuple[dict, list[str]]:

@@ -39,7 +39,8 @@ from transformers import AutoConfig, PretrainedConfig
 from attention import attention_needs, resolve_attn_implementation
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss, decoder_of
-from multimodal import auto_model_class, detach_non_text, is_multimodal, text_only_export, whole_export
+from multimodal import (auto_model_class, detach_non_text, is_multimodal, language_model_targets, text_only_export,
+                        whole_export)
 from qlora import NF4, broadcast_nf4, gather_dequantized_state, is_nf4, pop_nf4, quantize_base_weights
 from recurrent import run_mixers_per_sample
 from utils import DistInfo, log_rank_0
@@ -303,6 +304,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     if lora is not None:
         lora_config = apply_lora(model, lora)
         lora_config.base_model_name_or_path = model_name_or_path  # recorded in the adapter's config
+        if multimodal and not export_text_only:
+            lora_config.target_modules = language_model_targets(model, lora_config.target_modules)
         if quantize:
             # Meta NF4 shells with the shapes fully_shard cuts; broadcast_nf4 fills them.
             quantize_base_weights(model, shard_size=mesh.shape[-1], dtype=param_dtype)
