@@ -112,7 +112,7 @@ class CausalLMWithLoss(nn.Module):
         self.liger_loss = None
         if use_liger_kernels:
             self.liger_loss = _make_liger_loss(self.logit_transform)
-        self.text_positions_first = takes_text_positions_first(decoder_of(model))
+        self.position_rows = multimodal_position_rows(decoder_of(model))
         self.last_ce_sum: torch.Tensor | None = None
         self.last_router_aux_sum: torch.Tensor | None = None
 
@@ -142,10 +142,10 @@ class CausalLMWithLoss(nn.Module):
         # Before the decoder: the sync then waits only for the input copies, not for the blocks' work.
         positions = learned_positions(flat_labels) if self.head_learned_positions_only else None
         decoder_positions = position_ids
-        if self.text_positions_first:
-            # [4, 1, T]: text positions (where the mask finds packed samples), then temporal, height, width,
-            # which for text are the same positions (Qwen-VL's get_rope_index on a text-only row).
-            decoder_positions = position_ids.expand(4, *position_ids.shape)
+        if self.position_rows:
+            # [1 + axes, 1, T]: text positions (where the mask finds packed samples), then one row per rotary
+            # axis (Qwen-VL: temporal, height, width), the same positions for text (get_rope_index on text).
+            decoder_positions = position_ids.expand(self.position_rows, *position_ids.shape)
         outputs = decoder_of(self.model)(
             input_ids=input_ids, position_ids=decoder_positions, use_cache=False, **extra, **attention_kwargs
         )
@@ -188,11 +188,16 @@ def own_text_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def takes_text_positions_first(decoder: nn.Module) -> bool:
-    """Whether ``decoder`` uses multimodal rotary positions (sections for time, height and width: the Qwen-VL
-    families). Its forward then finds packed samples only in a 4-row ``position_ids`` whose first row holds
-    the text positions; from 2-D positions it builds a plain causal mask, and packed samples see each other."""
-    return any(hasattr(module, "mrope_section") for module in decoder.modules())
+def multimodal_position_rows(decoder: nn.Module) -> int:
+    """Rows of ``position_ids`` for a decoder with multimodal rotary positions (``mrope_section``: one section
+    per axis, e.g. Qwen-VL's time, height and width), else 0. Such a decoder finds packed samples only in
+    positions of one row per axis plus a first row of text positions; from 2-D positions it builds a plain
+    causal mask, and packed samples see each other."""
+    for module in decoder.modules():
+        sections = getattr(module, "mrope_section", None)
+        if isinstance(sections, (list, tuple)) and sections:
+            return len(sections) + 1
+    return 0
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -71,7 +71,7 @@ MAPPINGS = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING", "image-text-to-text": "M
 
 def build(model_type: str, tokenizer_dir: Path, out: Path, *, multimodal: bool = False) -> str | None:
     """Save the tiny random ``model_type`` in ``out``; None, or why it is not built / out of scope."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
     from multimodal import auto_model_class, is_multimodal
 
@@ -82,6 +82,9 @@ def build(model_type: str, tokenizer_dir: Path, out: Path, *, multimodal: bool =
     signal.alarm(BUILD_SECONDS)
     try:
         if multimodal:
+            default = AutoConfig.for_model(model_type)
+            if default.get_text_config() is default:
+                return "out of scope: no text config of its own (a causal LM: see the causal-LM sweep)"
             config = tiny_multimodal_config(model_type, len(tokenizer), token_ids=ids)
             if not is_multimodal(config):
                 return "out of scope: no text config of its own (a causal LM: see the causal-LM sweep)"
