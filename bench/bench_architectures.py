@@ -110,6 +110,12 @@ def build(model_type: str, tokenizer_dir: Path, out: Path, *, multimodal: bool =
         model.save_pretrained(out)
         if multimodal:
             (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG))
+            # ShieldGemma-2 saves Gemma3ForConditionalGeneration under its own key layout, which the class
+            # does not load back: every run would start from fresh random weights.
+            _, info = model_class.from_pretrained(out, output_loading_info=True)
+            if info["missing_keys"]:
+                return (f"not built: the saved checkpoint does not load back into {type(model).__name__} "
+                        f"({len(info['missing_keys'])} tensors missing, e.g. {sorted(info['missing_keys'])[0]})")
     except Exception as err:  # noqa: BLE001 - any failure to build is reported in the table, never raised
         return "not built: " + _one_line(f"{type(err).__name__}: {err}")
     finally:
