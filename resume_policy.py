@@ -39,12 +39,13 @@ so a moved or renamed data folder still resumes."""
 MOVABLE = ("full_state", "hf_format", "training_params.json")
 
 
-def fingerprint(model_config, dataset, lora=None) -> dict:
+def fingerprint(model_config, dataset, lora=None, osft=None) -> dict:
     """What must not change between a checkpoint and its resume: model shape, adapters and data.
 
     ``lora`` (``lora.LoraSettings`` or None) shapes the trainable parameters, so a
     checkpoint of other adapters (or of full fine-tuning) cannot be resumed; its
-    base quantization (QLoRA) is part of it too.
+    base quantization (QLoRA) is part of it too. ``osft`` (``osft.OSFTSettings`` or None) splits the
+    weights into factors of other shapes; ratio 1.0 splits nothing and counts as full fine-tuning.
     """
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     return {
@@ -58,6 +59,8 @@ def fingerprint(model_config, dataset, lora=None) -> dict:
         "lora": None if lora is None else ([lora.rank, lora.alpha, lora.target_modules, lora.use_rslora]
                                            + ([lora.quantize_data_type] if lora.quantize_data_type != "none"
                                               else [])),
+        "osft": None if osft is None or osft.unfreeze_rank_ratio == 1.0 else [
+            osft.unfreeze_rank_ratio, osft.target_patterns, str(osft.upcast_dtype).removeprefix("torch.")],
     }
 
 
