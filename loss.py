@@ -141,14 +141,7 @@ class CausalLMWithLoss(nn.Module):
         flat_labels = labels.flatten()
         # Before the decoder: the sync then waits only for the input copies, not for the blocks' work.
         positions = learned_positions(flat_labels) if self.head_learned_positions_only else None
-        decoder_positions = position_ids
-        if self.position_rows:
-            # [1 + axes, 1, T]: text positions (where the mask finds packed samples), then one row per rotary
-            # axis (Qwen-VL: temporal, height, width), the same positions for text (get_rope_index on text).
-            decoder_positions = position_ids.expand(self.position_rows, *position_ids.shape)
-        outputs = decoder_of(self.model)(
-            input_ids=input_ids, position_ids=decoder_positions, use_cache=False, **extra, **attention_kwargs
-        )
+        outputs = self._run_decoder(input_ids, position_ids, {**extra, **attention_kwargs})
         hidden = outputs.last_hidden_state.flatten(0, 1)  # [T, H]
         if positions is not None:
             # Backward scatters the gradient into zeros: the dropped rows' gradient was exactly 0 anyway.
@@ -173,6 +166,24 @@ class CausalLMWithLoss(nn.Module):
                                  top_k=self.router_loss.top_k)
         self.last_router_aux_sum = aux_sum.detach()
         return ce_sum + router_aux_weight * aux_sum
+
+    def _run_decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kwargs: dict):
+        """The decoder's outputs on one packed row; multimodal rotary positions get their rows (``position_rows``)."""
+        decoder = decoder_of(self.model)
+        if self.position_rows:
+            try:
+                # [1 + axes, 1, T]: text positions (where the mask finds packed samples), then one row per rotary
+                # axis (Qwen-VL: temporal, height, width), the same positions for text (get_rope_index on text).
+                return decoder(input_ids=input_ids, position_ids=position_ids.expand(self.position_rows,
+                                                                                     *position_ids.shape),
+                               use_cache=False, **kwargs)
+            except ValueError as err:
+                # HunYuan-VL counts the text row, then refuses it before any layer runs (no collective was
+                # started): plain positions from now on, and the self-check judges whether packing leaks.
+                log_rank_0(f"{type(decoder).__name__} refuses a text-position row before its rotary axes ({err}): "
+                           "passing plain position_ids", level=logging.WARNING)
+                self.position_rows = 0
+        return decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
 
 
 def own_text_model(model: nn.Module) -> nn.Module:
