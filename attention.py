@@ -324,7 +324,7 @@ class AttentionNeeds:
 
 def attention_needs(model: nn.Module) -> AttentionNeeds:
     """Read ``AttentionNeeds`` from a built model (the meta-device one is enough)."""
-    config = model.config
+    config = model.config.get_text_config()  # a multimodal model trains its text model's attention
     sinks = any(isinstance(getattr(module, "sinks", None), nn.Parameter) for module in model.modules())
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)

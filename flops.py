@@ -157,6 +157,9 @@ def checked_model_flops(model: Any) -> tuple[ModelFlops | None, str]:
     if missing:  # e.g. Mamba, FalconMamba: no attention heads to count (reading them raised at start-up)
         return None, (f"FLOPs per token: the config of {type(model).__name__} has no {', '.join(missing)}; "
                       "mfu and model FLOPs are logged as null")
+    if config.to_dict().get("per_layer_config"):  # Gemma-4: head sizes vary by layer; reading one global raises
+        return None, (f"FLOPs per token: the config of {type(model).__name__} sets sizes per layer "
+                      "(per_layer_config), which this count does not read; mfu and model FLOPs are logged as null")
     shape = model_flops(model.config)
     real = matmul_params_of(model)
     if shape.num_matmul_params != real:

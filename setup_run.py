@@ -41,6 +41,7 @@ from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, truncate_metrics
 from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
 from lora import lora_preflight
+from multimodal import multimodal_preflight
 from loss import CausalLMWithLoss
 from osft import osft_targets
 from recurrent import recurrent_mixers
@@ -117,6 +118,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         compile=config.compile, local_world_size=_local_world_size(),
         trust_remote_code=config.trust_remote_code, lora=config.lora, osft=config.osft_settings,
         context_parallel_size=config.context_parallel_size,
+        export_text_only=config.export_text_only,
     )
     # Collective: every rank makes every group. The sampler then sees each group as one data rank.
     context = context_parallel.new_context_group(config.context_parallel_size, dist_info)
@@ -246,8 +248,13 @@ def _load_model_config(config: TrainConfig) -> PretrainedConfig:
 
 
 def _model_preflight(config: TrainConfig, model_config: PretrainedConfig) -> str | None:
-    """Rank 0, before heavy work: an explicit attention backend, context parallelism or LoRA settings this
-    model refuses."""
+    """Rank 0, before heavy work: a multimodal checkpoint whose language model cannot be trained alone (or
+    exported alone, with --export-text-only), an explicit attention backend, context parallelism or LoRA
+    settings this model refuses."""
+    error = multimodal_preflight(model_config, trust_remote_code=config.trust_remote_code,
+                                 export_text_only=config.export_text_only)
+    if error is not None:
+        return error
     if config.context_parallel_size > 1:
         model = meta_model(model_config, config.trust_remote_code)
         error = context_parallel.refusal(

@@ -79,6 +79,9 @@ class TrainConfig:
                    "smaller)")
     full_state: bool = config_field(True, help="write full training states for exact resume (--no-full-state: "
                                                "Hugging Face exports only; the run cannot resume)")
+    export_text_only: bool = config_field(
+        False, help="image-text-to-text checkpoints: export the language model alone, as a causal LM "
+                    "(default: the whole checkpoint in its own class)")
     resume: bool = config_field(True, help="continue from the newest complete full-state checkpoint in "
                                            "--output-dir (--no-resume starts fresh)")
     resume_from: str | None = config_field(None, help="resume from this full_state/samples_N folder")
