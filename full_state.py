@@ -68,7 +68,7 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
             tmp.mkdir(parents=True)
     except OSError as err:
         error = f"cannot create {tmp}: {_cause(err)}"
-    _abort_save_on_error(first_error(error), final)
+    _abort_save_on_error(first_error(error), final, is_main=dist_info.is_main)
     try:
         model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
@@ -79,7 +79,7 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
     except (OSError, dcp.CheckpointException, RuntimeError) as err:
         error = f"writing {tmp} failed: {_cause(err)}"
-    _abort_save_on_error(first_error(error), final)
+    _abort_save_on_error(first_error(error), final, is_main=dist_info.is_main)
     if dist_info.is_main:
         fault_injection.kill_at(fault_injection.KILL_DURING_SAVE, num_samples)
         if final.exists():
@@ -93,10 +93,13 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
     return final
 
 
-def _abort_save_on_error(error: str | None, final: Path) -> None:
-    """Every rank stops when any rank could not write its part; each names the first cause."""
+def _abort_save_on_error(error: str | None, final: Path, *, is_main: bool) -> None:
+    """Every rank stops when any rank could not write its part; each names the first cause.
+    The half-written ``.tmp`` is removed (rank 0), giving back the space a full disk needs."""
     if error is None:
         return
+    if is_main:
+        shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
     logger.error("full-state checkpoint %s could not be saved: %s. Earlier checkpoints are intact; "
                  "re-run the same command to resume from the newest one.", final, error)
     raise SystemExit(1)
@@ -105,13 +108,19 @@ def _abort_save_on_error(error: str | None, final: Path) -> None:
 def _cause(err: BaseException) -> str:
     """The error itself, plus advice only where the advice fits the cause."""
     leaf = err
-    while not isinstance(leaf, OSError) and (leaf.__cause__ or leaf.__context__) is not None:
-        leaf = leaf.__cause__ or leaf.__context__
+    while not isinstance(leaf, OSError):
+        if isinstance(leaf, dcp.CheckpointException) and leaf.failures:
+            # DCP gathers each rank's exception as (exception, traceback); its own str is only the rank list.
+            leaf = next(iter(leaf.failures.values()))[0]
+        elif (leaf.__cause__ or leaf.__context__) is not None:
+            leaf = leaf.__cause__ or leaf.__context__
+        else:
+            break
     if isinstance(leaf, OSError) and leaf.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{leaf} (the disk or quota is full: free space)"
     if isinstance(leaf, OSError) and leaf.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{leaf} (fix the folder's permissions)"
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return f"{type(leaf).__name__}: {str(leaf).splitlines()[0] if str(leaf) else ''}"
 
 
 def remove_leftover_tmp(output_dir: str | Path) -> list[Path]:

@@ -29,6 +29,7 @@ import checkpoint_policy
 import data_mix
 import fault_injection
 import flops
+import output_lock
 import resume_policy
 import sampler
 import schedule
@@ -208,7 +209,7 @@ def _preflight(config: TrainConfig) -> str | None:
         probe.unlink()
     except OSError as err:
         return f"--output-dir {config.output_dir}: not writable ({err.strerror or err})"
-    return None
+    return output_lock.acquire(output)  # last: a refusal above leaves no lock behind
 
 
 def _load_model_config(config: TrainConfig) -> PretrainedConfig:
