@@ -98,7 +98,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     schedule.check_scheduler(config, total_steps, is_main=dist_info.is_main)
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
-    model_fingerprint = resume_policy.fingerprint(model_config, dataset, config.lora)
+    model_fingerprint = resume_policy.fingerprint(model_config, dataset, config.lora,
+                                                  data_digest=_data_digest(dataset, dist_info))
     fail_together(_resume_policy(config, run_params, model_fingerprint) if dist_info.is_main else None)
     candidates = resume_candidates(config.output_dir, resume=config.resume, resume_from=config.resume_from)
     tracker, tracker_error = _start_tracker(config, dist_info, candidates)
@@ -323,6 +324,15 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
     if not dist_info.is_main:
         dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
     return dataset
+
+
+def _data_digest(dataset, dist_info: DistInfo) -> str:
+    """Rank 0 hashes the data's content (every token id and label) and tells the others: one pass, not one per rank."""
+    began = time.perf_counter()
+    digest = [dataset.content_digest() if dist_info.is_main else None]
+    dist.broadcast_object_list(digest, src=0)
+    log_rank_0("data content hash %s (%.2fs)", digest[0], time.perf_counter() - began)
+    return digest[0]
 
 
 def _check_data_fits_model(config: TrainConfig, model_config: PretrainedConfig, dataset) -> str | None:
