@@ -128,14 +128,20 @@ def model_flops(config: Any) -> ModelFlops:
 def matmul_params_of(model: Any) -> int:
     """What ``model_flops`` counts, counted on the model itself: its weight matrices (2-D, or 3-D fused
     experts) but the input embedding, plus the LM head's matmul once (tied or not). Biases, norms and
-    sinks are elementwise; LoRA adapters are left out as the config knows nothing of them. Sharded
+    sinks are elementwise; LoRA adapters are left out as the config knows nothing of them; OSFT layers
+    count as the dense weight they stand for. Sharded
     parameters (DTensor) report their global size."""
+    from osft import osft_modules  # torch: only where a model exists (the shape tables need none)
+
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
+    # An OSFT layer computes x W^T with W (N x M) rebuilt from its factors: it counts as its N x M.
+    factored = osft_modules(model)
+    factor_ids = {id(p) for _, m in factored for p in m.parameters()}
     count = sum(p.numel() for name, p in model.named_parameters()
                 if p.ndim >= 2 and not name.endswith("bias") and "lora_" not in name
-                and p is not embedding and p is not head)
-    return count + head.numel()
+                and p is not embedding and p is not head and id(p) not in factor_ids)
+    return count + head.numel() + sum(m.out_features * m.in_features for _, m in factored)
 
 
 def checked_model_flops(model: Any) -> tuple[ModelFlops | None, str]:

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import fault_injection
 import resume_policy
+from osft import osft_modules
 from safe_metadata import MetadataSafeReader
 from train_state import TrainState
 from utils import DistInfo, first_error, log_rank_0, logger, rng_state, set_rng_state
@@ -48,6 +49,15 @@ FORMAT_VERSION = 1
 # frozen keys be absent.
 STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+# OSFT's frozen factors come from an SVD at start-up, which need not round the same on another
+# rank count, thread count or device: they are saved, so a resume continues the very same factors.
+OSFT_STATE_OPTIONS = StateDictOptions(ignore_frozen_params=False)
+OSFT_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=False, strict=False)
+
+
+def _options(model) -> tuple[StateDictOptions, StateDictOptions]:
+    """``(save options, load options)`` for this model."""
+    return (OSFT_STATE_OPTIONS, OSFT_LOAD_OPTIONS) if osft_modules(model) else (STATE_OPTIONS, LOAD_OPTIONS)
 
 
 def full_state_root(output_dir: str | Path) -> Path:
@@ -76,7 +86,7 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
     _abort_save_on_error(first_error(error), final, is_main=dist_info.is_main)
     digests = {}
     try:
-        model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
+        model_state, optim_state = get_state_dict(model, optimizer, options=_options(model)[0])
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         torch.save(rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")  # tensors and numbers: no pickle needed
         digests = {path.name: file_digest(path) for path in _files_of_rank(tmp, dist_info.rank)}
@@ -236,10 +246,11 @@ def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, mode
             log_rank_0(problem, level=logging.WARNING)
             continue
         try:
-            model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
+            save_options, load_options = _options(model)
+            model_state, optim_state = get_state_dict(model, optimizer, options=save_options)
             dcp.load({"model": model_state, "optim": optim_state}, storage_reader=MetadataSafeReader(path))
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                           options=LOAD_OPTIONS)
+                           options=load_options)
         except (OSError, dcp.CheckpointException, RuntimeError, pickle.UnpicklingError) as err:
             logger.warning("skipping unreadable checkpoint %s: %s", path, str(err).splitlines()[0])
             continue

@@ -12,7 +12,8 @@ With LoRA (``--lora-rank``) the folder holds the merged model (``W + scaling *
 B @ A``, the form vLLM serves) and the adapter in ``adapter/``
 (``adapter_config.json`` + ``adapter_model.safetensors`` for
 ``peft.PeftModel.from_pretrained``); with ``--no-lora-merge-on-export`` only the
-adapter, at the top of the folder.
+adapter, at the top of the folder. With ``--osft`` each decomposed layer's factors are multiplied
+back into its ``weight``: a plain checkpoint, no OSFT keys.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import fault_injection
 from full_state import complete_checkpoints
 from lora import export_states, lora_scaling
 from loss import CausalLMWithLoss
+from osft import osft_export_state
 from setup_model_fsdp import gather_full_state_dict
 from utils import first_error, logger
 
@@ -104,6 +106,8 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
     tmp.mkdir(parents=True)
     lora_config = getattr(wrapper, "lora_config", None)
     merge = getattr(wrapper, "lora_merge_on_export", True)
+    # OSFT factors become W = U_high S_high V_high^T + U_low S_low V_low^T under <module>.weight (no-op without).
+    state = osft_export_state(state, upcast_dtype=getattr(wrapper, "osft_upcast_dtype", torch.float32))
     if lora_config is not None:
         state, adapter = export_states(state, scaling=lora_scaling(lora_config),
                                        fan_in_fan_out=lora_config.fan_in_fan_out)

@@ -44,14 +44,15 @@ ADDED_LATER = ("data_content_xxh3",)
 other fields still are compared), so a run started before the field existed still resumes, with a warning."""
 
 
-def fingerprint(model_config, dataset, lora=None, *, data_digest: str) -> dict:
+def fingerprint(model_config, dataset, lora=None, osft=None, *, data_digest: str) -> dict:
     """What must not change between a checkpoint and its resume: model shape, adapters and data.
 
     ``lora`` (``lora.LoraSettings`` or None) shapes the trainable parameters, so a
     checkpoint of other adapters (or of full fine-tuning) cannot be resumed; its
-    base quantization (QLoRA) is part of it too. ``data_digest`` is
-    ``dataset.content_digest()``: every token id and label, so a file re-tokenized
-    with the same lengths (another template, other masks) is not resumed on.
+    base quantization (QLoRA) is part of it too. ``osft`` (``osft.OSFTSettings`` or None) splits the
+    weights into factors of other shapes; ratio 1.0 splits nothing and counts as full fine-tuning.
+    ``data_digest`` is ``dataset.content_digest()``: every token id and label, so a file
+    re-tokenized with the same lengths (another template, other masks) is not resumed on.
     """
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     return {
@@ -66,6 +67,8 @@ def fingerprint(model_config, dataset, lora=None, *, data_digest: str) -> dict:
         "lora": None if lora is None else ([lora.rank, lora.alpha, lora.target_modules, lora.use_rslora]
                                            + ([lora.quantize_data_type] if lora.quantize_data_type != "none"
                                               else [])),
+        "osft": None if osft is None or osft.unfreeze_rank_ratio == 1.0 else [
+            osft.unfreeze_rank_ratio, osft.target_patterns, str(osft.upcast_dtype).removeprefix("torch.")],
     }
 
 

@@ -39,6 +39,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from attention import attention_needs, resolve_attn_implementation
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss, decoder_of
+from osft import FACTORS as OSFT_FACTORS
+from osft import (RECONSTRUCTION_TOLERANCE, OSFTSettings, apply_osft, fill_osft_factors, osft_modules,
+                  osft_targets)
 from qlora import NF4, broadcast_nf4, gather_dequantized_state, is_nf4, pop_nf4, quantize_base_weights
 from recurrent import run_mixers_per_sample
 from utils import DistInfo, log_rank_0
@@ -207,7 +210,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
                 use_liger_kernels: bool, local_world_size: int,
                 head_learned_positions_only: bool = True, compile: bool = False, trust_remote_code: bool = False,
-                lora: LoraSettings | None = None) -> tuple[CausalLMWithLoss, ModelSetup]:
+                lora: LoraSettings | None = None, osft: OSFTSettings | None = None
+                ) -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank.
 
     Args:
@@ -224,6 +228,7 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
         compile: ``torch.compile`` each decoder block (``compile_blocks``).
         trust_remote_code: run the modelling code a checkpoint ships (off unless the user asks).
         lora: inject LoRA adapters and freeze the base weights (None: full fine-tuning).
+        osft: replace the targeted linear layers by their SVD factors (``osft.py``; None: dense).
 
     Returns:
         The FSDP2-wrapped ``CausalLMWithLoss`` and what was resolved.
@@ -244,6 +249,9 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     attn = resolve_attn_implementation(attn_implementation, device.type, attention_needs(model))
     if attn != "eager":
         model.set_attn_implementation(attn)
+    # OSFT shells replace the targeted nn.Linear on meta, before anything else wraps the model (LoRA and
+    # compile are refused with it; AC, Liger and fully_shard then see the factor layers).
+    osft_names = _apply_osft_shells(model, osft)
     mesh = build_mesh(sharding_strategy, dist_info, local_world_size)
     quantize = lora is not None and lora.quantize_data_type == NF4
     if dist_info.rank == 0:
@@ -272,6 +280,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
         del loaded
     else:
         full_state, real_buffers = {}, {}
+    # The decomposed weights leave the broadcast: their factors are filled by fill_osft_factors instead.
+    dense_weights = {name: full_state.pop(f"{name}.weight") for name in osft_names} if dist_info.rank == 0 else {}
     model.generation_config.use_cache = False
     lora_config = None
     if lora is not None:
@@ -308,6 +318,7 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     # Read by the export (hf_export.py): the adapter's config and whether to merge it.
     wrapper.lora_config = lora_config
     wrapper.lora_merge_on_export = lora is None or lora.merge_on_export
+    wrapper.osft_upcast_dtype = osft.upcast_dtype if osft is not None else torch.float32
     num_trainable, num_params = count_parameters(model)
 
     fsdp_kwargs = {
@@ -333,17 +344,25 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
 
     wrapper.to_empty(device="cpu" if cpu_offload else device)
     full_nf4 = pop_nf4(full_state)
+    if osft_names and dist_info.rank == 0:
+        # strict=False below lets the factors be absent; every other key must still match exactly.
+        expected = {key for key in wrapper.model.state_dict() if key.rpartition(".")[2] not in OSFT_FACTORS}
+        assert expected == set(full_state), f"state dict keys differ: {sorted(expected ^ set(full_state))[:5]}"
     set_model_state_dict(
         wrapper.model,
         full_state,
-        # NF4 weights are not in rank 0's dict any more: broadcast_nf4 sends their bytes.
+        # NF4 weights are not in rank 0's dict any more: broadcast_nf4 sends their bytes; nor are OSFT's
+        # decomposed weights.
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload,
-                                 strict=not quantize),
+                                 strict=not quantize and not osft_names),
     )
     del full_state
     if quantize:
         broadcast_nf4(wrapper.model, full_nf4, device=torch.device("cpu") if cpu_offload else device)
     del full_nf4
+    if osft_names:
+        _fill_osft(wrapper.model, dense_weights, osft, device)
+    del dense_weights
     _broadcast_buffers(wrapper.model, real_buffers, device)
     del real_buffers
     log_rank_0(f"objective: logit processing {wrapper.logit_transform.describe()}; router loss "
@@ -354,6 +373,39 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
                                block_class=block_class, mesh_shape=tuple(mesh.shape),
                                num_trainable_params=num_trainable, num_params=num_params)
+
+
+def _apply_osft_shells(model: nn.Module, osft: OSFTSettings | None) -> list[str]:
+    """Replace the OSFT targets of the meta model by empty factor layers; returns their names."""
+    if osft is None:
+        return []
+    log_rank_0(osft.describe())
+    targets = osft_targets(model, blocks=find_decoder_blocks(model), patterns=osft.target_patterns)
+    names = apply_osft(model, targets, unfreeze_rank_ratio=osft.unfreeze_rank_ratio, upcast_dtype=osft.upcast_dtype)
+    if not names:
+        log_rank_0(f"OSFT: ratio {osft.unfreeze_rank_ratio:g} freezes no direction of any of the {len(targets)} "
+                   "targets: plain full fine-tuning", level=logging.WARNING)
+    else:
+        num_frozen = sum(model.get_submodule(name).S_high.numel() for name in names)
+        num_trainable = sum(model.get_submodule(name).S_low.numel() for name in names)
+        log_rank_0(f"OSFT: {len(names)} of {len(targets)} target matrices decomposed ({len(targets) - len(names)} "
+                   f"too small to freeze a direction); {num_frozen:,} singular directions frozen, "
+                   f"{num_trainable:,} trainable")
+    return names
+
+
+def _fill_osft(model: nn.Module, dense_weights: dict[str, torch.Tensor], osft: OSFTSettings,
+               device: torch.device) -> None:
+    """Decompose the weights across the ranks (by SVD FLOPs), check the factors reproduce them, log it."""
+    # Every rank needs the factors (the replicas of HYBRID_SHARD too): the world group.
+    report = fill_osft_factors(model, dense_weights, upcast_dtype=osft.upcast_dtype, comm_device=device)
+    tolerance = RECONSTRUCTION_TOLERANCE[next(m for _, m in osft_modules(model)).U_low.dtype]
+    log_rank_0(report.describe())
+    if report.max_reconstruction_error > tolerance:  # the same number on every rank (all-reduced): all exit
+        log_rank_0(f"OSFT self-check failed: the factors reproduce a weight only to "
+                   f"{report.max_reconstruction_error:.1e} (tolerance {tolerance:.0e}); --osft-upcast-dtype "
+                   "float64 decomposes more exactly", level=logging.ERROR)
+        raise SystemExit(1)
 
 
 def sync_gradients_on(model: nn.Module, *, sharding_strategy: str, final_minibatch: bool) -> None:

@@ -40,8 +40,9 @@ from batch_metrics import MetricsWriter, truncate_metrics
 from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
 from lora import lora_preflight
 from loss import CausalLMWithLoss
+from osft import osft_targets
 from selfcheck import check_data_fits_model, check_objective
-from setup_model_fsdp import ModelSetup, meta_model, setup_model, shard_group_size
+from setup_model_fsdp import ModelSetup, find_decoder_blocks, meta_model, setup_model, shard_group_size
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_state import TrainState
 from trackers import NullTracker, Tracker, TrackerInitError, make_tracker
@@ -98,7 +99,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     schedule.check_scheduler(config, total_steps, is_main=dist_info.is_main)
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
-    model_fingerprint = resume_policy.fingerprint(model_config, dataset, config.lora,
+    model_fingerprint = resume_policy.fingerprint(model_config, dataset, config.lora, config.osft_settings,
                                                   data_digest=_data_digest(dataset, dist_info))
     fail_together(_resume_policy(config, run_params, model_fingerprint) if dist_info.is_main else None)
     candidates = resume_candidates(config.output_dir, resume=config.resume, resume_from=config.resume_from)
@@ -111,7 +112,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
         use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
         compile=config.compile, local_world_size=_local_world_size(),
-        trust_remote_code=config.trust_remote_code, lora=config.lora,
+        trust_remote_code=config.trust_remote_code, lora=config.lora, osft=config.osft_settings,
     )
     model_shape, flops_reason = flops.checked_model_flops(model.model)
     log_rank_0(flops_reason)
@@ -234,6 +235,13 @@ def _model_preflight(config: TrainConfig, model_config: PretrainedConfig) -> str
         error = explicit_attention_refusal(config.attn_implementation, needs)
         if error is not None:
             return error
+    if config.osft_settings is not None:
+        # A pattern that matches nothing is refused here, in seconds, not after the weights load.
+        model = meta_model(model_config, config.trust_remote_code)
+        try:
+            osft_targets(model, blocks=find_decoder_blocks(model), patterns=config.osft_settings.target_patterns)
+        except ValueError as err:
+            return str(err)
     if config.lora is not None:
         shard_size = shard_group_size(config.fsdp_sharding_strategy, dist.get_world_size(),
                                       _local_world_size())
@@ -369,7 +377,8 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_sa
     log_rank_0("trainable parameters: %s of %s (%.2f%%)%s", f"{resolved.num_trainable_params:,}",
                f"{resolved.num_params:,}", 100.0 * resolved.num_trainable_params / max(resolved.num_params, 1),
                f", LoRA rank {config.lora.rank}, alpha {config.lora.alpha:g} on {config.lora_target_modules}"
-               if config.lora else "")
+               if config.lora else f", OSFT unfreeze rank ratio {config.osft_unfreeze_rank_ratio:g}"
+               if config.osft else "")
     log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
                "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
                config.batch_size, max_tokens)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lora import ALL_LINEAR, LoraSettings
-from utils import collect_errors, config_field
+from osft import UPCAST_DTYPES, OSFTSettings, num_frozen_directions
+from utils import collect_errors, comma_list, config_field
 
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -118,6 +119,19 @@ class TrainConfig:
     lora_quantize_data_type: Literal["none", "nf4"] = config_field(
         "none", help="QLoRA: nf4 stores the adapted layers' frozen base weights in 4-bit NormalFloat (torchao)")
 
+    osft: bool = config_field(
+        False, section="OSFT (Orthogonal Subspace Fine-Tuning)",
+        help="freeze each targeted weight's top singular directions and train the rest, so the model "
+             "forgets less (docs/osft.md)")
+    osft_unfreeze_rank_ratio: float | None = config_field(
+        None, help="fraction of each weight's singular directions that train, in [0, 1], e.g. 0.25 (required "
+                   "with --osft; 1.0: full fine-tuning)")
+    osft_target_patterns: str | None = config_field(
+        None, help="comma-separated module names or globs to decompose (e.g. q_proj,*.mlp.down_proj; default: "
+                   "every linear layer of the decoder blocks)")
+    osft_upcast_dtype: Literal["float32", "float64"] = config_field(
+        "float32", help="dtype of the start-up SVDs and of the export's W = U S V^T")
+
     fsdp_sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = config_field(
         "FULL_SHARD", section="Speed and memory", help="FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP-like), HYBRID_SHARD "
                            "(shard in a node, replicate across)")
@@ -182,7 +196,16 @@ class TrainConfig:
             # Never run together: NF4 weights are a tensor subclass that dynamo would have to trace.
             errors.append(f"--compile with --lora-quantize-data-type {self.lora_quantize_data_type} is not "
                           "supported yet: drop one of them")
+        errors += _osft_errors(self)
         collect_errors(errors)
+
+    @property
+    def osft_settings(self) -> OSFTSettings | None:
+        if not self.osft:
+            return None
+        patterns = comma_list(self.osft_target_patterns) if self.osft_target_patterns else None
+        return OSFTSettings(unfreeze_rank_ratio=self.osft_unfreeze_rank_ratio, target_patterns=patterns,
+                            upcast_dtype=UPCAST_DTYPES[self.osft_upcast_dtype])
 
     @property
     def lora(self) -> LoraSettings | None:
@@ -226,4 +249,28 @@ def _policy_errors(config: TrainConfig) -> list[str]:
         errors.append("--val-loss-improvement-threshold must be >= 0")
     if not config.full_state and (config.min_samples_per_full_state or config.keep_last_n_full_states):
         errors.append("--no-full-state contradicts --min-samples-per-full-state/--keep-last-n-full-states")
+    return errors
+
+
+def _osft_errors(config: TrainConfig) -> list[str]:
+    """--osft flags: the ratio is required and in [0, 1]; what OSFT does not combine with, one line each."""
+    if not config.osft:
+        given = [flag for flag, value in (("--osft-unfreeze-rank-ratio", config.osft_unfreeze_rank_ratio),
+                                          ("--osft-target-patterns", config.osft_target_patterns)) if value is not None]
+        return [f"{', '.join(given)} only apply with --osft"] if given else []
+    errors = []
+    if config.osft_unfreeze_rank_ratio is None:
+        errors.append("--osft needs --osft-unfreeze-rank-ratio (the fraction of directions that train, e.g. 0.25)")
+    else:
+        try:
+            num_frozen_directions(2, 2, config.osft_unfreeze_rank_ratio)
+        except ValueError as err:
+            errors.append(str(err))
+    if config.lora_rank:
+        errors.append("--osft with --lora-rank: OSFT trains the weights' own low singular directions, LoRA adds "
+                      "adapters to frozen weights; choose one")
+    if config.compile:
+        # Not yet proven: the factor layer's token-count branch and the post-step projections are untested
+        # under dynamo.
+        errors.append("--osft with --compile is not supported yet: drop --compile")
     return errors

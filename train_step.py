@@ -21,6 +21,7 @@ import flops
 from attention import model_inputs
 from batch_metrics import StepCounts, step_record
 from objective import router_aux_weight
+from osft import project_gradients, project_parameters, shard_group
 from sampler import StepBatch
 from setup_model_fsdp import sync_gradients_on
 from setup_run import Run
@@ -77,6 +78,10 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
         local_loss_tokens += minibatch.num_loss_counted_tokens
     synchronize()  # so the forward/backward time below is the device's, not the launch queue's
     forward_backward_time = time.perf_counter() - start
+    # OSFT: the gradients lose their frozen-subspace part first, so the clip measures what is applied.
+    # The sums run over the shard group only (HYBRID_SHARD's replicas hold the same shards).
+    osft_group = shard_group(model)
+    project_gradients(model, group=osft_group, comm_device=device)
     # The norm is reduced over every shard, so all ranks see the same value and
     # take the same skip decision without another collective.
     grad_norm = clip_grad_norm(model, run.config.max_grad_norm)
@@ -86,6 +91,8 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     empty = batch.batch_num_loss_counted_tokens == 0
     if finite and not empty:
         run.optimizer.step()
+        # AdamW's per-element scaling moves a projected gradient back into the frozen subspace: project again.
+        project_parameters(model, group=osft_group, comm_device=device)
         run.scheduler.step()  # the schedule counts updates: skipped steps do not advance it
     run.optimizer.zero_grad(set_to_none=True)
     state.step += 1

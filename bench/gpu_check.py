@@ -24,7 +24,10 @@ that fails or runs out of time is recorded and the next one runs. The sub-checks
   know is recorded as "not available in this build";
 * ``lora``: the same ``train.py`` runs as full fine-tuning, LoRA r=16 and QLoRA r=16 (NF4
   base): tokens/s, peak memory and step-1 loss side by side (a missing peft or torchao is
-  recorded, not fatal).
+  recorded, not fatal);
+* ``osft``: the same ``train.py`` runs as full fine-tuning and as OSFT (``--osft
+  --osft-unfreeze-rank-ratio 0.25``): tokens/s, MFU, peak memory and step time side by side,
+  with OSFT's ratios to full fine-tuning (the issue's goal: step time within 1.3x).
 
 Writes ``report.md`` (every figure with its command), ``report.json`` and
 ``log.txt`` (each command's output) into ``--output-dir``; models and data go to a
@@ -102,12 +105,12 @@ GPU_SIZES = Sizes(shape="Qwen2.5-1.5B", budgets=(16384, 32768), median_len=600, 
                   num_steps=4, num_warmup_steps=1, max_probe_tokens=262144, matmul_size=8192, lever_budget=32768,
                   lever_steps=6, time_budget_s=890,
                   limits_s=dict(environment=60, matmul_peak=60, gpu_tests=150, exactness=150, bench_32k=150,
-                                bench_16k=300, levers=240, lora=200))
+                                bench_16k=300, levers=240, lora=200, osft=200))
 CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, max_len=256, num_steps=1,
                   num_warmup_steps=0, max_probe_tokens=1024, matmul_size=256, lever_budget=512, lever_steps=2,
                   time_budget_s=1800,  # generous: CI machines are shared; about 2 minutes on 2 idle cores
                   limits_s=dict(environment=120, matmul_peak=120, gpu_tests=300, exactness=600, bench_32k=300,
-                                bench_16k=300, levers=600, lora=600))
+                                bench_16k=300, levers=600, lora=600, osft=600))
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.4%). The packed path (varlen attention,
 # one long row, FSDP, several minibatches) and the unpacked reference (sdpa, one sample at a time)
@@ -119,7 +122,8 @@ CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, 
 EXACT_RTOL = {"bfloat16": 1e-2, "float32": 1e-4}
 EXACT_ARCHS = ("llama", "qwen3_moe_aux")  # dense, and MoE with the router loss (fixtures/architectures.py)
 
-TARGETS = {"mfu_32k_liger": 0.50, "packed_over_padded": 1.5, "max_tokens_liger_ac": 131072}
+TARGETS = {"mfu_32k_liger": 0.50, "packed_over_padded": 1.5, "max_tokens_liger_ac": 131072,
+           "osft_step_time_vs_full": 1.3}
 
 
 @dataclass
@@ -415,6 +419,26 @@ def check_lora(runner: Runner, deadline: float) -> dict:
     return figures
 
 
+def check_osft(runner: Runner, deadline: float) -> dict:
+    """Full fine-tuning and OSFT (unfreeze rank ratio 0.25) side by side: tokens/s, MFU, peak memory, step time."""
+    base, info = _train_setup(runner, deadline)
+    figures: dict = {"train_flags": [str(part) for part in base], "batch_size": info["batch_size"]}
+    for mode, extra in (("full", ()), ("osft_0.25", ("--osft", "--osft-unfreeze-rank-ratio", "0.25"))):
+        try:
+            figures[mode] = {"status": "ok", **_timed_train(runner, base, extra, deadline)}
+        except (CheckFailed, CheckTimeout) as err:  # recorded; the other mode still runs
+            figures[mode] = {"status": f"{'timeout' if isinstance(err, CheckTimeout) else 'failed'}: {err}"}
+    full, osft = figures["full"], figures["osft_0.25"]
+    if full["status"] == "ok" and osft["status"] == "ok":
+        osft["step_time_vs_full"] = osft["time_per_batch"] / full["time_per_batch"]
+        osft["tokens_per_second_vs_full"] = osft["tokens_per_second_per_gpu"] / full["tokens_per_second_per_gpu"]
+        osft["peak_memory_vs_full"] = osft["peak_memory_gb"] / full["peak_memory_gb"]
+        # The factors reproduce W to ~1e-6 in fp32; bf16 compute rounds them differently from W.
+        osft["step_1_loss_relative_difference"] = abs(osft["step_1_loss"] - full["step_1_loss"]) / full["step_1_loss"]
+        osft["target_step_time_vs_full"] = TARGETS["osft_step_time_vs_full"]
+    return figures
+
+
 def _median(values: list) -> float | None:
     values = sorted(v for v in values if v is not None)
     return values[len(values) // 2] if values else None
@@ -440,6 +464,7 @@ CHECKS: tuple[tuple[str, Callable[[Runner, float], dict]], ...] = (
     ("bench_32k", check_bench(1)),
     ("levers", check_levers),
     ("lora", check_lora),
+    ("osft", check_osft),
     ("bench_16k", check_bench(0, find_max_tokens=True)),
 )
 
@@ -570,6 +595,8 @@ def summarize(checks: dict) -> dict:
         "packed_over_padded": {"value": ratio, "target": TARGETS["packed_over_padded"],
                                "liger": bool(packed and padded)},
         "max_tokens_liger_ac": {"value": max_liger, "target": TARGETS["max_tokens_liger_ac"]},
+        "osft_step_time_vs_full": {"value": checks.get("osft", {}).get("figures", {}).get("osft_0.25", {}).get(
+            "step_time_vs_full"), "target": TARGETS["osft_step_time_vs_full"]},
     }
 
 

@@ -78,6 +78,12 @@ def test_every_sub_check_ran_and_passed_on_cpu(rehearsal):
     assert lora["qlora_r16"]["status"] in ("ok", "not installed: torchao")
     assert lora["full"]["peak_memory_gb"] > 0 and lora["lora_r16"]["tokens_per_second_per_gpu"] > 0
 
+    osft = checks["osft"]["figures"]
+    assert osft["full"]["status"] == "ok" and osft["osft_0.25"]["status"] == "ok"
+    assert osft["osft_0.25"]["step_time_vs_full"] > 0 and osft["osft_0.25"]["peak_memory_vs_full"] > 0
+    assert osft["osft_0.25"]["step_1_loss_relative_difference"] <= 1e-4, "fp32 on CPU: the factors reproduce W"
+    assert report["summary"]["osft_step_time_vs_full"]["value"] == osft["osft_0.25"]["step_time_vs_full"]
+
     found = checks["bench_16k"]["figures"]["max_tokens_per_gpu"]
     assert found["liger_off"] is None and found["liger_on"] is None  # the search runs on CUDA only
     assert set(report["summary"]) >= {"mfu_32k_liger", "packed_over_padded", "max_tokens_liger_ac"}
