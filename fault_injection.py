@@ -12,8 +12,6 @@ through these environment variables (values are matched exactly):
 | ``MINI_TRAINER_TEST_FAIL_EXPORT``      | ``samples_N`` | rank 0's write of that Hugging Face export fails ENOSPC  |
 | ``MINI_TRAINER_TEST_NAN``              | ``STEP:RANK`` | that rank's loss (and logged cross-entropy) is NaN       |
 | ``MINI_TRAINER_TEST_SIGTERM``          | ``STEP:RANK`` | that rank SIGTERMs itself after the step's update        |
-| ``MINI_TRAINER_TEST_SIGKILL``          | ``STEP:RANK`` | that rank SIGKILLs itself after the step's update, as    |
-|                                        |               | the out-of-memory killer ends a process                  |
 | ``MINI_TRAINER_TEST_STEP_SLEEP``       | ``SECONDS``   | every update is followed by a sleep (time to signal)     |
 | ``MINI_TRAINER_TEST_PROBE_FAIL``       | ``TOKENS:R``  | rank R (``*``: all) fails mid-backward in the auto-budget |
 |                                        |               | trial of TOKENS tokens, as a GPU allocation failure does |
@@ -41,7 +39,6 @@ KILL_AFTER_SAVE = "MINI_TRAINER_TEST_KILL_AFTER_SAVE"
 FAIL_EXPORT = "MINI_TRAINER_TEST_FAIL_EXPORT"
 NAN = "MINI_TRAINER_TEST_NAN"
 SIGTERM = "MINI_TRAINER_TEST_SIGTERM"
-SIGKILL = "MINI_TRAINER_TEST_SIGKILL"
 STEP_SLEEP = "MINI_TRAINER_TEST_STEP_SLEEP"
 PROBE_FAIL = "MINI_TRAINER_TEST_PROBE_FAIL"
 DROP_LOGIT_SCALE = "MINI_TRAINER_TEST_DROP_LOGIT_SCALE"
@@ -65,7 +62,7 @@ def drops_logit_scale() -> bool:
 
 
 def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state, rank: int) -> None:
-    """Hook the step faults (``NAN``, ``SIGTERM``, ``SIGKILL``, ``STEP_SLEEP``) into the model and optimizer, when asked.
+    """Hook the step faults (``NAN``, ``SIGTERM``, ``STEP_SLEEP``) into the model and optimizer, when asked.
 
     Args:
         model: the training module (``loss.CausalLMWithLoss``): its loss output and ``last_ce_sum``.
@@ -79,12 +76,10 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state, ran
             return loss
 
         model.register_forward_hook(poison, with_kwargs=True)
-    if SIGTERM in os.environ or SIGKILL in os.environ or STEP_SLEEP in os.environ:
+    if SIGTERM in os.environ or STEP_SLEEP in os.environ:
         def after_update(optimizer, args, kwargs):
             if os.environ.get(SIGTERM) == f"{state.step + 1}:{rank}":
                 os.kill(os.getpid(), signal.SIGTERM)
-            if os.environ.get(SIGKILL) == f"{state.step + 1}:{rank}":
-                os.kill(os.getpid(), signal.SIGKILL)
             if STEP_SLEEP in os.environ:
                 time.sleep(float(os.environ[STEP_SLEEP]))
 
