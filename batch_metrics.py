@@ -93,8 +93,11 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         # Strict JSON: NaN/Infinity are not JSON, so a non-finite value becomes null (its step says skipped).
-        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as err:  # the flush's own error does not say which file (a full disk)
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
 
     def close(self) -> None:
         self._file.close()

@@ -192,6 +192,12 @@ class MixedDataset:
         dataset, local = self._locate(index)
         return dataset.sample_arrays(local)
 
+    def content_digest(self) -> str:
+        """Every source's content hash, in order."""
+        import xxhash
+
+        return xxhash.xxh3_128(",".join(d.content_digest() for d in self.datasets).encode()).hexdigest()
+
     def describe(self) -> str:
         listed = ", ".join(f"{s.path} ({len(d)} samples, weight {s.weight:.3g})"
                            for s, d in zip(self.sources, self.datasets, strict=True))

@@ -39,13 +39,20 @@ so a moved or renamed data folder still resumes."""
 MOVABLE = ("full_state", "hf_format", "training_params.json")
 
 
-def fingerprint(model_config, dataset, lora=None, osft=None) -> dict:
+ADDED_LATER = ("data_content_xxh3",)
+"""Fingerprint fields that checkpoints of older versions lack: their absence is not a mismatch (the
+other fields still are compared), so a run started before the field existed still resumes, with a warning."""
+
+
+def fingerprint(model_config, dataset, lora=None, osft=None, *, data_digest: str) -> dict:
     """What must not change between a checkpoint and its resume: model shape, adapters and data.
 
     ``lora`` (``lora.LoraSettings`` or None) shapes the trainable parameters, so a
     checkpoint of other adapters (or of full fine-tuning) cannot be resumed; its
     base quantization (QLoRA) is part of it too. ``osft`` (``osft.OSFTSettings`` or None) splits the
     weights into factors of other shapes; ratio 1.0 splits nothing and counts as full fine-tuning.
+    ``data_digest`` is ``dataset.content_digest()``: every token id and label, so a file
+    re-tokenized with the same lengths (another template, other masks) is not resumed on.
     """
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     return {
@@ -55,6 +62,7 @@ def fingerprint(model_config, dataset, lora=None, osft=None) -> dict:
         "num_hidden_layers": text_config.num_hidden_layers,
         "num_data_samples": len(dataset),
         "data_lengths_sha1": hashlib.sha1(np.ascontiguousarray(dataset.lengths, dtype=np.int64)).hexdigest(),
+        "data_content_xxh3": data_digest,
         # QLoRA's base rounding changes every loss: appended only when on, so LoRA checkpoints still match.
         "lora": None if lora is None else ([lora.rank, lora.alpha, lora.target_modules, lora.use_rslora]
                                            + ([lora.quantize_data_type] if lora.quantize_data_type != "none"
@@ -78,6 +86,19 @@ def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> 
     if sources is not None:
         params["data_mix_weights"] = [round(source.weight, 12) for source in sources]
     return params
+
+
+def fingerprint_mismatch(saved: dict, current: dict) -> tuple[str | None, list[str]]:
+    """``(what differs as one phrase or None, fields the checkpoint predates)`` of two fingerprints."""
+    missing = [name for name in ADDED_LATER if name in current and name not in saved]
+    changes = {name: pair for name, pair in changed_fields(saved, current).items() if name not in missing}
+    listed = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changes.items())
+    return listed or None, missing
+
+
+def predates_message(path: Path, missing: list[str]) -> str:
+    return (f"{path} predates {', '.join(missing)}: resuming after comparing the data's sample count and "
+            "lengths only (its token ids and labels cannot be compared with what it was trained on)")
 
 
 def changed_fields(saved: dict, current: dict) -> dict[str, tuple]:
@@ -119,12 +140,19 @@ def check_resume(checkpoints: list[Path], current: dict, *, allow_change: bool,
     if found is None:
         return None, None
     path, state = found
+    notices = []
     if fingerprint is not None:
-        mismatch = changed_fields(state.get("fingerprint", {}), fingerprint)
-        if mismatch:
-            listed = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in mismatch.items())
+        listed, missing = fingerprint_mismatch(state.get("fingerprint", {}), fingerprint)
+        if listed:
             return (f"cannot resume: {path} was written for another model or dataset ({listed}); "
                     "use --no-resume or another --output-dir"), None
+        if missing:
+            notices.append(predates_message(path, missing))
+    error, notice = _compare_run_params(path, state, current, allow_change=allow_change)
+    return error, "; ".join(notices + ([notice] if notice else [])) or None
+
+
+def _compare_run_params(path: Path, state: dict, current: dict, *, allow_change: bool) -> tuple[str | None, str | None]:
     saved = state.get("run_params")
     if saved is None:
         return None, (f"{path} predates recorded run parameters: resuming without comparing learning rate, "

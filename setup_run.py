@@ -32,6 +32,7 @@ import context_parallel
 import data_mix
 import fault_injection
 import flops
+import output_lock
 import resume_policy
 import sampler
 import schedule
@@ -104,7 +105,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     schedule.check_scheduler(config, total_steps, is_main=dist_info.is_main)
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
-    model_fingerprint = resume_policy.fingerprint(model_config, dataset, config.lora, config.osft_settings)
+    model_fingerprint = resume_policy.fingerprint(model_config, dataset, config.lora, config.osft_settings,
+                                                  data_digest=_data_digest(dataset, dist_info))
     fail_together(_resume_policy(config, run_params, model_fingerprint) if dist_info.is_main else None)
     candidates = resume_candidates(config.output_dir, resume=config.resume, resume_from=config.resume_from)
     tracker, tracker_error = _start_tracker(config, dist_info, candidates)
@@ -230,7 +232,7 @@ def _preflight(config: TrainConfig) -> str | None:
         probe.unlink()
     except OSError as err:
         return f"--output-dir {config.output_dir}: not writable ({err.strerror or err})"
-    return None
+    return output_lock.acquire(output)  # last: a refusal above leaves no lock behind
 
 
 def _load_model_config(config: TrainConfig) -> PretrainedConfig:
@@ -381,6 +383,15 @@ def _budget_error(config: TrainConfig, dataset, path: str) -> str | None:
                 f"per sample, but row {longest} of {path} has {length}: it needs --context-parallel-size "
                 f"{-(-length // budget)} or --max-tokens-per-gpu {-(-length // size)}")
     return None
+
+
+def _data_digest(dataset, dist_info: DistInfo) -> str:
+    """Rank 0 hashes the data's content (every token id and label) and tells the others: one pass, not one per rank."""
+    began = time.perf_counter()
+    digest = [dataset.content_digest() if dist_info.is_main else None]
+    dist.broadcast_object_list(digest, src=0)
+    log_rank_0("data content hash %s (%.2fs)", digest[0], time.perf_counter() - began)
+    return digest[0]
 
 
 def _check_data_fits_model(config: TrainConfig, model_config: PretrainedConfig, dataset) -> str | None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import output_lock
 import resume_policy
 from train_state import PreemptionFlag
 from run_actions import checkpoints_due, save, validate, validation_due
@@ -34,8 +35,8 @@ from schedule import stop_reason
 from setup_run import batch_loader, close_run, setup_run
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_step import log_step, reduce_step, report_skipped_step, train_step
-from utils import (DistInfo, cleanup, exit_finished_process, init_distributed, log_rank_0, parse_config,
-                   setup_logging)
+from utils import (DistInfo, cleanup, exit_finished_process, exit_process, init_distributed, log_rank_0, lost_ranks,
+                   parse_config, setup_logging, stop_in_one_line)
 
 __all__ = ["TrainConfig", "main", "train"]
 
@@ -47,6 +48,8 @@ def train(config: TrainConfig) -> Path | None:
     try:
         return _train(config, dist_info)
     finally:
+        if dist_info.is_main:
+            output_lock.release(config.output_dir)
         cleanup()
 
 
@@ -59,29 +62,30 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
             done, lr_scheduler_decays=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL))
         close_run(run)
         return None
-    loader = batch_loader(run)
-    preemption = PreemptionFlag()
     progress = tqdm(total=run.total_steps, initial=run.state.step, desc="train", disable=not dist_info.is_main,
                     dynamic_ncols=True)
     last_checkpoint: Path | None = None
     run.model.train()
-    for batch in loader:
-        result = train_step(run, batch)
-        counts, preempted = reduce_step(run, batch, result, preemption_requested=preemption.requested)
-        log_step(run, batch, result, counts, progress=progress)
-        report_skipped_step(run, batch, result)
-        done = stop_reason(config, run.state, len(run.dataset))
-        if validation_due(run, batch, done=done, preempted=preempted):
-            done = validate(run) or done
-        export_due, full_due = checkpoints_due(run, batch, done=done, preempted=preempted)
-        if export_due or full_due:
-            last_checkpoint = save(run, hf_export=export_due, full_state=full_due) or last_checkpoint
-        if done:
-            log_rank_0("stopping: %s", done)
-        if done or preempted:
-            break
+    # Undone however the loop ends: the loader's workers ignore SIGTERM and would hold the exit of a
+    # rank that leaves by an exception (sampler.BatchLoader). A full disk or a lost peer: one line each.
+    with (batch_loader(run) as loader, PreemptionFlag(lambda: lost_ranks(dist_info)) as preemption,
+          stop_in_one_line(dist_info)):
+        for batch in loader:
+            result = train_step(run, batch)
+            counts, preempted = reduce_step(run, batch, result, preemption_requested=preemption.requested)
+            log_step(run, batch, result, counts, progress=progress)
+            report_skipped_step(run, batch, result)
+            done = stop_reason(config, run.state, len(run.dataset))
+            if validation_due(run, batch, done=done, preempted=preempted):
+                done = validate(run) or done
+            export_due, full_due = checkpoints_due(run, batch, done=done, preempted=preempted)
+            if export_due or full_due:
+                last_checkpoint = save(run, hf_export=export_due, full_state=full_due) or last_checkpoint
+            if done:
+                log_rank_0("stopping: %s", done)
+            if done or preempted:
+                break
     progress.close()
-    preemption.restore()
     close_run(run)
     return last_checkpoint
 
@@ -92,5 +96,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:  # a refusal or failure, already logged in one line; --help; usage errors
+        exit_process(0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1)
     exit_finished_process()

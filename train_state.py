@@ -4,9 +4,10 @@ preemption flag that SIGTERM/SIGUSR1 raise."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from utils import logger
+from utils import exit_process, logger
 
 
 @dataclass
@@ -24,17 +25,37 @@ class TrainState:
 
 
 class PreemptionFlag:
-    """SIGTERM/SIGUSR1 (SLURM's warning before a kill) ask for a checkpoint at the end of the step."""
+    """SIGTERM/SIGUSR1 (SLURM's warning before a kill) ask for a checkpoint at the end of the step.
+
+    Unless a peer rank is already dead: then no checkpoint can be written (it is a collective),
+    and the signal is torchrun ending the job after that rank died. This rank then exits at once,
+    naming the lost rank, rather than waiting in a collective until torchrun kills it 30 s later
+    (with NCCL, a collective whose peer died waits for the collective timeout).
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self) -> None:
+    def __init__(self, lost_ranks: Callable[[], list[str]] = list) -> None:
         self.requested = False
+        self._lost_ranks = lost_ranks
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
+    def __enter__(self) -> PreemptionFlag:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.restore()
+
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        lost = self._lost_ranks()
+        if lost:
+            logger.error("received %s after %s is gone (it stopped on its own error, or was killed, e.g. by the "
+                         "out-of-memory killer): exiting; rerun the same command to resume from the newest full "
+                         "state", name, ", ".join(lost))
+            exit_process(1)
         self.requested = True
-        logger.warning("received %s: will checkpoint and exit after this step", signal.Signals(signum).name)
+        logger.warning("received %s: will checkpoint and exit after this step", name)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

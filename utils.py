@@ -10,10 +10,12 @@ as a plain single process without torchrun.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import random
+import socket
 import sys
 import types
 import typing
@@ -220,6 +222,7 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: Any  # torch.device; typed loosely so this module imports without torch
+    processes: tuple[tuple[str, int], ...] = ()  # (host, pid) of every rank, by rank; () when unknown
 
     @property
     def is_main(self) -> bool:
@@ -286,7 +289,36 @@ def init_distributed(timeout_minutes: float = 30.0, *, cpu_offload: bool = False
             timeout=datetime.timedelta(minutes=timeout_minutes),
             device_id=device if dtype == "cuda" else None,
         )
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    processes: list[tuple[str, int] | None] = [None] * world_size
+    dist.all_gather_object(processes, (socket.gethostname(), os.getpid()))  # lets a survivor name a lost rank
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
+                    processes=tuple(tuple(p) for p in processes))
+
+
+def lost_ranks(dist_info: DistInfo) -> list[str]:
+    """The ranks on this host whose process is gone (killed: the out-of-memory killer, ``kill -9``),
+    as ``"rank R (pid P on HOST)"``; a rank on another host cannot be checked from here."""
+    host = socket.gethostname()
+    lost = []
+    for rank, (peer_host, pid) in enumerate(dist_info.processes):
+        if rank != dist_info.rank and peer_host == host and not pid_alive(pid):
+            lost.append(f"rank {rank} (pid {pid} on {peer_host})")
+    return lost
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process holds that pid
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc (macOS): the signal test above is all there is
 
 
 def first_error(error: str | None) -> str | None:
@@ -314,12 +346,65 @@ def fail_together(error: str | None) -> None:
         raise SystemExit(1)
 
 
+@contextlib.contextmanager
+def stop_in_one_line(dist_info: DistInfo):
+    """Around the training loop: the failures a cluster causes end this rank with one line, exit code 1.
+
+    * An ``OSError`` of this rank's own writes (the metrics file on a disk another writer filled):
+      its message names the file and the cause.
+    * A collective that failed because a peer rank is gone (it stopped on its own error, or the
+      out-of-memory killer took it): the line names the lost rank, rather than gloo's traceback.
+
+    Anything else propagates unchanged. Used inside the preemption flag's scope, so a SIGTERM
+    from torchrun arriving meanwhile finds its handler (which also names the lost rank).
+    """
+    try:
+        yield
+    except OSError as err:
+        logger.error("stopping: %s; the newest complete full state is intact: rerun the same command to resume "
+                     "from it", err)
+        raise SystemExit(1) from None
+    except RuntimeError as err:  # gloo: "Connection closed by peer"; NCCL raises nothing, it waits
+        lost = _wait_for_lost_ranks(dist_info, err)
+        if not lost:
+            raise
+        logger.error("%s is gone (it stopped on its own error, logged there, or was killed, e.g. by the "
+                     "out-of-memory killer): stopping this rank too; rerun the same command to resume from the "
+                     "newest full state", ", ".join(lost))
+        raise SystemExit(1) from None
+
+
+def _wait_for_lost_ranks(dist_info: DistInfo, err: BaseException, timeout: float = 10.0) -> list[str]:
+    """The peers that are gone after ``err``; a peer that closed its connection may still be exiting."""
+    import time
+
+    closed = any(text in str(err) for text in ("Connection closed by peer", "Connection reset by peer"))
+    deadline = time.monotonic() + (timeout if closed else 0.0)
+    while True:
+        lost = lost_ranks(dist_info)
+        if lost or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if not lost and closed:
+        lost = ["a rank on another host"]
+    return lost
+
+
 def cleanup() -> None:
     """Leave the process group, pairing with ``init_distributed``."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """End this process now with ``code``, streams flushed, skipping the interpreter's teardown
+    (see ``exit_finished_process``): the way out when the job is already broken (a rank died)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def exit_finished_process(code: int = 0) -> None:
@@ -331,15 +416,10 @@ def exit_finished_process(code: int = 0) -> None:
     ("terminate called without an active exception") after it had saved and logged everything.
     Every file is closed by then; the streams are flushed here.
     """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_process(code)
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

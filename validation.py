@@ -66,6 +66,12 @@ class RowSubset:
     def sample(self, index: int) -> tuple[list[int], list[int]]:
         return self.base.sample(int(self.rows[index]))
 
+    def content_digest(self) -> str:
+        """The base file's content hash, and which of its rows this view holds."""
+        import xxhash
+
+        return xxhash.xxh3_128(self.base.content_digest().encode() + self.rows.tobytes()).hexdigest()
+
     def sample_arrays(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         return self.base.sample_arrays(int(self.rows[index]))
 
