@@ -11,6 +11,7 @@ ranks together with one line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -18,6 +19,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,10 +44,11 @@ from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, truncate_metrics
 from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
 from lora import lora_preflight
-from multimodal import multimodal_preflight
 from loss import CausalLMWithLoss
+from multimodal import multimodal_preflight
 from osft import osft_targets
 from recurrent import recurrent_mixers
+from sampler import StepBatch
 from selfcheck import check_data_fits_model, check_objective
 from setup_model_fsdp import ModelSetup, find_decoder_blocks, meta_model, setup_model, shard_group_size
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
@@ -180,21 +183,23 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
                metrics=metrics, tracker=tracker, context=context, val_dataset=val_dataset, val_plan=val_plan)
 
 
-def batch_loader(run: Run):
-    """The infinite, seeded stream of packed batches, from where the run stands.
+@contextlib.contextmanager
+def batch_loader(run: Run) -> Iterator[Iterator[StepBatch]]:
+    """The infinite, seeded stream of packed batches, from where the run stands; its workers are shut
+    down when the ``with`` block ends, however it ends (``sampler.BatchLoader``).
 
     With context parallelism the sampler plans for the groups (one data rank
     each, N x the per-GPU budget), every rank of a group collates the same
     rows, and each keeps its own shard of every row.
     """
     config, dist_info, context = run.config, run.dist_info, run.context
-    loader = sampler.make_batch_loader(
+    with sampler.make_batch_loader(
         run.dataset, batch_size=config.batch_size, max_tokens_per_rank=run.max_tokens * context.size,
         rank=context.data_rank, world_size=context.num_data_ranks, seed=config.seed,
         start_position=run.state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
         pin_memory=dist_info.device.type == "cuda",  # lets the non_blocking host-to-GPU copies overlap
-    )
-    return (context_parallel.shard_step_batch(batch, context, device=dist_info.device) for batch in loader)
+    ) as loader:
+        yield (context_parallel.shard_step_batch(batch, context, device=dist_info.device) for batch in loader)
 
 
 def close_run(run: Run) -> None:
