@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import time
@@ -103,7 +104,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         trust_remote_code=config.trust_remote_code, lora=config.lora,
     )
     model_shape, flops_reason = flops.checked_model_flops(model.model)
-    log_rank_0(flops_reason)
+    log_rank_0(flops_reason, level=logging.INFO if model_shape else logging.WARNING)
     peak_tflops, peak_reason = device_peak_tflops(dist_info.device)
     log_rank_0("MFU denominator: %s", peak_reason)
     if not config.skip_objective_check:

@@ -29,6 +29,8 @@ SIZE_ATTRIBUTES = {
     "linear_head_dim": 8, "linear_num_heads": 4, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
     "mamba_n_groups": 1, "mamba_expand": 2, "state_size": 8, "n_groups": 1, "ssm_state_size": 8,
     "mamba_headdim": 8, "time_step_rank": 4, "lru_width": 32, "block_out_channels": 32,
+    # Gemma-3n/4 per-layer embeddings ("PLE"): the per-layer table's vocabulary follows vocab_size
+    "hidden_size_per_layer_input": 8,
     # windows short enough to bind on 48-token samples
     "sliding_window": 8, "attention_chunk_size": 8,
     # logits far from uniform, so a leak or a skipped transform moves the loss well beyond float noise (OPT and
@@ -55,7 +57,12 @@ def tiny_config(model_type: str, vocab_size: int, overrides: dict | None = None,
     config = AutoConfig.for_model(model_type)
     if hasattr(config, "get_text_config") and config.get_text_config() is not config:
         config = config.get_text_config()  # a multimodal wrapper's causal LM is its text model
+    per_layer = config.to_dict().get("per_layer_config") or {}
+    if per_layer:  # transformers 5.24+ heterogeneous config (Gemma-4): per-layer values are shrunk below
+        config.allow_global_per_layer_attribute_access = True
     updates = {"vocab_size": vocab_size}
+    if "vocab_size_per_layer_input" in config.to_dict():
+        updates["vocab_size_per_layer_input"] = vocab_size
     for name, value in SIZE_ATTRIBUTES.items():
         current = getattr(config, name, None)
         if name in config.to_dict() or (current is not None and name in getattr(config, "attribute_map", {})):
@@ -92,10 +99,16 @@ def tiny_config(model_type: str, vocab_size: int, overrides: dict | None = None,
         updates["head_dim"] = updates["qk_rope_head_dim"]  # MLA: head_dim sizes the rotary part
     if "rotary_dim" in config.to_dict():
         updates["rotary_dim"] = 4  # partial rotary (GPT-J, CodeGen): within the tiny head
+    if per_layer:  # the kept layers' own sizes, twice the tiny value so they stay distinct from the global one
+        kept = indices if pattern is not None else list(range(num_layers))
+        by_index = {int(index): layer for index, layer in per_layer.items()}
+        updates["per_layer_config"] = {
+            new: {name: 2 * SIZE_ATTRIBUTES[name] if name in SIZE_ATTRIBUTES and isinstance(value, int) else value
+                  for name, value in by_index[old].items()} for new, old in enumerate(kept) if old in by_index}
     updates.update(overrides or {})
     # Derived attributes (MLA's qk_head_dim, per-layer lists) are computed in __init__: build anew.
     settable = {name: value for name, value in updates.items()
-                if not isinstance(getattr(type(config), name, None), property)}
+                if not isinstance(getattr(type(config), name, None), property) or name == "per_layer_config"}
     return AutoConfig.for_model(config.model_type, **{**_init_dict(config), **settable})
 
 
