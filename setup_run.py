@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -124,9 +125,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
-    # Only trainable parameters get optimizer state (with LoRA: the adapters alone).
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
-                                  betas=config.adam_betas, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model, weight_decay=config.weight_decay), lr=config.learning_rate,
+                                  betas=config.adam_betas)
     scheduler = schedule.build_scheduler(config, optimizer, total_steps)
     model_fingerprint = fingerprint(model.model.config, dataset, config.lora)
     began = time.perf_counter()
@@ -164,6 +164,31 @@ def batch_loader(run: Run):
         start_position=run.state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
         pin_memory=dist_info.device.type == "cuda",  # lets the non_blocking host-to-GPU copies overlap
     )
+
+
+NO_DECAY_NAME_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+"""transformers' ``Trainer.get_decay_parameter_names`` (which TRL and axolotl use): a parameter whose lowercased
+name matches one of these, or that belongs to an ``nn.LayerNorm``, gets no weight decay."""
+
+
+def param_groups(model: torch.nn.Module, *, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: weight matrices and embeddings decay by ``weight_decay``; biases and
+    norm weights do not (transformers' Trainer convention, ``NO_DECAY_NAME_PATTERNS``). Only trainable
+    parameters get optimizer state (with LoRA: the adapters alone). At ``--weight-decay 0`` there is one
+    group, as before the split, so full states of such runs still load (DCP restores groups by position)."""
+    patterns = [re.compile(pattern) for pattern in NO_DECAY_NAME_PATTERNS]
+    layer_norms = {id(p) for module in model.modules() if isinstance(module, torch.nn.LayerNorm)
+                   for p in module.parameters(recurse=False)}
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    if weight_decay == 0:
+        return [{"params": [param for _, param in trainable], "weight_decay": 0.0}]
+    decay, no_decay = [], []
+    for name, param in trainable:
+        exempt = id(param) in layer_norms or any(pattern.search(name.lower()) for pattern in patterns)
+        (no_decay if exempt else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def close_run(run: Run) -> None:

@@ -69,7 +69,8 @@ class TrainConfig:
         False, help="run the modelling and tokenizer code a checkpoint ships (only for sources you trust)")
     skip_objective_check: bool = config_field(
         False, help="skip the start-up check that the trainer's loss equals the model's own forward(labels=...)")
-    weight_decay: float = config_field(0.0, help="AdamW weight decay")
+    weight_decay: float = config_field(0.0, help="AdamW weight decay; biases and norm weights are exempt, as in "
+                                                 "transformers' Trainer, TRL and axolotl")
     adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
     max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
     activation_checkpointing: bool = config_field(True, help="recompute each decoder block in backward")
