@@ -118,6 +118,8 @@ TEMPLATES = {t.name: t for t in [
                  eos_token="<|end_of_text|>", tools=True),
     RealTemplate("command-r7b-tool_use", "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja", "qwen3",
                  add_special=COHERE, eos_token="<|END_OF_TURN_TOKEN|>", bos_token="<BOS_TOKEN>", tools=True),
+    RealTemplate("command-r-plus-tool_use", "CohereForAI-c4ai-command-r-plus-tool_use.jinja", "qwen3",
+                 add_special=COHERE, eos_token="<|END_OF_TURN_TOKEN|>", bos_token="<BOS_TOKEN>", tools=True),
     RealTemplate("hermes-3-tool_use", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "llama3_1",
                  add_special=("<|im_start|>", "<|im_end|>"), eos_token="<|im_end|>", tools=True),
     RealTemplate("gpt-oss", "openai-gpt-oss-120b.jinja", "gptoss", tools=True, reasoning=True),
