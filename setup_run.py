@@ -12,7 +12,6 @@ ranks together with one line.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -230,10 +229,6 @@ def _preflight(config: TrainConfig) -> str | None:
             int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
         if error:
             return error
-    for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
-                                 ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
-        if value is not None and importlib.util.find_spec(package) is None:
-            return f"{flag} needs the {package} package: pip install {package}"
     output = Path(config.output_dir)
     try:
         output.mkdir(parents=True, exist_ok=True)
@@ -293,7 +288,8 @@ def _resume_policy(config: TrainConfig, run_params: dict, dataset) -> str | None
 
 def _start_tracker(config: TrainConfig, dist_info: DistInfo):
     """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb run);
-    returns ``(tracker, error line or None)``."""
+    returns ``(tracker, None)``: a tracker that cannot start (its package missing, no credentials)
+    is one warning and the run goes on without it, as trackers only mirror the metrics JSONL."""
     if not dist_info.is_main or (config.wandb_project is None and config.tensorboard_dir is None):
         return NullTracker(), None
     run_id = None
@@ -306,7 +302,8 @@ def _start_tracker(config: TrainConfig, dist_info: DistInfo):
         return make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
                             run_config=dataclasses.asdict(config), rank=dist_info.rank, wandb_run_id=run_id), None
     except (ImportError, TrackerInitError) as err:
-        return NullTracker(), str(err)
+        logger.warning("%s; the run goes on without tracking (the metrics are in training_metrics_0.jsonl)", err)
+        return NullTracker(), None
 
 
 def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None) -> None:
