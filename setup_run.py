@@ -392,4 +392,7 @@ def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, m
                   max_tokens_per_gpu_resolved=max_tokens,
                   torch_version=torch.__version__, transformers_version=transformers.__version__)
     path = Path(config.output_dir) / "training_params.json"
-    path.write_text(json.dumps(params, indent=2, sort_keys=True))
+    try:  # default=str: a Path or other non-JSON value given through the Python API is written as its text
+        path.write_text(json.dumps(params, indent=2, sort_keys=True, default=str))
+    except OSError as err:  # a record for people; resume does not read it
+        logger.warning("%s not written (%s); the run goes on", path, err.strerror or err)
