@@ -189,6 +189,16 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def checkpoint_error_cause(err: BaseException) -> str:
+    """One line naming what went wrong: DCP (torch <= 2.11 on load, every version on save) wraps each
+    rank's error in a ``CheckpointException`` whose own first line names only the ranks."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        rank, (cause, _) = next(iter(sorted(err.failures.items(), key=lambda item: item[0])))
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        return f"rank {rank}: {type(cause).__name__}: {first}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, model_fingerprint: dict,
                     dist_info: DistInfo) -> dict:
     """Restore from the newest loadable candidate; corrupt ones are skipped with a warning.
@@ -215,13 +225,15 @@ def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, mode
             details = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in mismatch.items())
             raise ValueError(f"{path} was written for another model or dataset ({details}); "
                              "use --no-resume or another --output-dir")
+        reader = MetadataSafeReader(path)
         try:
             model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
-            dcp.load({"model": model_state, "optim": optim_state}, storage_reader=MetadataSafeReader(path))
+            dcp.load({"model": model_state, "optim": optim_state}, storage_reader=reader)
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                            options=LOAD_OPTIONS)
         except (OSError, dcp.CheckpointException, RuntimeError, pickle.UnpicklingError) as err:
-            logger.warning("skipping unreadable checkpoint %s: %s", path, str(err).splitlines()[0])
+            logger.warning("skipping unreadable checkpoint %s: %s", path,
+                           getattr(reader, "metadata_error", None) or checkpoint_error_cause(err))
             continue
         scheduler.load_state_dict(state["scheduler"])
         rng_file = path / f"rng_rank{dist_info.rank}.pt"
@@ -376,8 +388,15 @@ class MetadataSafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(Path(self.path) / name, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        try:
+            with open(Path(self.path) / name, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (OSError, pickle.UnpicklingError, EOFError) as err:
+            # Kept for the warning: torch <= 2.11's dcp.load swallows this (then tries a per-rank
+            # __<rank>.metadata, which is absent) and reports only "metadata is None".
+            if rank is None:
+                self.metadata_error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            raise
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
