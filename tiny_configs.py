@@ -61,9 +61,14 @@ def tiny_config(model_type: str, vocab_size: int, overrides: dict | None = None,
     if per_layer:  # transformers 5.24+ heterogeneous config (Gemma-4): per-layer values are shrunk below
         config.allow_global_per_layer_attribute_access = True
     updates = {"vocab_size": vocab_size}
+    # transformers 4.x configs carry generation defaults (top_k 50...): a size named like one is not shrunk there
+    generation_defaults = getattr(type(config), "_get_global_generation_defaults", None)
+    generation_names = set(generation_defaults()) if callable(generation_defaults) else set()
     if "vocab_size_per_layer_input" in config.to_dict():
         updates["vocab_size_per_layer_input"] = vocab_size
     for name, value in SIZE_ATTRIBUTES.items():
+        if name in generation_names:
+            continue
         current = getattr(config, name, None)
         if name in config.to_dict() or (current is not None and name in getattr(config, "attribute_map", {})):
             if isinstance(current, bool) or (current is not None and not isinstance(current, type(value))
