@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -132,7 +132,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
                    "node: some groups span nodes, and their K/V all-gather of every layer crosses the network",
                    level=logging.WARNING)
     model_shape, flops_reason = flops.checked_model_flops(model.model)
-    log_rank_0(flops_reason)
+    log_rank_0(flops_reason, level=logging.INFO if model_shape else logging.WARNING)
     peak_tflops, peak_reason = flops.device_peak_tflops(dist_info.device)
     log_rank_0("MFU denominator: %s", peak_reason)
     if not config.skip_objective_check:
@@ -153,9 +153,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
-    # Only trainable parameters get optimizer state (with LoRA: the adapters alone).
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
-                                  betas=config.adam_betas, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model, weight_decay=config.weight_decay), lr=config.learning_rate,
+                                  betas=config.adam_betas)
     scheduler = schedule.build_scheduler(config, optimizer, total_steps)
     began = time.perf_counter()
     state = resume_train_state(model, optimizer, scheduler, candidates=candidates, resume=config.resume,
@@ -202,6 +201,31 @@ def batch_loader(run: Run) -> Iterator[Iterator[StepBatch]]:
         yield (context_parallel.shard_step_batch(batch, context, device=dist_info.device) for batch in loader)
 
 
+NO_DECAY_NAME_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+"""transformers' ``Trainer.get_decay_parameter_names`` (which TRL and axolotl use): a parameter whose lowercased
+name matches one of these, or that belongs to an ``nn.LayerNorm``, gets no weight decay."""
+
+
+def param_groups(model: torch.nn.Module, *, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: weight matrices and embeddings decay by ``weight_decay``; biases and
+    norm weights do not (transformers' Trainer convention, ``NO_DECAY_NAME_PATTERNS``). Only trainable
+    parameters get optimizer state (with LoRA: the adapters alone). At ``--weight-decay 0`` there is one
+    group, as before the split, so full states of such runs still load (DCP restores groups by position)."""
+    patterns = [re.compile(pattern) for pattern in NO_DECAY_NAME_PATTERNS]
+    layer_norms = {id(p) for module in model.modules() if isinstance(module, torch.nn.LayerNorm)
+                   for p in module.parameters(recurse=False)}
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    if weight_decay == 0:
+        return [{"params": [param for _, param in trainable], "weight_decay": 0.0}]
+    decay, no_decay = [], []
+    for name, param in trainable:
+        exempt = id(param) in layer_norms or any(pattern.search(name.lower()) for pattern in patterns)
+        (no_decay if exempt else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
 def close_run(run: Run) -> None:
     if run.metrics is not None:
         run.metrics.close()
@@ -225,10 +249,6 @@ def _preflight(config: TrainConfig) -> str | None:
         return "--validation-split takes rows of one dataset: with a data mix, give --validation-data-path"
     if config.validation_data_path and not Path(config.validation_data_path).exists():
         return f"--validation-data-path {config.validation_data_path}: no such file or folder"
-    for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
-                                 ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
-        if value is not None and importlib.util.find_spec(package) is None:
-            return f"{flag} needs the {package} package: pip install {package}"
     output = Path(config.output_dir)
     try:
         output.mkdir(parents=True, exist_ok=True)
@@ -327,7 +347,8 @@ def _resume_policy(config: TrainConfig, run_params: dict, model_fingerprint: dic
 
 def _start_tracker(config: TrainConfig, dist_info: DistInfo, candidates: list[Path]) -> tuple[Tracker, str | None]:
     """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb run);
-    returns ``(tracker, error line or None)``."""
+    returns ``(tracker, None)``: a tracker that cannot start (its package missing, no credentials)
+    is one warning and the run goes on without it, as trackers only mirror the metrics JSONL."""
     if not dist_info.is_main or (config.wandb_project is None and config.tensorboard_dir is None):
         return NullTracker(), None
     found = resume_policy.newest_trainer_state(candidates)
@@ -336,7 +357,8 @@ def _start_tracker(config: TrainConfig, dist_info: DistInfo, candidates: list[Pa
         return make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
                             run_config=dataclasses.asdict(config), rank=dist_info.rank, wandb_run_id=run_id), None
     except (ImportError, TrackerInitError) as err:
-        return NullTracker(), str(err)
+        logger.warning("%s; the run goes on without tracking (the metrics are in training_metrics_0.jsonl)", err)
+        return NullTracker(), None
 
 
 def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None) -> None:
@@ -458,4 +480,7 @@ def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, m
                   max_tokens_per_gpu_resolved=max_tokens,
                   torch_version=torch.__version__, transformers_version=transformers.__version__)
     path = Path(config.output_dir) / "training_params.json"
-    path.write_text(json.dumps(params, indent=2, sort_keys=True))
+    try:  # default=str: a Path or other non-JSON value given through the Python API is written as its text
+        path.write_text(json.dumps(params, indent=2, sort_keys=True, default=str))
+    except OSError as err:  # a record for people; resume does not read it
+        logger.warning("%s not written (%s); the run goes on", path, err.strerror or err)

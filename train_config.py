@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,7 +50,8 @@ class TrainConfig:
                 "(docs/long-context.md)")
 
     learning_rate: float = config_field(5e-6, section="Optimizer, schedule and stop", help="peak learning rate")
-    weight_decay: float = config_field(0.0, help="AdamW weight decay")
+    weight_decay: float = config_field(0.0, help="AdamW weight decay; biases and norm weights are exempt, as in "
+                                                 "transformers' Trainer, TRL and axolotl")
     adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
     max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
     lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
@@ -169,8 +171,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if self.learning_rate < 0 or self.num_warmup_steps < 0:
-            errors.append("--learning-rate and --num-warmup-steps must be non-negative")
+        if self.num_warmup_steps < 0:
+            errors.append(f"--num-warmup-steps must be non-negative, got {self.num_warmup_steps}")
+        errors += _optimizer_errors(self)
         if self.logging_level not in LOG_LEVELS:
             errors.append(f"--logging-level {self.logging_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if self.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL and not self.has_stop_condition:
@@ -246,6 +249,19 @@ def _context_parallel_errors(config: TrainConfig) -> list[str]:
                (config.max_tokens_per_gpu == "auto",
                 "--max-tokens-per-gpu auto (the probe measures unsharded rows): give the per-GPU budget")]
     return [f"--context-parallel-size {size} does not combine with {what} yet" for bad, what in refused if bad]
+
+
+def _optimizer_errors(config: TrainConfig) -> list[str]:
+    """Optimizer numbers must be finite and non-negative: ``nan`` passes every ``< 0`` check, and a
+    NaN or infinite learning rate would otherwise fail inside torch (or train to NaN) after the model loads."""
+    errors = []
+    for name in ("learning_rate", "weight_decay", "max_grad_norm"):
+        value = getattr(config, name)
+        if not (math.isfinite(value) and value >= 0):
+            errors.append(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if not all(math.isfinite(beta) and 0 <= beta < 1 for beta in config.adam_betas):
+        errors.append(f"--adam-betas must be two numbers in [0, 1), got {config.adam_betas}")
+    return errors
 
 
 def _policy_errors(config: TrainConfig) -> list[str]:
