@@ -2,15 +2,14 @@
 
     .venv/bin/python -m pytest -q tests/test_architectures.py
 
-Thirty-three tiny random causal LMs (``fixtures/architectures.py``: dense, tied
+Thirty-four tiny random causal LMs (``fixtures/architectures.py``: dense, tied
 embeddings, Granite's logits_scaling, Cohere's logit_scale, Gemma's
 softcapping, sliding windows, attention sinks, MoE with and without the router
 loss, DeepSeek-V2/V3 and MiniCPM3 multi-head latent attention, Llama-4's
 chunked attention, NoPE layers, the linear-attention hybrids Kimi-Linear,
 Qwen3.5(-MoE), Qwen3-Next and OLMo-hybrid, the Mamba-2 hybrid Nemotron-H and
-LFM2's short convolutions, Seed-OSS's biases; the last fourteen are the CI sample of
-``bench/bench_architectures.py``, built by its generic ``fixtures/tiny_configs.py``) are trained for one
-step in ONE ``torchrun --nproc-per-node=2`` job
+LFM2's short convolutions, Gemma-4's per-layer head_dim, Seed-OSS's biases; the last fifteen are the CI sample of
+``bench/bench_architectures.py``, built by its generic ``fixtures/tiny_configs.py``) are trained for one step in ONE ``torchrun --nproc-per-node=2`` job
 (``fixtures/matrix_train.py`` runs ``train.main`` once per architecture), with a
 token budget that forces several packed minibatches per rank. The invariant:
 the logged step-1 loss (and router loss, and for one dense and one MoE model
