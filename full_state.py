@@ -88,7 +88,10 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
     try:
         model_state, optim_state = get_state_dict(model, optimizer, options=_options(model)[0])
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        torch.save(rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")  # tensors and numbers: no pickle needed
+        # Tensors and numbers: no pickle needed. Through a file object, so that a full disk surfaces as the
+        # OSError of its write (torch's writer of a path reports only "unexpected pos", no errno).
+        with (tmp / f"rng_rank{dist_info.rank}.pt").open("wb") as f:
+            torch.save(rng_state(), f)
         digests = {path.name: file_digest(path) for path in _files_of_rank(tmp, dist_info.rank)}
     except (OSError, dcp.CheckpointException, RuntimeError) as err:
         error = f"writing {tmp} failed: {_cause(err)}"
