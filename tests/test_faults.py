@@ -208,7 +208,7 @@ def test_disk_full_during_a_full_state_save_stops_every_rank_then_resumes_exactl
     for rank in (0, 1):
         assert (f"[rank{rank}] ERROR full-state checkpoint {out / 'full_state' / 'samples_48'} could not be saved"
                 in output), output[-4000:]
-    assert "No space left on device" in output
+    assert "No space left on device" in output, [line for line in output.splitlines() if "ERROR" in line]
     _no_worker_traceback(output)
     assert _complete_and_verified(out) == ["samples_24"], "the failed save must never look like a checkpoint"
     assert not list((out / "full_state").glob("*.tmp")), "the half-written save is removed, freeing its space"
