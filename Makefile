@@ -14,8 +14,10 @@ GPU_CHECK_ONLY ?=
 DEVICE ?= auto
 # gpu-check also runs where no venv can be made (a GPU machine without internet): the image's python3.
 GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+# Wheels the GPU image lacks (datasets, liger-kernel, torchao and what they pull), for machines without an index.
+GPU_CARRY ?= .gpu-carry
 
-.PHONY: install test test-matrix demo clean gpu-check
+.PHONY: install test test-matrix test-deps demo clean gpu-check gpu-carry
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,12 +37,23 @@ test: install
 test-matrix:
 	TORCH_CPU="$(TORCH_CPU)" bash tests/test_matrix.sh $(MATRIX_PYTHONS)
 
+# The architecture sample and resume tests at the oldest and newest torch/transformers the requirements
+# admit and at the GPU image's, one venv each under .venv-deps/ (DEPS_COMBOS="torch==X,transformers==Y ..." to choose).
+test-deps:
+	PYTHON="$(PYTHON)" bash tests/test_deps.sh
+
 demo: install
 	$(PY) demo.py --output-dir $(DEMO_DIR) --nproc-per-node $(NPROC)
 
-# Tests, exactness, speed and memory on a CUDA GPU in about 15 minutes; DEVICE=cpu rehearses it at tiny sizes.
+# Tests, exactness, speed and memory on a CUDA GPU in about 22 minutes; DEVICE=cpu rehearses it at tiny sizes.
 gpu-check:
+	if [ -f "$(GPU_CARRY)/requirements.txt" ]; then $(GPU_CHECK_PY) -m pip install -q --no-index --no-deps \
+		--find-links "$(GPU_CARRY)" -r "$(GPU_CARRY)/requirements.txt"; fi
 	$(GPU_CHECK_PY) -m bench.gpu_check --output-dir "$(GPU_CHECK_DIR)" --device $(DEVICE) --only "$(GPU_CHECK_ONLY)"
+
+# Download them here (PyPI, a few MB), carry the folder to the GPU machine; gpu-check installs it offline.
+gpu-carry:
+	$(PYTHON) -m bench.gpu_carry --out "$(GPU_CARRY)"
 
 clean:
 	rm -rf $(DEMO_DIR) gpu_check .pytest_cache .venv-matrix

@@ -56,6 +56,9 @@ BOUNDARY_BACKENDS = FLASH_BACKENDS + VARLEN_BACKENDS
 """Backends that read packed boundaries from explicit ``cu_seq_lens``/``max_length`` kwargs."""
 PACKED_ATTENTION = ("sdpa", "eager") + BOUNDARY_BACKENDS
 """Every backend that honours packed boundaries without padding."""
+CONTEXT_PARALLEL = "context_parallel"
+"""The backend ``--context-parallel-size`` wraps around one of the varlen ones (``context_parallel.py``); it is
+chosen by that flag, never by ``--attn-implementation``, and reads its shard's plan from the forward's kwargs."""
 
 MIN_TORCH_FOR_VARLEN = (2, 10)
 
@@ -87,7 +90,8 @@ def attention_inputs(minibatch, attn_implementation: str, device: torch.device) 
     Flash and varlen backends get explicit ``cu_seq_lens_q/k`` and
     ``max_length_q/k`` (so no layer re-derives them); sdpa and eager get
     nothing, as transformers builds their block-diagonal mask from
-    ``position_ids``.
+    ``position_ids``. A context-parallel shard (``context_parallel.shard_minibatch``)
+    gets its ``context_parallel_plan`` instead.
 
     Args:
         minibatch: a ``sampler.Minibatch`` (``cu_seqlens`` int32 [num_samples + 1],
@@ -95,7 +99,10 @@ def attention_inputs(minibatch, attn_implementation: str, device: torch.device) 
         attn_implementation: the resolved backend name.
         device: where the model runs.
     """
-    if attn_implementation not in BOUNDARY_BACKENDS:
+    plan = getattr(minibatch, "context_parallel_plan", None)
+    if plan is not None:
+        return {"context_parallel_plan": plan}
+    if attn_implementation not in BOUNDARY_BACKENDS + (CONTEXT_PARALLEL,):
         return {}
     if minibatch.cu_seqlens is None:
         cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(minibatch.position_ids)
@@ -201,18 +208,21 @@ def torch_varlen_attention_forward(
     compute_dtype = input_dtype if input_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     # [1, H, T, D] -> [T, H, D]: undoes the projection's transpose, so usually a free view.
     q, k, v = (t.transpose(1, 2).squeeze(0).to(compute_dtype).contiguous() for t in (query, key, value))
-    out = _call_varlen_attn(varlen_attn, q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scaling,
+    out = call_varlen_attn(varlen_attn, q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scaling,
                             sliding_window=sliding_window)
     return out[..., :value_dim].to(input_dtype).unsqueeze(0), None
 
 
-def _call_varlen_attn(varlen_attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      max_seqlen: int, *, causal: bool, scale: float | None,
-                      sliding_window: int | None) -> torch.Tensor:
+def call_varlen_attn(varlen_attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                      max_seqlen: int, *, causal: bool, scale: float | None, sliding_window: int | None,
+                      cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None) -> torch.Tensor:
     """Adapt to ``varlen_attn``'s signature, which changed between torch releases.
 
     torch 2.10 takes ``is_causal`` and equal head counts; later releases take
-    ``window_size`` ((-1, 0) = causal), ``scale`` and ``enable_gqa``.
+    ``window_size`` ((-1, 0) = causal), ``scale`` and ``enable_gqa``. Keys have
+    their own boundaries (``cu_seqlens_k``) only under context parallelism, where
+    a segment of queries attends a longer run of keys (flash's causal mask is
+    aligned at the bottom right then).
     """
     params = _varlen_params(varlen_attn)
     head_dim = q.shape[-1]
@@ -235,7 +245,9 @@ def _call_varlen_attn(varlen_attn, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             raise ValueError(f"this torch ({torch.__version__}) varlen_attn has no sliding window; "
                              "use a newer torch or flash_attention_2")
         kwargs["is_causal"] = causal
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **kwargs)
 
 
 _VARLEN_PARAMS: dict[int, frozenset[str]] = {}
@@ -312,7 +324,7 @@ class AttentionNeeds:
 
 def attention_needs(model: nn.Module) -> AttentionNeeds:
     """Read ``AttentionNeeds`` from a built model (the meta-device one is enough)."""
-    config = model.config
+    config = model.config.get_text_config()  # a multimodal model trains its text model's attention
     sinks = any(isinstance(getattr(module, "sinks", None), nn.Parameter) for module in model.modules())
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)

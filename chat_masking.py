@@ -390,8 +390,18 @@ def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, en
         matched = _align_prompt(tail, full, prev_pos, first_own, special_tokens)
         if matched is None:
             return None
+        if any(full.startswith(token, matched) for token in special_tokens):
+            matched = _after_header(render, marked_messages[:i], prompt, full, matched, first_own, special_tokens)
         start = max(matched, last_end)
         hits = [at for at in (full.find(end, last_own, limit) for end in ends) if at >= 0]
+        if not hits and message.get("tool_calls"):
+            # Command-R+'s tool_use template closes a tool call with no token at all: the call is learned
+            # up to the next turn's first special token (its header), which is the prompt's.
+            opens = [at for at in (full.find(token, last_own, limit) for token in special_tokens) if at >= 0]
+            if opens:
+                turns.append((i, (start, min(opens))))
+                last_end = min(opens)
+                continue
         if not hits:
             raise SampleError("no_end_of_turn", f"assistant message {i}: no end-of-turn "
                                                 f"({', '.join(map(repr, ends))}) after the reply in the rendering")
@@ -402,6 +412,33 @@ def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, en
         turns.append((i, (start, end)))
         last_end = end
     return turns
+
+
+def _after_header(render: Renderer, prefix: list[dict], prompt: str, full: str, matched: int, stop: int,
+                  special_tokens: tuple[str, ...]) -> int:
+    """Where the assistant header ends when the generation prompt matched only part of it.
+
+    Command-R+'s tool_use template writes a fixed system turn after the last message whether or
+    not a generation prompt follows, so the prompt after the previous message is that turn plus the
+    header, and the text before a mid-conversation reply has only the header. The header is what
+    ``add_generation_prompt`` adds to the rendering (``prompt`` minus ``render(prefix, False)``);
+    when ``full[matched:stop]`` opens with it after nothing but special tokens and whitespace, the
+    reply starts after it. Otherwise ``matched`` stands (Command-R7B's learned ``<|START_RESPONSE|>``).
+    """
+    try:
+        plain = render(prefix, False)
+    except SampleError:
+        return matched
+    if not prompt.startswith(plain) or len(prompt) == len(plain):
+        return matched
+    header = prompt[len(plain):].lstrip()
+    at = full.find(header, matched - len(header), stop)
+    if at < 0 or at + len(header) <= matched:
+        return matched
+    between = full[matched:at] if at > matched else ""
+    for token in special_tokens:
+        between = between.replace(token, "")
+    return at + len(header) if not between.strip() else matched
 
 
 def _align_prompt(tail: str, full: str, begin: int, stop: int, special_tokens: tuple[str, ...]) -> int | None:
@@ -509,6 +546,7 @@ def detect_end_of_turn(render: Renderer, special_tokens: list[str], eos_token: s
 
     found: list[str] = []
     user = {"role": "user", "content": "Hello"}
+    opener = _header_opener(render, [user], tools, following)
     reply = [{"role": "assistant", "content": f"{_SENTINEL} {n}."} for n in range(2)]
     probes = []
     for system in ([], [{"role": "system", "content": "Be brief."}]):
@@ -538,9 +576,18 @@ def detect_end_of_turn(render: Renderer, special_tokens: list[str], eos_token: s
                 # the first special token after the arguments, unless a reply's end-of-turn closes it.
                 if not any(token in text[at:result] for token in found):
                     token = following(text, at + len(_SENTINEL), skip_text=True)
-                    if token and token not in found:
+                    if token and token not in found and token != opener:  # the next turn's header, not an end
                         found.append(token)
+    if not found and tools is not _PROBE_TOOLS:
+        # The template refused every probe with the rows' tools (Command-R+ needs a description for
+        # each parameter): a fully described tool still shows how it ends a reply.
+        return detect_end_of_turn(render, special_tokens, eos_token, tools=_PROBE_TOOLS)
     return tuple(found)
+
+
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe_tool", "description": "A probe.", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "description": "A query."}}, "required": ["q"]}}}]
 
 
 _SENTINEL = "Sentinel reply 42"
@@ -549,6 +596,19 @@ _TOOL_SENTINEL = "Sentinel result 43"
 
 # ----------------------------------------------------------------------------
 # Tokens
+
+
+def _header_opener(render: Renderer, messages: list[dict], tools: list[dict] | None, following) -> str | None:
+    """The special token an assistant header starts with (what the generation prompt adds to the
+    rendering), or None: a tool call followed by it is closed by no token of its own (Command-R+)."""
+    for with_tools in ((tools, None) if tools else (None,)):
+        try:
+            prompt, plain = render(messages, True, with_tools), render(messages, False, with_tools)
+        except SampleError:
+            continue
+        if prompt.startswith(plain) and len(prompt) > len(plain):
+            return following(prompt, len(plain), skip_text=False)
+    return None
 
 
 def token_span(encoding, num_tokens: int, text_len: int, span: CharSpan) -> tuple[int, int]:

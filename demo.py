@@ -101,10 +101,20 @@ def generate_reply(checkpoint: str | Path, prompt: str, *, max_new_tokens: int, 
     return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True).strip()
 
 
+def make_plots(run_dir: Path) -> list[Path]:
+    """The run's PNGs, or none with one warning: plots are optional (matplotlib may be missing)."""
+    from plot_metrics import plot_metrics
+
+    try:
+        return plot_metrics(run_dir)
+    except (ImportError, ValueError, OSError) as err:  # what plot_metrics documents, and a full disk
+        logger.warning("[4/5] plots skipped (%s); the metrics are in %s", err, run_dir / "training_metrics_0.jsonl")
+        return []
+
+
 def run_demo(config: DemoConfig) -> dict[str, Path]:
     """Run every step; returns where the artefacts are."""
     from api import ProcessDataConfig, TorchrunArgs, TrainConfig, process_data, run_training
-    from plot_metrics import plot_metrics
 
     root = Path(config.output_dir).resolve()
     model_dir, data_dir, run_dir = root / "tiny_model", root / "data", root / "run"
@@ -146,9 +156,10 @@ def run_demo(config: DemoConfig) -> dict[str, Path]:
                 records[0]["loss"], records[-1]["loss"])
 
     start = time.perf_counter()
-    plots = plot_metrics(run_dir)
+    plots = make_plots(run_dir)
     timings["plots"] = time.perf_counter() - start
-    logger.info("[4/5] plots: %s", ", ".join(p.name for p in plots))
+    if plots:
+        logger.info("[4/5] plots: %s", ", ".join(p.name for p in plots))
 
     start = time.perf_counter()
     checkpoint = latest_checkpoint(run_dir)
@@ -160,12 +171,12 @@ def run_demo(config: DemoConfig) -> dict[str, Path]:
 
     artefacts = {"model": model_dir, "data": data_dir / "data.jsonl", "data summary": data_dir / "summary.json",
                  "metrics": run_dir / "training_metrics_0.jsonl", "params": run_dir / "training_params.json",
-                 "checkpoint": checkpoint, "plots": plots[0].parent}
+                 "checkpoint": checkpoint, **({"plots": plots[0].parent} if plots else {})}
     width = max(len(name) for name in artefacts)
     print("\nWhere everything is:")
     for name, path in artefacts.items():
         print(f"  {name:<{width}}  {path}")
-    print(f"\nNext: open {plots[0]}, or inspect the packing with\n"
+    print(f"\nNext: {f'open {plots[0]}, or ' if plots else ''}inspect the packing with\n"
           f"  .venv/bin/python inspect_data.py --data-path {data_dir} --batch-size {config.batch_size} "
           f"--max-tokens-per-gpu {config.max_tokens_per_gpu} --world-size {config.nproc_per_node}")
     return artefacts

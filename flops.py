@@ -69,16 +69,25 @@ def _moe_layers(config: Any, num_layers: int, num_experts: int) -> list[bool]:
     return [i not in dense and (i + 1) % step == 0 and i >= first_dense for i in range(num_layers)]
 
 
-def _attention_windows(config: Any, num_layers: int) -> tuple[int | None, ...]:
+def _attention_windows(config: Any, layers: list[Any]) -> tuple[int | None, ...]:
     """Per-layer sliding window: ``layer_types`` when the config lists them, else ``sliding_window``
-    on every layer (Mistral) unless ``use_sliding_window`` is off (Qwen2)."""
-    window = _get(config, "sliding_window")
+    on every layer (Mistral) unless ``use_sliding_window`` is off (Qwen2); each layer's own window."""
     layer_types = _get(config, "layer_types")
     if layer_types is not None:
-        return tuple(window if kind == "sliding_attention" else None for kind in layer_types[:num_layers])
+        return tuple(_get(layer, "sliding_window") if kind == "sliding_attention" else None
+                     for layer, kind in zip(layers, layer_types))
     if getattr(config, "use_sliding_window", True) is False:
-        window = None
-    return (window,) * num_layers
+        return (None,) * len(layers)
+    return tuple(_get(layer, "sliding_window") for layer in layers)
+
+
+def layer_configs(config: Any, num_layers: int) -> list[Any]:
+    """One config per decoder layer: ``config.per_layer_config`` where transformers marks the config
+    heterogeneous (5.24+: Gemma-4's full-attention layers have their own ``head_dim`` and key/value
+    heads, and reading those from the global config raises), else the config itself for every layer."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)[:num_layers]
+    return [config] * num_layers
 
 
 def model_flops(config: Any) -> ModelFlops:
@@ -86,7 +95,8 @@ def model_flops(config: Any) -> ModelFlops:
 
     Args:
         config: a ``transformers`` config (or any object with the same attributes); a
-            multimodal config's ``text_config`` is used when present.
+            multimodal config's ``text_config`` is used when present. Attention and MLP sizes
+            are read per layer where the config is heterogeneous (``layer_configs``).
 
     Returns:
         ModelFlops with total and active matmul parameters and per-layer attention.
@@ -94,53 +104,74 @@ def model_flops(config: Any) -> ModelFlops:
     config = _get(config, "text_config", default=config)
     hidden = config.hidden_size
     num_layers = config.num_hidden_layers
-    num_heads = config.num_attention_heads
-    num_kv_heads = _get(config, "num_key_value_heads", default=num_heads)
-    head_dim = _get(config, "head_dim", default=hidden // num_heads)
-    attn_dim = num_heads * head_dim
-    # q and o: hidden x attn_dim each; k and v: hidden x (kv heads * head_dim) each.
-    attention = 2 * hidden * attn_dim + 2 * hidden * num_kv_heads * head_dim
-    intermediate = _get(config, "intermediate_size", default=4 * hidden)
-    dense_mlp = 3 * hidden * intermediate  # gated MLP: gate, up, down (fused or not)
-
-    num_experts = _get(config, "num_experts", "num_local_experts", "n_routed_experts", default=0)
-    top_k = _get(config, "num_experts_per_tok", "num_experts_per_token", default=0)
-    expert = 3 * hidden * _get(config, "moe_intermediate_size", default=intermediate)
-    shared = 0
-    if _get(config, "shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert plus its 1-wide gate
-        shared = 3 * hidden * config.shared_expert_intermediate_size + hidden
-    elif _get(config, "n_shared_experts"):  # DeepSeek: n shared experts of the routed experts' width
-        shared = config.n_shared_experts * expert
-    router = hidden * num_experts
-
+    layers = layer_configs(config, num_layers)
     total = active = 0
-    for is_moe in _moe_layers(config, num_layers, num_experts):
-        mlp_total = router + shared + num_experts * expert if is_moe else dense_mlp
-        mlp_active = router + shared + top_k * expert if is_moe else dense_mlp
+    attention_dims = []
+    for layer, is_moe in zip(layers, _moe_layers(config, num_layers, _num_experts(config)), strict=True):
+        num_heads = layer.num_attention_heads
+        num_kv_heads = _get(layer, "num_key_value_heads", default=num_heads)
+        head_dim = _get(layer, "head_dim", default=hidden // num_heads)
+        attn_dim = num_heads * head_dim
+        # q and o: hidden x attn_dim each; k and v: hidden x (kv heads * head_dim) each.
+        attention = 2 * hidden * attn_dim + 2 * hidden * num_kv_heads * head_dim
+        mlp_total, mlp_active = _mlp_params(layer, hidden, is_moe=is_moe)
         total += attention + mlp_total
         active += attention + mlp_active
+        attention_dims.append(attn_dim)
+    # Per-layer embeddings (Gemma-3n/4 "PLE"): one projection of the hidden state to every layer's slice,
+    # then in each layer a gate into its slice and a projection back; the per-layer table is a lookup.
+    per_layer_input = _get(config, "hidden_size_per_layer_input", default=0)
+    ple = hidden * num_layers * per_layer_input + num_layers * 2 * hidden * per_layer_input
+    total += ple
+    active += ple
     head = hidden * config.vocab_size  # the LM head's matmul runs even when tied to the embedding
     return ModelFlops(num_matmul_params=total + head, num_active_matmul_params=active + head,
-                      attention_dims=(attn_dim,) * num_layers,
-                      attention_windows=_attention_windows(config, num_layers))
+                      attention_dims=tuple(attention_dims),
+                      attention_windows=_attention_windows(config, layers))
+
+
+def _num_experts(config: Any) -> int:
+    if getattr(config, "enable_moe_block", True) is False:  # Gemma-4 sets an expert count with its MoE block off
+        return 0
+    return _get(config, "num_experts", "num_local_experts", "n_routed_experts", default=0)
+
+
+def _mlp_params(layer: Any, hidden: int, *, is_moe: bool) -> tuple[int, int]:
+    """``(all, active)`` matmul parameters of one layer's MLP, from that layer's config."""
+    intermediate = _get(layer, "intermediate_size", default=4 * hidden)
+    if not is_moe:
+        return 3 * hidden * intermediate, 3 * hidden * intermediate  # gated MLP: gate, up, down (fused or not)
+    num_experts = _num_experts(layer)
+    top_k = _get(layer, "num_experts_per_tok", "num_experts_per_token", default=0)
+    expert = 3 * hidden * _get(layer, "moe_intermediate_size", default=intermediate)
+    shared = 0
+    if _get(layer, "shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert plus its 1-wide gate
+        shared = 3 * hidden * layer.shared_expert_intermediate_size + hidden
+    elif _get(layer, "n_shared_experts"):  # DeepSeek: n shared experts of the routed experts' width
+        shared = layer.n_shared_experts * expert
+    router = hidden * num_experts
+    return router + shared + num_experts * expert, router + shared + top_k * expert
 
 
 def matmul_params_of(model: Any) -> int:
     """What ``model_flops`` counts, counted on the model itself: its weight matrices (2-D, or 3-D fused
-    experts) but the input embedding, plus the LM head's matmul once (tied or not). Biases, norms and
-    sinks are elementwise; LoRA adapters are left out as the config knows nothing of them; OSFT layers
-    count as the dense weight they stand for. Sharded
-    parameters (DTensor) report their global size."""
+    experts) but the embedding tables (lookups: the input embedding, Gemma-4's per-layer table), plus
+    the LM head's matmul once (tied or not). Biases, norms and sinks are elementwise; LoRA adapters are
+    left out as the config knows nothing of them; OSFT layers count as the dense weight they stand for.
+    Sharded parameters (DTensor) report their global size."""
+    from torch import nn
+
     from osft import osft_modules  # torch: only where a model exists (the shape tables need none)
 
-    embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
+    lookups = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
+    lookups.add(id(model.get_input_embeddings().weight))
     # An OSFT layer computes x W^T with W (N x M) rebuilt from its factors: it counts as its N x M.
     factored = osft_modules(model)
     factor_ids = {id(p) for _, m in factored for p in m.parameters()}
     count = sum(p.numel() for name, p in model.named_parameters()
                 if p.ndim >= 2 and not name.endswith("bias") and "lora_" not in name
-                and p is not embedding and p is not head and id(p) not in factor_ids)
+                and id(p) not in lookups and p is not head and id(p) not in factor_ids)
     return count + head.numel() + sum(m.out_features * m.in_features for _, m in factored)
 
 
@@ -148,22 +179,33 @@ def checked_model_flops(model: Any) -> tuple[ModelFlops | None, str]:
     """``model_flops(model.config)`` where it describes exactly the matrices the model holds, else None
     (MFU and model FLOPs are then logged as null rather than guessed: the config-based count does
     not know every layer kind, e.g. MLA projections, linear attention or state-space mixers).
+    Never raises on a config it cannot read: FLOPs are an optional metric and must not stop a run.
 
     Returns:
         The shape or None, and one line saying which and why, for the start-up log.
     """
-    config = _get(model.config, "text_config", default=model.config)
-    missing = [name for name in DECODER_SHAPE_ATTRIBUTES if _get(config, name) is None]
-    if missing:  # e.g. Mamba, FalconMamba: no attention heads to count (reading them raised at start-up)
-        return None, (f"FLOPs per token: the config of {type(model).__name__} has no {', '.join(missing)}; "
-                      "mfu and model FLOPs are logged as null")
-    shape = model_flops(model.config)
+    name = type(model).__name__
+    try:
+        config = _get(model.config, "text_config", default=model.config)
+        missing = [attr for attr in DECODER_SHAPE_ATTRIBUTES if _get(config, attr) is None]
+        if missing:  # e.g. Mamba, FalconMamba: no attention heads to count (reading them raised at start-up)
+            return None, f"FLOPs per token: the config of {name} has no {', '.join(missing)}; {NULL_FLOPS}"
+        shape = model_flops(model.config)
+    # A config layout this arithmetic does not know: a missing or None size (AttributeError, TypeError),
+    # a zero head count (ZeroDivisionError), or transformers refusing a read, as 5.24 does for a per-layer
+    # attribute of a heterogeneous config (AmbiguousGlobalPerLayerAttributeError, a RuntimeError).
+    except (AttributeError, TypeError, ValueError, ArithmeticError, RuntimeError) as err:
+        first_sentence = str(err).split(". ")[0]  # transformers' messages go on with advice for model authors
+        return None, (f"FLOPs per token: cannot read the config of {name} ({type(err).__name__}: "
+                      f"{first_sentence}); {NULL_FLOPS}")
     real = matmul_params_of(model)
     if shape.num_matmul_params != real:
-        return None, (f"FLOPs per token: the config of {type(model).__name__} describes "
-                      f"{shape.num_matmul_params:,} matrix parameters but the model holds {real:,}; "
-                      "mfu and model FLOPs are logged as null")
+        return None, (f"FLOPs per token: the config of {name} describes {shape.num_matmul_params:,} matrix "
+                      f"parameters but the model holds {real:,}; {NULL_FLOPS}")
     return shape, f"FLOPs per token from the config: {shape.num_active_matmul_params:,} active matrix parameters"
+
+
+NULL_FLOPS = "mfu and model FLOPs are logged as null"
 
 
 def attended_pairs(length: int, window: int | None = None) -> int:

@@ -232,6 +232,16 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def checkpoint_error_cause(err: BaseException) -> str:
+    """One line naming what went wrong: DCP (torch <= 2.11 on load, every version on save) wraps each
+    rank's error in a ``CheckpointException`` whose own first line names only the ranks."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        rank, (cause, _) = next(iter(sorted(err.failures.items(), key=lambda item: item[0])))
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        return f"rank {rank}: {type(cause).__name__}: {first}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, model_fingerprint: dict,
                     dist_info: DistInfo) -> dict:
     """Restore from the newest loadable candidate; corrupt ones are skipped with a warning.
@@ -261,14 +271,16 @@ def load_full_state(candidates: list[Path], model, optimizer, scheduler, *, mode
         if problem is not None:
             log_rank_0(problem, level=logging.WARNING)
             continue
+        reader = MetadataSafeReader(path)
         try:
             save_options, load_options = _options(model)
             model_state, optim_state = get_state_dict(model, optimizer, options=save_options)
-            dcp.load({"model": model_state, "optim": optim_state}, storage_reader=MetadataSafeReader(path))
+            dcp.load({"model": model_state, "optim": optim_state}, storage_reader=reader)
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                            options=load_options)
         except (OSError, dcp.CheckpointException, RuntimeError, pickle.UnpicklingError) as err:
-            logger.warning("skipping unreadable checkpoint %s: %s", path, str(err).splitlines()[0])
+            logger.warning("skipping unreadable checkpoint %s: %s", path,
+                           getattr(reader, "metadata_error", None) or checkpoint_error_cause(err))
             continue
         scheduler.load_state_dict(state["scheduler"])
         rng_file = path / f"rng_rank{dist_info.rank}.pt"

@@ -4,7 +4,13 @@ Each export is a folder that ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` load as is: bf16 safetensors sharded at
 5 GB (``model-0000x-of-0000y.safetensors`` plus ``model.safetensors.index.json``
 when there is more than one shard), ``config.json``, ``generation_config.json``
-and the tokenizer files. It is written into ``samples_<N>.tmp`` and renamed
+and the tokenizer files. An image-text-to-text checkpoint (``multimodal.py``) is
+exported whole, in its own class and config, for ``AutoModelForImageTextToText``:
+the trained language model in bf16, the frozen towers and projectors exactly as
+they were loaded (their stored dtype), and the processor files
+(``multimodal.PROCESSOR_FILES``) copied from the source; with
+``--export-text-only``, the language model alone as the causal LM of its text
+config. It is written into ``samples_<N>.tmp`` and renamed
 only when complete, so a crash mid-save never leaves a folder that looks
 finished.
 
@@ -33,6 +39,7 @@ import fault_injection
 from full_state import complete_checkpoints
 from lora import export_states, lora_scaling
 from loss import CausalLMWithLoss
+from multimodal import PROCESSOR_FILES
 from osft import osft_export_state
 from setup_model_fsdp import gather_full_state_dict
 from utils import first_error, logger
@@ -47,7 +54,10 @@ def hf_checkpoint_dir(output_dir: str | Path, num_samples: int) -> Path:
 def _tied_output_key(model: torch.nn.Module) -> str | None:
     """State-dict key of the LM head weight when it is tied to the input embedding."""
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if not getattr(text_config, "tie_word_embeddings", False):
+    # transformers ties by the config of the class that holds both (a multimodal model's own config:
+    # Mistral-3 ties with its text config saying otherwise); the text config where that one is silent.
+    tied = getattr(model.config, "tie_word_embeddings", None)
+    if not (tied if tied is not None else getattr(text_config, "tie_word_embeddings", False)):
         return None
     head = model.get_output_embeddings()
     for name, module in model.named_modules():
@@ -108,9 +118,16 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
     merge = getattr(wrapper, "lora_merge_on_export", True)
     # OSFT factors become W = U_high S_high V_high^T + U_low S_low V_low^T under <module>.weight (no-op without).
     state = osft_export_state(state, upcast_dtype=getattr(wrapper, "osft_upcast_dtype", torch.float32))
+    multimodal = getattr(wrapper, "multimodal_export", None)
+    text_only = multimodal.key_map if multimodal is not None else None
     if lora_config is not None:
         state, adapter = export_states(state, scaling=lora_scaling(lora_config),
                                        fan_in_fan_out=lora_config.fan_in_fan_out)
+        if text_only is not None:
+            adapter = _renamed_adapter(adapter, text_only)
+            lora_config = copy.deepcopy(lora_config)
+            lora_config.base_model_name_or_path = None  # the base is the text-only export, not the source
+            lora_config.target_modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter})
         _save_adapter(adapter, lora_config, (tmp / "adapter") if merge else tmp)
     if lora_config is None or merge:
         tied_key = _tied_output_key(model)
@@ -119,8 +136,15 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
             for name, tensor in state.items()
             if name != tied_key
         }
-        _save_model(state, model.config, generation_config, tmp, max_shard_size)
+        config = model.config
+        if multimodal is not None:
+            # Whole: the frozen towers beside the trained language model, bit for bit as loaded; or text-only.
+            config = multimodal.config
+            state = {name: tensor.contiguous() for name, tensor in multimodal.state(state).items()}
+        _save_model(state, config, generation_config, tmp, max_shard_size)
     tokenizer.save_pretrained(tmp)
+    if multimodal is not None and text_only is None:
+        _copy_processor_files(model.config, tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -146,6 +170,33 @@ def _save_model(state: dict[str, torch.Tensor], model_config, generation_config,
     config.save_pretrained(folder)
     if generation_config is not None:
         generation_config.save_pretrained(folder)
+
+
+def _renamed_adapter(adapter: dict[str, torch.Tensor], key_map: dict[str, str]) -> dict[str, torch.Tensor]:
+    """peft adapter keys (``base_model.model.<module>.lora_A.weight``) renamed for the text-only causal LM."""
+    renamed = {}
+    for key, tensor in adapter.items():
+        module, which = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        renamed[f"base_model.model.{key_map[module + '.weight'].removesuffix('.weight')}.lora_{which}"] = tensor
+    return renamed
+
+
+def _copy_processor_files(model_config, folder: Path) -> None:
+    """The source checkpoint's processor files (image/video preprocessor, chat template), copied as they are."""
+    from transformers.utils import cached_file
+
+    source = getattr(model_config, "_name_or_path", "")
+    if not source:
+        return
+    for name in PROCESSOR_FILES:
+        if (folder / name).exists():
+            continue  # the tokenizer wrote its own (chat_template.jinja)
+        path = Path(source) / name
+        if not path.is_file():
+            path = cached_file(source, name, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+        if path is not None and Path(path).is_file():
+            shutil.copyfile(path, folder / name)
 
 
 def _save_adapter(adapter: dict[str, torch.Tensor], lora_config, folder: Path) -> None:

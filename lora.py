@@ -140,10 +140,12 @@ def lora_preflight(model_config, settings: LoraSettings, *, shard_size: int = 1)
     No memory and no weights are touched. ``shard_size`` is the FSDP shard group's
     size, which decides which weights split into whole NF4 groups.
     """
-    from transformers import AutoModelForCausalLM
+    from multimodal import auto_model_class, detach_non_text, is_multimodal
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = auto_model_class(model_config).from_config(model_config)
+    if is_multimodal(model_config):
+        detach_non_text(model)  # adapters go on the language model only, as in training
     try:
         apply_lora(model, settings)
         if settings.quantize_data_type != "none":

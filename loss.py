@@ -112,6 +112,7 @@ class CausalLMWithLoss(nn.Module):
         self.liger_loss = None
         if use_liger_kernels:
             self.liger_loss = _make_liger_loss(self.logit_transform)
+        self.position_rows = multimodal_position_rows(decoder_of(model))
         self.last_ce_sum: torch.Tensor | None = None
         self.last_router_aux_sum: torch.Tensor | None = None
 
@@ -133,16 +134,14 @@ class CausalLMWithLoss(nn.Module):
                 ``cu_seq_lens_q/k`` and ``max_length_q/k``.
         """
         if own_forward:
-            return self.model(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False,
-                              **attention_kwargs).loss
+            return own_text_model(self.model)(input_ids=input_ids, position_ids=position_ids, labels=labels,
+                                              use_cache=False, **attention_kwargs).loss
         with_router = self.router_loss is not None and router_aux_weight != 0.0
         extra = {"output_router_logits": with_router} if self.router_loss is not None else {}
         flat_labels = labels.flatten()
         # Before the decoder: the sync then waits only for the input copies, not for the blocks' work.
         positions = learned_positions(flat_labels) if self.head_learned_positions_only else None
-        outputs = decoder_of(self.model)(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra, **attention_kwargs
-        )
+        outputs = self._run_decoder(input_ids, position_ids, {**extra, **attention_kwargs})
         hidden = outputs.last_hidden_state.flatten(0, 1)  # [T, H]
         if positions is not None:
             # Backward scatters the gradient into zeros: the dropped rows' gradient was exactly 0 anyway.
@@ -168,6 +167,49 @@ class CausalLMWithLoss(nn.Module):
         self.last_router_aux_sum = aux_sum.detach()
         return ce_sum + router_aux_weight * aux_sum
 
+    def _run_decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kwargs: dict):
+        """The decoder's outputs on one packed row; multimodal rotary positions get their rows (``position_rows``)."""
+        decoder = decoder_of(self.model)
+        if self.position_rows:
+            try:
+                # [1 + axes, 1, T]: text positions (where the mask finds packed samples), then one row per rotary
+                # axis (Qwen-VL: temporal, height, width), the same positions for text (get_rope_index on text).
+                return decoder(input_ids=input_ids, position_ids=position_ids.expand(self.position_rows,
+                                                                                     *position_ids.shape),
+                               use_cache=False, **kwargs)
+            except ValueError as err:
+                # HunYuan-VL counts the text row, then refuses it before any layer runs (no collective was
+                # started): plain positions from now on, and the self-check judges whether packing leaks.
+                log_rank_0(f"{type(decoder).__name__} refuses a text-position row before its rotary axes ({err}): "
+                           "passing plain position_ids", level=logging.WARNING)
+                self.position_rows = 0
+        return decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+
+
+def own_text_model(model: nn.Module) -> nn.Module:
+    """The module whose ``forward(labels=...)`` is ``model``'s own text objective: the model itself, or a
+    multimodal model's language model where that is a whole causal LM of its own (Llama-4's
+    ``language_model``, whose wrapper's forward adds only the image path)."""
+    from transformers import PreTrainedModel
+
+    language_model = model.get_decoder()
+    if language_model is not model and isinstance(language_model, PreTrainedModel) \
+            and language_model.get_output_embeddings() is model.get_output_embeddings():
+        return language_model
+    return model
+
+
+def multimodal_position_rows(decoder: nn.Module) -> int:
+    """Rows of ``position_ids`` for a decoder with multimodal rotary positions (``mrope_section``: one section
+    per axis, e.g. Qwen-VL's time, height and width), else 0. Such a decoder finds packed samples only in
+    positions of one row per axis plus a first row of text positions; from 2-D positions it builds a plain
+    causal mask, and packed samples see each other."""
+    for module in decoder.modules():
+        sections = getattr(module, "mrope_section", None)
+        if isinstance(sections, (list, tuple)) and sections:
+            return len(sections) + 1
+    return 0
+
 
 def decoder_of(model: nn.Module) -> nn.Module:
     """The module that returns the causal LM's final hidden states (``last_hidden_state``).
@@ -175,18 +217,24 @@ def decoder_of(model: nn.Module) -> nn.Module:
     ``get_decoder()`` looks for the attribute named by ``base_model_prefix`` and
     returns the model itself when there is none (Llama-4 text: prefix
     ``language_model``, decoder at ``.model``); the decoder is then the one
-    pretrained-model child of the causal LM.
+    pretrained-model child of the causal LM. A multimodal model's
+    ``get_decoder()`` returns its language model, itself a causal LM in some
+    families (Llama-4), whose decoder is then taken.
     """
     from transformers import PreTrainedModel
 
     decoder = model.get_decoder()
-    if decoder is not model:
-        return decoder
-    children = [child for child in model.children() if isinstance(child, PreTrainedModel)]
-    if len(children) != 1:
-        raise ValueError(f"cannot find the decoder of {type(model).__name__}: get_decoder() returns the model "
-                         f"itself and it has {len(children)} pretrained-model children")
-    return children[0]
+    if decoder is model:
+        children = [child for child in model.children() if isinstance(child, PreTrainedModel)]
+        if len(children) != 1:
+            raise ValueError(f"cannot find the decoder of {type(model).__name__}: get_decoder() returns the model "
+                             f"itself and it has {len(children)} pretrained-model children")
+        decoder = children[0]
+    if decoder is not model and isinstance(decoder, PreTrainedModel) and decoder.get_output_embeddings() is not None:
+        # A multimodal model whose language model is a whole causal LM (Llama-4: language_model is
+        # Llama4ForCausalLM): its decoder is one level further down.
+        return decoder_of(decoder)
+    return decoder
 
 
 def _make_liger_loss(transform: LogitTransform) -> nn.Module | None:

@@ -80,7 +80,7 @@ class LogitTransform:
 
 def logit_transform(model: nn.Module) -> LogitTransform:
     """The logit processing ``model``'s forward applies, read from its config (``LOGIT_CONFIG_ATTRIBUTES``)."""
-    config = model.config
+    config = model.config.get_text_config()  # a multimodal model's logit processing is its text model's
     scale, softcap, sources = 1.0, None, []
     for attribute, kind in LOGIT_CONFIG_ATTRIBUTES.items():
         value = getattr(config, attribute, None)
@@ -117,7 +117,7 @@ def router_loss(model: nn.Module) -> RouterLoss | None:
     reads ``num_experts``, ``num_experts_per_tok`` and ``router_aux_loss_coef``
     from the causal-LM module, which is where this reads them too.
     """
-    if not getattr(model.config, "output_router_logits", False):
+    if not getattr(model.config.get_text_config(), "output_router_logits", False):
         return None
     missing = [name for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
                if not hasattr(model, name)]

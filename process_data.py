@@ -609,19 +609,24 @@ def render_labels(tokenizer, input_ids: list[int], labels: list[int], mask_strin
 def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals: _Totals) -> None:
     num_written = len(totals.lengths)
     rows = sorted(random.Random(config.seed).sample(range(num_written), min(num_written, config.num_printed_samples)))
-    with open(data_path, "rb") as f:
-        for index in rows:
-            f.seek(totals.row_offsets[index])
-            row = json.loads(f.readline())
-            logger.info("sample %d input:\n%s", index, tokenizer.decode(row["input_ids"]))
-            logger.info("sample %d labels:\n%s", index,
-                        render_labels(tokenizer, row["input_ids"], row["labels"], config.string_for_printing_masks))
+    try:
+        with open(data_path, "rb") as f:
+            for index in rows:
+                f.seek(totals.row_offsets[index])
+                row = json.loads(f.readline())
+                logger.info("sample %d input:\n%s", index, tokenizer.decode(row["input_ids"]))
+                logger.info("sample %d labels:\n%s", index, render_labels(
+                    tokenizer, row["input_ids"], row["labels"], config.string_for_printing_masks))
+    # Printing is for the eye only: a tokenizer whose decode fails (remote code, a broken decoder) or an
+    # unreadable file must not fail a run whose data is already written. OverflowError: decode of a huge id.
+    except (OSError, ValueError, TypeError, KeyError, IndexError, OverflowError) as err:
+        logger.warning("printing samples stopped (%s: %s); the data is written", type(err).__name__, err)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = parse_config(ProcessDataConfig, argv, description=__doc__.split("\n")[0])
     setup_logging(config.logging_level)
-    logger.info("arguments: %s", json.dumps(dataclasses.asdict(config)))
+    logger.info("arguments: %s", json.dumps(dataclasses.asdict(config), default=str))  # never fails on a value
     try:
         return process_data(config)
     except ValueError as err:

@@ -76,6 +76,8 @@ def run_mixers_per_sample(decoder: nn.Module, blocks: list[nn.Module]) -> list[n
     def record(_module, args, kwargs):
         cu_seqlens = kwargs.get("cu_seq_lens_q")
         position_ids = kwargs.get("position_ids")
+        if position_ids is not None and position_ids.ndim == 3:
+            position_ids = position_ids[0]  # [1 + axes, 1, T] multimodal rotary: text positions first (loss.py)
         if cu_seqlens is None and position_ids is not None:
             cu_seqlens, _ = cu_seqlens_from_position_ids(position_ids)  # CPU-GPU sync point: once per forward
         if cu_seqlens is None or cu_seqlens.numel() <= 2 or (position_ids is not None and position_ids.shape[0] != 1):

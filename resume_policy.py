@@ -160,6 +160,11 @@ def _compare_run_params(path: Path, state: dict, current: dict, *, allow_change:
     changes = changed_fields(saved, current)
     if not changes:
         return None, None
+    old_decay, new_decay = changes.get("weight_decay", (0, 0))
+    if bool(old_decay) != bool(new_decay):  # setup_run.param_groups: one group at 0, two (decayed, exempt) above
+        return (f"cannot resume {path} with --weight-decay {new_decay}: it was written with {old_decay}, and "
+                "turning decay on or off changes the optimizer's parameter groups (biases and norms are "
+                "exempt); use --no-resume or another --output-dir"), None
     if allow_change:
         listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in sorted(changes.items()))
         return None, f"--allow-config-change: resuming {path} with new values: {listed}"
@@ -211,5 +216,6 @@ def apply_new_hyperparameters(optimizer, scheduler, config) -> None:
     factors = [lr_lambda(scheduler.last_epoch) for lr_lambda in scheduler.lr_lambdas]
     for group, factor in zip(optimizer.param_groups, factors, strict=True):
         group.update(initial_lr=config.learning_rate, lr=config.learning_rate * factor,
-                     betas=tuple(config.adam_betas), weight_decay=config.weight_decay)
+                     betas=tuple(config.adam_betas),
+                     weight_decay=config.weight_decay if group["weight_decay"] else 0.0)  # biases and norms keep 0
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

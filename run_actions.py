@@ -10,6 +10,7 @@ from pathlib import Path
 import checkpoint_policy
 import validation
 from attention import model_inputs
+from context_parallel import shard_minibatch
 from hf_export import save_hf_checkpoint
 from full_state import save_full_state
 from sampler import StepBatch
@@ -30,9 +31,11 @@ def validate(run: Run) -> str | None:
     state, dist_info = run.state, run.dist_info
     began = time.perf_counter()
     val_loss, val_tokens = validation.run_validation(
-        run.model, run.val_dataset, run.val_plan, rank=dist_info.rank, device=dist_info.device,
+        run.model, run.val_dataset, run.val_plan, rank=run.context.data_rank, device=dist_info.device,
         model_inputs=functools.partial(model_inputs, attn_implementation=run.resolved.attn_implementation,
-                                       device=dist_info.device))
+                                       device=dist_info.device),
+        shard=(functools.partial(shard_minibatch, context=run.context, device=dist_info.device)
+               if run.context.size > 1 else None))
     record = validation.validation_record(step=state.step, samples_seen=state.samples_seen, val_loss=val_loss,
                                           num_loss_counted_tokens=val_tokens, num_samples=run.val_plan.num_samples,
                                           elapsed=time.perf_counter() - began)

@@ -76,8 +76,15 @@ class MetadataSafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(Path(self.path) / name, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        try:
+            with open(Path(self.path) / name, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (OSError, pickle.UnpicklingError, EOFError) as err:
+            # Kept for the warning: torch <= 2.11's dcp.load swallows this (then tries a per-rank
+            # __<rank>.metadata, which is absent) and reports only "metadata is None".
+            if rank is None:
+                self.metadata_error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            raise
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

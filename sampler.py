@@ -355,6 +355,9 @@ class Minibatch:
     num_loss_counted_tokens: int  # targets != IGNORE_INDEX in this row
     num_samples: int  # real samples (a dummy counts 0)
     num_tokens: int  # T
+    # A context-parallel rank's shard of the group's row carries its attention plan
+    # (a context_parallel.ContextParallelPlan; that module builds it, this one cannot import it).
+    context_parallel_plan: object | None = None
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Minibatch:
         return dataclasses.replace(

@@ -68,6 +68,9 @@ def check_data_fits_model(dataset, data_path: str, model_name: str, model_config
         tokenizer = AutoTokenizer.from_pretrained(model_name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         tokenizer = None  # a bare model folder: nothing to compare the recorded tokenizer with
+    except TypeError as err:  # files of one tokenizer class under a config that names another (HyperCLOVAX)
+        return (f"{model_name}: its tokenizer does not load ({type(err).__name__}: {str(err).splitlines()[0]}); "
+                "every export saves it: give the checkpoint its own tokenizer files")
 
     max_id = dataset.max_token_id()
     if max_id is not None and max_id >= vocab_size:

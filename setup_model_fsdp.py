@@ -34,11 +34,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
-from attention import attention_needs, resolve_attn_implementation
+from attention import CONTEXT_PARALLEL, attention_needs, resolve_attn_implementation
+from context_parallel import inner_backend, register_context_parallel_backend
 from lora import LoraSettings, apply_lora, count_parameters
 from loss import CausalLMWithLoss, decoder_of
+from multimodal import (auto_model_class, detach_non_text, is_multimodal, language_model_targets, text_only_export,
+                        whole_export)
 from osft import FACTORS as OSFT_FACTORS
 from osft import (RECONSTRUCTION_TOLERANCE, OSFTSettings, apply_osft, fill_osft_factors, osft_modules,
                   osft_targets)
@@ -61,13 +64,18 @@ class ModelSetup:
     num_trainable_params: int
     num_params: int
     quantized: str = "none"  # what --lora-quantize-data-type did, for the startup log
+    context_parallel_inner: str | None = None  # the varlen backend context_parallel wraps (None: no CP)
 
 
 def meta_model(config, trust_remote_code: bool) -> nn.Module:
-    """The architecture on the meta device: no memory, no weights read."""
+    """The architecture on the meta device: no memory, no weights read. An image-text-to-text checkpoint
+    is built whole (``multimodal.py``) and its non-text parts detached: what is left is what trains."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
-                                                trust_remote_code=trust_remote_code)
+        model = auto_model_class(config).from_config(config, dtype=torch.float32, attn_implementation="eager",
+                                                     trust_remote_code=trust_remote_code)
+    if is_multimodal(config):
+        detach_non_text(model)
+    return model
 
 
 def apply_liger_kernels(model: nn.Module, *, device_type: str) -> bool:
@@ -210,8 +218,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
                 use_liger_kernels: bool, local_world_size: int,
                 head_learned_positions_only: bool = True, compile: bool = False, trust_remote_code: bool = False,
-                lora: LoraSettings | None = None, osft: OSFTSettings | None = None
-                ) -> tuple[CausalLMWithLoss, ModelSetup]:
+                lora: LoraSettings | None = None, osft: OSFTSettings | None = None,
+                context_parallel_size: int = 1, export_text_only: bool = False) -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank.
 
     Args:
@@ -229,6 +237,9 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
         trust_remote_code: run the modelling code a checkpoint ships (off unless the user asks).
         lora: inject LoRA adapters and freeze the base weights (None: full fine-tuning).
         osft: replace the targeted linear layers by their SVD factors (``osft.py``; None: dense).
+        context_parallel_size: above 1, attention runs as ``context_parallel`` around the resolved varlen
+            backend (``context_parallel.inner_backend``).
+        export_text_only: a multimodal checkpoint's exports hold its language model alone, as a causal LM.
 
     Returns:
         The FSDP2-wrapped ``CausalLMWithLoss`` and what was resolved.
@@ -246,7 +257,21 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     config.use_cache = False
     # Every rank builds the architecture on meta (no memory); its attention needs pick the backend.
     model = meta_model(config, trust_remote_code)
+    multimodal = is_multimodal(config)
+    # How a multimodal checkpoint is exported; its text-only key map is read before LoRA renames anything.
+    export = None
+    if multimodal:
+        export = (text_only_export(model, trust_remote_code=trust_remote_code) if export_text_only
+                  else whole_export(config, trust_remote_code=trust_remote_code))
     attn = resolve_attn_implementation(attn_implementation, device.type, attention_needs(model))
+    inner = None
+    if context_parallel_size > 1:
+        inner, reason = inner_backend(attn, device.type)
+        if inner is None:
+            raise ValueError(reason)
+        register_context_parallel_backend(inner)
+        log_rank_0(f"attention: {CONTEXT_PARALLEL} over groups of {context_parallel_size} ranks, {reason}")
+        attn = CONTEXT_PARALLEL
     if attn != "eager":
         model.set_attn_implementation(attn)
     # OSFT shells replace the targeted nn.Linear on meta, before anything else wraps the model (LoRA and
@@ -257,9 +282,23 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     if dist_info.rank == 0:
         # The stored dtype (bf16 for most checkpoints): one copy of the weights in host memory, at its
         # smallest. The loaded module is dropped; its tensors live on in the state dict until broadcast.
-        loaded = AutoModelForCausalLM.from_pretrained(model_name_or_path, config=copy.deepcopy(config), dtype="auto",
-                                                      attn_implementation="eager",
-                                                      trust_remote_code=trust_remote_code)
+        loaded = auto_model_class(config).from_pretrained(model_name_or_path, config=copy.deepcopy(config),
+                                                          dtype="auto", attn_implementation="eager",
+                                                          trust_remote_code=trust_remote_code)
+        if multimodal:
+            # The towers and projectors stay here, on rank 0's host, as loaded: the export writes them back.
+            non_text_state, detached = detach_non_text(loaded)
+            if not export_text_only:
+                unmatched = export.keep_non_text(non_text_state, model_name_or_path)
+                if unmatched:
+                    log_rank_0(f"{len(unmatched)} frozen tensors ({', '.join(unmatched[:3])}, ...) are not under "
+                               "these names in the checkpoint's files: exported in the dtype they loaded in",
+                               level=logging.WARNING)
+            num_frozen = sum(t.numel() for t in non_text_state.values())
+            log_rank_0(f"{type(loaded).__name__}: training its language model ({type(decoder_of(loaded)).__name__} "
+                       f"and the LM head); {', '.join(detached[:4])}{', ...' if len(detached) > 4 else ''} "
+                       f"({num_frozen:,} parameters) stay frozen in rank 0's host memory for the exports, "
+                       "neither sharded nor trained")
         if lora is not None:
             # Adapters are initialised here, on rank 0, and reach the other ranks with the weights.
             apply_lora(loaded, lora)
@@ -287,6 +326,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     if lora is not None:
         lora_config = apply_lora(model, lora)
         lora_config.base_model_name_or_path = model_name_or_path  # recorded in the adapter's config
+        if multimodal and not export_text_only:
+            lora_config.target_modules = language_model_targets(model, lora_config.target_modules)
         if quantize:
             # Meta NF4 shells with the shapes fully_shard cuts; broadcast_nf4 fills them.
             quantize_base_weights(model, shard_size=mesh.shape[-1], dtype=param_dtype)
@@ -319,6 +360,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     wrapper.lora_config = lora_config
     wrapper.lora_merge_on_export = lora is None or lora.merge_on_export
     wrapper.osft_upcast_dtype = osft.upcast_dtype if osft is not None else torch.float32
+    # Read by the export too: how a multimodal checkpoint is written (None for a causal LM).
+    wrapper.multimodal_export = export
     num_trainable, num_params = count_parameters(model)
 
     fsdp_kwargs = {
@@ -372,7 +415,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
 
     return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
                                block_class=block_class, mesh_shape=tuple(mesh.shape),
-                               num_trainable_params=num_trainable, num_params=num_params)
+                               num_trainable_params=num_trainable, num_params=num_params,
+                               context_parallel_inner=inner)
 
 
 def _apply_osft_shells(model: nn.Module, osft: OSFTSettings | None) -> list[str]:

@@ -11,21 +11,26 @@ ranks together with one line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
 import checkpoint_policy
+import context_parallel
 import data_mix
 import fault_injection
 import flops
@@ -40,7 +45,10 @@ from batch_metrics import MetricsWriter, truncate_metrics
 from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
 from lora import lora_preflight
 from loss import CausalLMWithLoss
+from multimodal import multimodal_preflight
 from osft import osft_targets
+from recurrent import recurrent_mixers
+from sampler import StepBatch
 from selfcheck import check_data_fits_model, check_objective
 from setup_model_fsdp import ModelSetup, find_decoder_blocks, meta_model, setup_model, shard_group_size
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
@@ -77,6 +85,7 @@ class Run:
     generation_config: GenerationConfig | None  # rank 0 only
     metrics: MetricsWriter | None  # rank 0 only
     tracker: Tracker
+    context: context_parallel.ContextGroup  # this rank's context-parallel group (size 1 without it)
     val_dataset: TrainingRows | None = None
     val_plan: validation.ValidationPlan | None = None
 
@@ -113,9 +122,17 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
         compile=config.compile, local_world_size=_local_world_size(),
         trust_remote_code=config.trust_remote_code, lora=config.lora, osft=config.osft_settings,
+        context_parallel_size=config.context_parallel_size,
+        export_text_only=config.export_text_only,
     )
+    # Collective: every rank makes every group. The sampler then sees each group as one data rank.
+    context = context_parallel.new_context_group(config.context_parallel_size, dist_info)
+    if context.size > 1 and _local_world_size() % context.size:
+        log_rank_0(f"--context-parallel-size {context.size} does not divide the {_local_world_size()} processes per "
+                   "node: some groups span nodes, and their K/V all-gather of every layer crosses the network",
+                   level=logging.WARNING)
     model_shape, flops_reason = flops.checked_model_flops(model.model)
-    log_rank_0(flops_reason)
+    log_rank_0(flops_reason, level=logging.INFO if model_shape else logging.WARNING)
     peak_tflops, peak_reason = flops.device_peak_tflops(dist_info.device)
     log_rank_0("MFU denominator: %s", peak_reason)
     if not config.skip_objective_check:
@@ -129,15 +146,15 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     val_plan = None
     if val_dataset is not None:
         val_plan = validation.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
-                                              max_tokens_per_rank=max_tokens, num_ranks=dist_info.world_size,
+                                              max_tokens_per_rank=max_tokens * context.size,
+                                              num_ranks=context.num_data_ranks,
                                               group_size=config.batch_size, balance=config.balance)
         validation.announce(val_plan, val_source)
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
-    # Only trainable parameters get optimizer state (with LoRA: the adapters alone).
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
-                                  betas=config.adam_betas, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model, weight_decay=config.weight_decay), lr=config.learning_rate,
+                                  betas=config.adam_betas)
     scheduler = schedule.build_scheduler(config, optimizer, total_steps)
     began = time.perf_counter()
     state = resume_train_state(model, optimizer, scheduler, candidates=candidates, resume=config.resume,
@@ -162,18 +179,51 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
                model=model, resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
                optimizer=optimizer, scheduler=scheduler, state=state, run_params=run_params,
                model_fingerprint=model_fingerprint, tokenizer=tokenizer, generation_config=generation_config,
-               metrics=metrics, tracker=tracker, val_dataset=val_dataset, val_plan=val_plan)
+               metrics=metrics, tracker=tracker, context=context, val_dataset=val_dataset, val_plan=val_plan)
 
 
-def batch_loader(run: Run):
-    """The infinite, seeded stream of packed batches, from where the run stands."""
-    config, dist_info = run.config, run.dist_info
-    return sampler.make_batch_loader(
-        run.dataset, batch_size=config.batch_size, max_tokens_per_rank=run.max_tokens,
-        rank=dist_info.rank, world_size=dist_info.world_size, seed=config.seed,
+@contextlib.contextmanager
+def batch_loader(run: Run) -> Iterator[Iterator[StepBatch]]:
+    """The infinite, seeded stream of packed batches, from where the run stands; its workers are shut
+    down when the ``with`` block ends, however it ends (``sampler.BatchLoader``).
+
+    With context parallelism the sampler plans for the groups (one data rank
+    each, N x the per-GPU budget), every rank of a group collates the same
+    rows, and each keeps its own shard of every row.
+    """
+    config, dist_info, context = run.config, run.dist_info, run.context
+    with sampler.make_batch_loader(
+        run.dataset, batch_size=config.batch_size, max_tokens_per_rank=run.max_tokens * context.size,
+        rank=context.data_rank, world_size=context.num_data_ranks, seed=config.seed,
         start_position=run.state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
         pin_memory=dist_info.device.type == "cuda",  # lets the non_blocking host-to-GPU copies overlap
-    )
+    ) as loader:
+        yield (context_parallel.shard_step_batch(batch, context, device=dist_info.device) for batch in loader)
+
+
+NO_DECAY_NAME_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+"""transformers' ``Trainer.get_decay_parameter_names`` (which TRL and axolotl use): a parameter whose lowercased
+name matches one of these, or that belongs to an ``nn.LayerNorm``, gets no weight decay."""
+
+
+def param_groups(model: torch.nn.Module, *, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: weight matrices and embeddings decay by ``weight_decay``; biases and
+    norm weights do not (transformers' Trainer convention, ``NO_DECAY_NAME_PATTERNS``). Only trainable
+    parameters get optimizer state (with LoRA: the adapters alone). At ``--weight-decay 0`` there is one
+    group, as before the split, so full states of such runs still load (DCP restores groups by position)."""
+    patterns = [re.compile(pattern) for pattern in NO_DECAY_NAME_PATTERNS]
+    layer_norms = {id(p) for module in model.modules() if isinstance(module, torch.nn.LayerNorm)
+                   for p in module.parameters(recurse=False)}
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    if weight_decay == 0:
+        return [{"params": [param for _, param in trainable], "weight_decay": 0.0}]
+    decay, no_decay = [], []
+    for name, param in trainable:
+        exempt = id(param) in layer_norms or any(pattern.search(name.lower()) for pattern in patterns)
+        (no_decay if exempt else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def close_run(run: Run) -> None:
@@ -199,10 +249,6 @@ def _preflight(config: TrainConfig) -> str | None:
         return "--validation-split takes rows of one dataset: with a data mix, give --validation-data-path"
     if config.validation_data_path and not Path(config.validation_data_path).exists():
         return f"--validation-data-path {config.validation_data_path}: no such file or folder"
-    for flag, value, package in (("--wandb-project", config.wandb_project, "wandb"),
-                                 ("--tensorboard-dir", config.tensorboard_dir, "tensorboard")):
-        if value is not None and importlib.util.find_spec(package) is None:
-            return f"{flag} needs the {package} package: pip install {package}"
     output = Path(config.output_dir)
     try:
         output.mkdir(parents=True, exist_ok=True)
@@ -229,7 +275,21 @@ def _load_model_config(config: TrainConfig) -> PretrainedConfig:
 
 
 def _model_preflight(config: TrainConfig, model_config: PretrainedConfig) -> str | None:
-    """Rank 0, before heavy work: an explicit attention backend or LoRA settings this model refuses."""
+    """Rank 0, before heavy work: a multimodal checkpoint whose language model cannot be trained alone (or
+    exported alone, with --export-text-only), an explicit attention backend, context parallelism or LoRA
+    settings this model refuses."""
+    error = multimodal_preflight(model_config, trust_remote_code=config.trust_remote_code,
+                                 export_text_only=config.export_text_only)
+    if error is not None:
+        return error
+    if config.context_parallel_size > 1:
+        model = meta_model(model_config, config.trust_remote_code)
+        error = context_parallel.refusal(
+            config.context_parallel_size, world_size=dist.get_world_size(), needs=attention_needs(model),
+            num_recurrent_mixers=len(recurrent_mixers(find_decoder_blocks(model))),
+            router_loss=bool(getattr(model_config, "output_router_logits", False)))
+        if error is not None:
+            return error
     if config.attn_implementation != "auto":
         needs = attention_needs(meta_model(model_config, config.trust_remote_code))
         error = explicit_attention_refusal(config.attn_implementation, needs)
@@ -287,7 +347,8 @@ def _resume_policy(config: TrainConfig, run_params: dict, model_fingerprint: dic
 
 def _start_tracker(config: TrainConfig, dist_info: DistInfo, candidates: list[Path]) -> tuple[Tracker, str | None]:
     """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb run);
-    returns ``(tracker, error line or None)``."""
+    returns ``(tracker, None)``: a tracker that cannot start (its package missing, no credentials)
+    is one warning and the run goes on without it, as trackers only mirror the metrics JSONL."""
     if not dist_info.is_main or (config.wandb_project is None and config.tensorboard_dir is None):
         return NullTracker(), None
     found = resume_policy.newest_trainer_state(candidates)
@@ -296,7 +357,8 @@ def _start_tracker(config: TrainConfig, dist_info: DistInfo, candidates: list[Pa
         return make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
                             run_config=dataclasses.asdict(config), rank=dist_info.rank, wandb_run_id=run_id), None
     except (ImportError, TrackerInitError) as err:
-        return NullTracker(), str(err)
+        logger.warning("%s; the run goes on without tracking (the metrics are in training_metrics_0.jsonl)", err)
+        return NullTracker(), None
 
 
 def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None) -> None:
@@ -322,16 +384,32 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
     if dist_info.is_main:
         try:
             dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
-            budget = config.max_tokens_per_gpu
-            if budget != "auto" and int(dataset.lengths.min(initial=budget + 1)) > budget:
-                error = (f"--max-tokens-per-gpu {config.max_tokens_per_gpu} is below every sample of "
-                         f"{path} (shortest: {int(dataset.lengths.min())} tokens)")
+            error = _budget_error(config, dataset, path)
         except ValueError as err:
             error = str(err)
     fail_together(error)
     if not dist_info.is_main:
         dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
     return dataset
+
+
+def _budget_error(config: TrainConfig, dataset, path: str) -> str | None:
+    """A budget below every sample; with context parallelism, any sample longer than a group's budget."""
+    budget, size = config.max_tokens_per_gpu, config.context_parallel_size
+    if budget == "auto" or not len(dataset):
+        return None
+    if int(dataset.lengths.min()) > budget * size:
+        return (f"--max-tokens-per-gpu {budget} is below every sample of {path} "
+                f"(shortest: {int(dataset.lengths.min())} tokens)")
+    longest = int(np.argmax(dataset.lengths))
+    length = int(dataset.lengths[longest])
+    if size > 1 and length > budget * size:
+        # Without context parallelism such samples are dropped and counted; a user who asked for long
+        # context wants every sample trained, so the run refuses rather than drop the longest ones.
+        return (f"--context-parallel-size {size} x --max-tokens-per-gpu {budget} holds {budget * size} tokens "
+                f"per sample, but row {longest} of {path} has {length}: it needs --context-parallel-size "
+                f"{-(-length // budget)} or --max-tokens-per-gpu {-(-length // size)}")
+    return None
 
 
 def _data_digest(dataset, dist_info: DistInfo) -> str:
@@ -382,6 +460,12 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_sa
     log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
                "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
                config.batch_size, max_tokens)
+    if config.context_parallel_size > 1:
+        size = config.context_parallel_size
+        log_rank_0("context parallelism: %d groups of %d consecutive ranks, each one data rank packing rows of up "
+                   "to %d tokens (%d x %d) and splitting each row over its ranks; FSDP still shards over all %d "
+                   "ranks", dist_info.world_size // size, size, size * max_tokens, size, max_tokens,
+                   dist_info.world_size)
     log_rank_0("schedule %s, warmup %d, %s", config.lr_scheduler, config.num_warmup_steps,
                f"{total_steps} steps" if total_steps else "infinite sampling (no stop condition)")
 
@@ -392,7 +476,11 @@ def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, m
     params = dataclasses.asdict(config)
     params.update(world_size=dist_info.world_size, device=dist_info.device.type,
                   attn_implementation_resolved=resolved.attn_implementation,
+                  context_parallel_inner=resolved.context_parallel_inner,
                   max_tokens_per_gpu_resolved=max_tokens,
                   torch_version=torch.__version__, transformers_version=transformers.__version__)
     path = Path(config.output_dir) / "training_params.json"
-    path.write_text(json.dumps(params, indent=2, sort_keys=True))
+    try:  # default=str: a Path or other non-JSON value given through the Python API is written as its text
+        path.write_text(json.dumps(params, indent=2, sort_keys=True, default=str))
+    except OSError as err:  # a record for people; resume does not read it
+        logger.warning("%s not written (%s); the run goes on", path, err.strerror or err)

@@ -10,13 +10,17 @@ every numeric field under the same name, at ``step``:
 
 Both packages are optional (``pip install wandb`` / ``pip install tensorboard``)
 and imported only when asked for; a missing one raises an ``ImportError`` that
-names the package. Only rank 0 logs: every other rank gets the null tracker.
+names the package (``setup_run`` turns it into one warning: a tracker never stops
+a run). A tracker that fails while logging (network, full disk) warns once and is
+turned off (``FailSoftTracker``). Only rank 0 logs: every other rank gets the null tracker.
 """
 
 from __future__ import annotations
 
 import json
 import numbers
+
+from utils import logger
 
 
 class TrackerInitError(RuntimeError):
@@ -59,6 +63,7 @@ class WandbTracker:
             raise TrackerInitError(f"--wandb-project {project}: wandb.init failed ({err}); run `wandb login` or "
                                    "set WANDB_API_KEY, or WANDB_MODE=offline to log locally") from err
         self.wandb_run_id = self._run.id
+        self.errors = (wandb.errors.Error,)  # what wandb raises when it loses its service or network
 
     def log(self, record: dict) -> None:
         self._run.log(_numeric_fields(record), step=int(record["step"]))
@@ -92,11 +97,40 @@ class TensorBoardTracker:
         self._writer.close()
 
 
+class FailSoftTracker:
+    """A tracker whose failure while logging or closing warns once and turns it off: the run goes on, as
+    the metrics JSONL holds every value anyway. Catches ``OSError`` (TensorBoard's event files on a
+    full disk) and the tracker's own ``errors`` (wandb's)."""
+
+    def __init__(self, tracker) -> None:
+        self._tracker = tracker
+        self._errors = (OSError, *getattr(tracker, "errors", ()))
+        self.wandb_run_id = tracker.wandb_run_id
+
+    def _call(self, what: str, *args) -> None:
+        if self._tracker is None:
+            return
+        try:
+            getattr(self._tracker, what)(*args)
+        except self._errors as err:
+            logger.warning("tracker %s failed in %s (%s: %s): tracking is off for the rest of the run; the "
+                           "metrics are in training_metrics_0.jsonl", type(self._tracker).__name__, what,
+                           type(err).__name__, err)
+            self._tracker = None
+
+    def log(self, record: dict) -> None:
+        self._call("log", record)
+
+    def close(self) -> None:
+        self._call("close")
+
+
 class TrackerGroup:
     """Several trackers behind one ``log``/``close``."""
 
     def __init__(self, trackers: list) -> None:
         self.trackers = trackers
+        self.errors = tuple(error for tracker in trackers for error in getattr(tracker, "errors", ()))
         self.wandb_run_id = next((t.wandb_run_id for t in trackers if getattr(t, "wandb_run_id", None)), None)
 
     def log(self, record: dict) -> None:
@@ -124,7 +158,7 @@ def make_tracker(*, wandb_project: str | None, tensorboard_dir: str | None, run_
         wandb_run_id: continue this wandb run (a resumed training run's), or None for a new one.
 
     Returns:
-        An object with ``log(record)`` and ``close()``.
+        An object with ``log(record)`` and ``close()`` (``FailSoftTracker``: a failure while logging warns once).
 
     Raises:
         ImportError: a requested tracker's package is not installed (the message names it).
@@ -141,4 +175,4 @@ def make_tracker(*, wandb_project: str | None, tensorboard_dir: str | None, run_
         except ImportError:
             TrackerGroup(trackers).close()  # don't leave a wandb run open behind the error
             raise
-    return trackers[0] if len(trackers) == 1 else TrackerGroup(trackers)
+    return FailSoftTracker(trackers[0] if len(trackers) == 1 else TrackerGroup(trackers))

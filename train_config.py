@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,9 +45,13 @@ class TrainConfig:
              "on this GPU (with a 10%% safety margin)")
     balance: Literal["tokens", "attention"] = config_field(
         "tokens", help="packing balance cost: token counts, or tokens plus attention's quadratic term")
+    context_parallel_size: int = config_field(
+        1, help="N ranks share each packed row (context parallelism): samples up to N x --max-tokens-per-gpu "
+                "(docs/long-context.md)")
 
     learning_rate: float = config_field(5e-6, section="Optimizer, schedule and stop", help="peak learning rate")
-    weight_decay: float = config_field(0.0, help="AdamW weight decay")
+    weight_decay: float = config_field(0.0, help="AdamW weight decay; biases and norm weights are exempt, as in "
+                                                 "transformers' Trainer, TRL and axolotl")
     adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
     max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
     lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
@@ -76,6 +81,9 @@ class TrainConfig:
                    "smaller)")
     full_state: bool = config_field(True, help="write full training states for exact resume (--no-full-state: "
                                                "Hugging Face exports only; the run cannot resume)")
+    export_text_only: bool = config_field(
+        False, help="image-text-to-text checkpoints: export the language model alone, as a causal LM "
+                    "(default: the whole checkpoint in its own class)")
     resume: bool = config_field(True, help="continue from the newest complete full-state checkpoint in "
                                            "--output-dir (--no-resume starts fresh)")
     resume_from: str | None = config_field(None, help="resume from this full_state/samples_N folder")
@@ -163,8 +171,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if self.learning_rate < 0 or self.num_warmup_steps < 0:
-            errors.append("--learning-rate and --num-warmup-steps must be non-negative")
+        if self.num_warmup_steps < 0:
+            errors.append(f"--num-warmup-steps must be non-negative, got {self.num_warmup_steps}")
+        errors += _optimizer_errors(self)
         if self.logging_level not in LOG_LEVELS:
             errors.append(f"--logging-level {self.logging_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if self.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL and not self.has_stop_condition:
@@ -197,6 +206,7 @@ class TrainConfig:
             errors.append(f"--compile with --lora-quantize-data-type {self.lora_quantize_data_type} is not "
                           "supported yet: drop one of them")
         errors += _osft_errors(self)
+        errors += _context_parallel_errors(self)
         collect_errors(errors)
 
     @property
@@ -224,6 +234,34 @@ class TrainConfig:
     @property
     def has_validation(self) -> bool:
         return self.validation_data_path is not None or self.validation_split is not None
+
+
+def _context_parallel_errors(config: TrainConfig) -> list[str]:
+    """What --context-parallel-size cannot combine with yet (the model-dependent refusals come at start-up)."""
+    size = config.context_parallel_size
+    if size < 1:
+        return [f"--context-parallel-size must be at least 1, got {size}"]
+    if size == 1:
+        return []
+    refused = [(config.compile, "--compile (dynamo would trace the K/V all-gather of every attention call)"),
+               (config.lora_quantize_data_type != "none",
+                f"--lora-quantize-data-type {config.lora_quantize_data_type} (QLoRA: untested with sharded rows)"),
+               (config.max_tokens_per_gpu == "auto",
+                "--max-tokens-per-gpu auto (the probe measures unsharded rows): give the per-GPU budget")]
+    return [f"--context-parallel-size {size} does not combine with {what} yet" for bad, what in refused if bad]
+
+
+def _optimizer_errors(config: TrainConfig) -> list[str]:
+    """Optimizer numbers must be finite and non-negative: ``nan`` passes every ``< 0`` check, and a
+    NaN or infinite learning rate would otherwise fail inside torch (or train to NaN) after the model loads."""
+    errors = []
+    for name in ("learning_rate", "weight_decay", "max_grad_norm"):
+        value = getattr(config, name)
+        if not (math.isfinite(value) and value >= 0):
+            errors.append(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if not all(math.isfinite(beta) and 0 <= beta < 1 for beta in config.adam_betas):
+        errors.append(f"--adam-betas must be two numbers in [0, 1), got {config.adam_betas}")
+    return errors
 
 
 def _policy_errors(config: TrainConfig) -> list[str]:

@@ -55,7 +55,8 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     # Sum-reduced CE over this rank's minibatches, divided by the whole batch's
     # loss-token count (known before any forward). FSDP averages gradients over
     # ranks, so multiplying by world_size turns that average back into the sum
-    # the exact per-token mean needs.
+    # the exact per-token mean needs. With context parallelism each rank's sum covers its own
+    # shard of the group's row, so the sum over all ranks is still the batch's: the same factor holds.
     scale = dist_info.world_size / max(batch.batch_num_loss_counted_tokens, 1)
     loss_sum = torch.zeros((), device=dist_info.device)
     backward_sum = torch.zeros((), device=dist_info.device)

@@ -135,16 +135,17 @@ def plan_validation(lengths: np.ndarray, loss_counts: np.ndarray, *, max_tokens_
 
 
 def run_validation(model: torch.nn.Module, dataset, plan: ValidationPlan, *, rank: int, device: torch.device,
-                   model_inputs: Callable) -> tuple[float, int]:
+                   model_inputs: Callable, shard: Callable | None = None) -> tuple[float, int]:
     """One pass over the validation set (collective: every rank calls it with the same plan).
 
     Args:
         model: the FSDP-wrapped ``CausalLMWithLoss``; returns the summed loss of a packed row.
         dataset: the validation samples (``sample_arrays(row)``).
         plan: from ``plan_validation``.
-        rank: this rank.
+        rank: this rank (with context parallelism: its group's data rank).
         device: where the loss lives.
         model_inputs: minibatch -> forward kwargs (the training loop's own function).
+        shard: minibatch -> this rank's shard of it (context parallelism; None: the whole row).
 
     Returns:
         ``(val_loss, num_loss_counted_tokens)`` over the whole set, all ranks; NaN loss for an empty set.
@@ -156,6 +157,8 @@ def run_validation(model: torch.nn.Module, dataset, plan: ValidationPlan, *, ran
     with torch.no_grad():
         for minibatch in plan.minibatches:
             packed = collate_minibatch([dataset.sample_arrays(row) for row in minibatch[rank]])
+            if shard is not None:
+                packed = shard(packed)  # its own loss tokens only: the group's shards sum to the row's
             loss_sum += model(**model_inputs(packed)).double()
             tokens += packed.num_loss_counted_tokens
     model.train(was_training)

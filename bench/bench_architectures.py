@@ -3,6 +3,13 @@
     python -m bench.bench_architectures                              # all of MODEL_FOR_CAUSAL_LM_MAPPING (CPU)
     python -m bench.bench_architectures --families llama,deepseek_v3,olmo_hybrid
     python -m bench.bench_architectures --nproc-per-node 1 --timeout 600
+    python -m bench.bench_architectures --mapping image-text-to-text  # every image-text-to-text checkpoint
+
+``--mapping image-text-to-text`` sweeps ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING`` instead: each
+checkpoint is built whole and tiny (``fixtures.tiny_configs.tiny_multimodal_config``: text and
+vision/audio towers shrunk), trained on text (its language model; ``multimodal.py``) and compared
+with its own text forward; the export must hold every tensor of the source, the non-text ones
+bit-identical, in the same class (else the row is ``wrong``). Its table has its own markers.
 
 For each ``model_type`` of ``transformers.MODEL_FOR_CAUSAL_LM_MAPPING``:
 
@@ -45,10 +52,10 @@ from pathlib import Path
 
 import torch
 
-from fixtures.architectures import matrix_args, reference_step_one
+from fixtures.architectures import PREPROCESSOR_CONFIG, export_differs, matrix_args, reference_step_one
 from fixtures.e2e import ROOT, read_metrics, torchrun, write_tokenized_jsonl
 from fixtures.matrix_train import RUN_MARKER
-from fixtures.tiny_configs import tiny_config
+from fixtures.tiny_configs import tiny_config, tiny_multimodal_config
 from tiny_model import build_tiny_model
 
 EXACT_RTOL = 1e-5
@@ -58,11 +65,15 @@ MAX_TINY_PARAMETERS = 100_000_000
 may hold on a shared machine. Tiny configs hold well under 20M; a config over this kept a sub-model full size."""
 DOC = ROOT / "docs" / "architectures.md"
 BEGIN, END = "<!-- sweep table: begin -->", "<!-- sweep table: end -->"
+MULTIMODAL_BEGIN, MULTIMODAL_END = "<!-- multimodal sweep table: begin -->", "<!-- multimodal sweep table: end -->"
+MAPPINGS = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING", "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING"}
 
 
-def build(model_type: str, tokenizer_dir: Path, out: Path) -> str | None:
+def build(model_type: str, tokenizer_dir: Path, out: Path, *, multimodal: bool = False) -> str | None:
     """Save the tiny random ``model_type`` in ``out``; None, or why it is not built / out of scope."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+    from multimodal import auto_model_class, is_multimodal
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
@@ -70,19 +81,41 @@ def build(model_type: str, tokenizer_dir: Path, out: Path) -> str | None:
     signal.signal(signal.SIGALRM, _too_slow)
     signal.alarm(BUILD_SECONDS)
     try:
-        config = tiny_config(model_type, len(tokenizer), token_ids=ids)
+        if multimodal:
+            default = AutoConfig.for_model(model_type)
+            if default.get_text_config() is default:
+                return "out of scope: no text config of its own (a causal LM: see the causal-LM sweep)"
+            config = tiny_multimodal_config(model_type, len(tokenizer), token_ids=ids)
+            if not is_multimodal(config):
+                return "out of scope: no text config of its own (a causal LM: see the causal-LM sweep)"
+            if getattr(config.get_text_config(), "is_encoder_decoder", False) or config.is_encoder_decoder:
+                return "out of scope: encoder-decoder"
+        else:
+            config = tiny_config(model_type, len(tokenizer), token_ids=ids)
         if getattr(config, "is_encoder_decoder", False):
             return "out of scope: encoder-decoder"
+        model_class = auto_model_class(config) if multimodal else AutoModelForCausalLM
         with torch.device("meta"):  # counted without allocating: Phi-4-multimodal's untouched encoders took 11 GB
-            num_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            num_params = sum(p.numel() for p in model_class.from_config(config).parameters())
         if num_params > MAX_TINY_PARAMETERS:
             subconfigs = [name for name, value in vars(config).items() if isinstance(value, PretrainedConfig)]
             return (f"not built: {num_params / 1e6:.0f}M parameters after shrinking, over the sweep's "
                     f"{MAX_TINY_PARAMETERS / 1e6:.0f}M" + (f" (sub-configs the shrinker leaves full size: "
                                                              f"{', '.join(subconfigs)})" if subconfigs else ""))
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model_class.from_config(config, dtype=torch.float32)
+        if multimodal:  # stored as released checkpoints are: bf16 (the export keeps the towers' bytes)
+            model = model.to(torch.bfloat16)
+            model.config.dtype = torch.bfloat16
         model.save_pretrained(out)
+        if multimodal:
+            (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG))
+            # ShieldGemma-2 saves Gemma3ForConditionalGeneration under its own key layout, which the class
+            # does not load back: every run would start from fresh random weights.
+            _, info = model_class.from_pretrained(out, output_loading_info=True)
+            if info["missing_keys"]:
+                return (f"not built: the saved checkpoint does not load back into {type(model).__name__} "
+                        f"({len(info['missing_keys'])} tensors missing, e.g. {sorted(info['missing_keys'])[0]})")
     except Exception as err:  # noqa: BLE001 - any failure to build is reported in the table, never raised
         return "not built: " + _one_line(f"{type(err).__name__}: {err}")
     finally:
@@ -150,6 +183,10 @@ def judge(name: str, code: int, log: str, model_dir: Path, data: Path, root: Pat
         ref = reference_step_one(model_dir, data, with_gradients=False)
         error = abs(metrics["loss"] - ref["loss"]) / ref["loss"]
         record.update(result="exact" if error <= EXACT_RTOL else "wrong", rel_err=error)
+        export_problem = (export_differs(model_dir, root / "runs" / name)
+                          if (model_dir / "preprocessor_config.json").exists() else None)
+        if export_problem:
+            record.update(result="wrong", reason=export_problem)
         return record
     refusal = [ln for ln in log.splitlines() if " ERROR " in ln]
     if refusal:  # the trainer's own one-line stop (a job it ends may report no exit code)
@@ -172,7 +209,8 @@ def sweep_chunk(families: list[str], tokenizer_dir: Path, data: Path, root: Path
     records, models, built_seconds = [], {}, {}
     for model_type in families:
         began = time.perf_counter()
-        why_not = build(model_type, tokenizer_dir, root / "models" / model_type)
+        why_not = build(model_type, tokenizer_dir, root / "models" / model_type,
+                        multimodal=args.mapping == "image-text-to-text")
         built_seconds[model_type] = time.perf_counter() - began
         if why_not is None:
             models[model_type] = root / "models" / model_type
@@ -196,11 +234,11 @@ def sweep_chunk(families: list[str], tokenizer_dir: Path, data: Path, root: Path
     return records
 
 
-def table_records() -> list[dict]:
-    """The rows of the table in ``docs/architectures.md``, as records (empty when there is none)."""
-    if not DOC.exists() or BEGIN not in DOC.read_text():
+def table_records(begin: str = BEGIN, end: str = END) -> list[dict]:
+    """The rows of a table in ``docs/architectures.md``, as records (empty when there is none)."""
+    if not DOC.exists() or begin not in DOC.read_text():
         return []
-    table = DOC.read_text().split(BEGIN, 1)[1].split(END, 1)[0]
+    table = DOC.read_text().split(begin, 1)[1].split(end, 1)[0]
     records = []
     for line in table.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -211,11 +249,12 @@ def table_records() -> list[dict]:
     return records
 
 
-def write_table(records: list[dict]) -> str:
+def write_table(records: list[dict], *, mapping: str = "causal-lm") -> str:
+    begin, end = (BEGIN, END) if mapping == "causal-lm" else (MULTIMODAL_BEGIN, MULTIMODAL_END)
     counts = {}
     for r in records:
         counts[r["result"]] = counts.get(r["result"], 0) + 1
-    lines = [f"transformers {_transformers_version()}, {len(records)} entries of MODEL_FOR_CAUSAL_LM_MAPPING: "
+    lines = [f"transformers {_transformers_version()}, {len(records)} entries of {MAPPINGS[mapping]}: "
              + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), "",
              "| architecture | result | relative error | seconds | reason |", "|---|---|---|---|---|"]
     for r in records:
@@ -225,9 +264,9 @@ def write_table(records: list[dict]) -> str:
     table = "\n".join(lines)
     if DOC.exists():
         text = DOC.read_text()
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            DOC.write_text(head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1])
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            DOC.write_text(head + begin + "\n" + table + "\n" + end + rest.split(end, 1)[1])
     return table
 
 
@@ -239,18 +278,27 @@ def _transformers_version() -> str:
 
 def main() -> None:
     from transformers import AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto import modeling_auto
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--families", default="", help="comma-separated model_types (default: every entry)")
+    parser.add_argument("--mapping", choices=sorted(MAPPINGS), default="causal-lm",
+                        help="which auto mapping to sweep (image-text-to-text: whole checkpoints, text trained)")
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120, help="seconds per family's training run")
     parser.add_argument("--chunk", type=int, default=25, help="families per torchrun job and per table update")
-    parser.add_argument("--output", default=str(ROOT / "bench" / "architectures_results.json"))
+    parser.add_argument("--output", default=None,
+                        help="results file (default: bench/architectures_results.json, or "
+                             "bench/architectures_multimodal_results.json for image-text-to-text)")
     args = parser.parse_args()
-    families = [f for f in args.families.split(",") if f] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    multimodal = args.mapping == "image-text-to-text"
+    args.output = args.output or str(ROOT / "bench" / ("architectures_multimodal_results.json" if multimodal
+                                                       else "architectures_results.json"))
+    names = getattr(modeling_auto, MAPPINGS[args.mapping] + "_NAMES")
+    families = [f for f in args.families.split(",") if f] or sorted(names)
     # A sweep of some families replaces their rows and keeps the others' (a full sweep replaces them all).
-    kept = [r for r in table_records() if r["architecture"] not in families]
+    markers = (MULTIMODAL_BEGIN, MULTIMODAL_END) if multimodal else (BEGIN, END)
+    kept = [r for r in table_records(*markers) if r["architecture"] not in families]
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -262,12 +310,12 @@ def main() -> None:
             records += sweep_chunk(families[first:first + args.chunk], tokenizer_dir, data, root, args)
             records.sort(key=lambda r: r["architecture"])
             Path(args.output).write_text(json.dumps(records, indent=1))
-            write_table(sorted(kept + records, key=lambda r: r["architecture"]))
+            write_table(sorted(kept + records, key=lambda r: r["architecture"]), mapping=args.mapping)
     for record in records:
         print(f"{record['architecture']:28s} {record['result']:12s} "
               f"{'' if record['rel_err'] is None else format(record['rel_err'], '.1e'):8s} "
               f"{record['seconds']:6.1f}s {record['reason']}")
-    print(write_table(sorted(kept + records, key=lambda r: r["architecture"])).split("\n")[0])
+    print(write_table(sorted(kept + records, key=lambda r: r["architecture"]), mapping=args.mapping).split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ that fails or runs out of time is recorded and the next one runs. The sub-checks
 * ``osft``: the same ``train.py`` runs as full fine-tuning and as OSFT (``--osft
   --osft-unfreeze-rank-ratio 0.25``): tokens/s, MFU, peak memory and step time side by side,
   with OSFT's ratios to full fine-tuning (the issue's goal: step time within 1.3x).
+* ``long_context``: ``bench/bench_long_context.py`` on one GPU, one sample per step
+  (activation checkpointing on, Liger on where installed): tokens/s, MFU and peak memory at
+  32k, 64k and 128k tokens, then the longest single sample that trains (binary search).
 
 Writes ``report.md`` (every figure with its command), ``report.json`` and
 ``log.txt`` (each command's output) into ``--output-dir``; models and data go to a
@@ -99,18 +102,20 @@ class Sizes:
     lever_steps: int              # train.py steps per lever run; the first is not timed
     time_budget_s: float          # the whole check
     limits_s: dict = dataclasses.field(default_factory=dict)  # per sub-check
+    long_context_lengths: tuple[int, ...] = (32768, 65536, 131072)  # one sample of each, one GPU
 
 
 GPU_SIZES = Sizes(shape="Qwen2.5-1.5B", budgets=(16384, 32768), median_len=600, p99_len=8000, max_len=16384,
                   num_steps=4, num_warmup_steps=1, max_probe_tokens=262144, matmul_size=8192, lever_budget=32768,
-                  lever_steps=6, time_budget_s=890,
+                  lever_steps=6, time_budget_s=1510,
                   limits_s=dict(environment=60, matmul_peak=60, gpu_tests=150, exactness=150, bench_32k=150,
-                                bench_16k=300, levers=240, lora=200, osft=200))
+                                bench_16k=300, levers=240, lora=200, osft=200, long_context=420))
 CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, max_len=256, num_steps=1,
                   num_warmup_steps=0, max_probe_tokens=1024, matmul_size=256, lever_budget=512, lever_steps=2,
                   time_budget_s=1800,  # generous: CI machines are shared; about 2 minutes on 2 idle cores
                   limits_s=dict(environment=120, matmul_peak=120, gpu_tests=300, exactness=600, bench_32k=300,
-                                bench_16k=300, levers=600, lora=600, osft=600))
+                                bench_16k=300, levers=600, lora=600, osft=600, long_context=600),
+                  long_context_lengths=(256, 512))
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.4%). The packed path (varlen attention,
 # one long row, FSDP, several minibatches) and the unpacked reference (sdpa, one sample at a time)
@@ -437,6 +442,20 @@ def check_osft(runner: Runner, deadline: float) -> dict:
         osft["step_1_loss_relative_difference"] = abs(osft["step_1_loss"] - full["step_1_loss"]) / full["step_1_loss"]
         osft["target_step_time_vs_full"] = TARGETS["osft_step_time_vs_full"]
     return figures
+def check_long_context(runner: Runner, deadline: float) -> dict:
+    """One sample per step on one GPU at the long-context lengths, then the longest one that trains."""
+    s = runner.sizes
+    output_json = runner.scratch / "long_context.json"
+    search = ["--find-longest", "--max-probe-tokens", s.max_probe_tokens] if runner.device == "cuda" else []
+    runner.run([sys.executable, "-m", "bench.bench_long_context", "--shape", s.shape, "--context-parallel-sizes", 1,
+                "--lengths", ",".join(str(n) for n in s.long_context_lengths), "--repeats", 1,
+                "--liger" if _liger(runner) == "both" else "--no-liger", "--activation-checkpointing", *search,
+                "--output-json", output_json], deadline=deadline)
+    report = json.loads(output_json.read_text())
+    return {"liger": "on" if _liger(runner) == "both" else _why_no_liger(runner), "rows": report["rows"],
+            "longest_single_sample": report["longest_sample_by_n"].get("1"),
+            "note": ("longest single sample that trains: AC on, no safety margin, binary search at 1024 tokens"
+                     if search else "not searched: the search runs on CUDA only")}
 
 
 def _median(values: list) -> float | None:
@@ -465,6 +484,7 @@ CHECKS: tuple[tuple[str, Callable[[Runner, float], dict]], ...] = (
     ("levers", check_levers),
     ("lora", check_lora),
     ("osft", check_osft),
+    ("long_context", check_long_context),
     ("bench_16k", check_bench(0, find_max_tokens=True)),
 )
 
@@ -597,6 +617,8 @@ def summarize(checks: dict) -> dict:
         "max_tokens_liger_ac": {"value": max_liger, "target": TARGETS["max_tokens_liger_ac"]},
         "osft_step_time_vs_full": {"value": checks.get("osft", {}).get("figures", {}).get("osft_0.25", {}).get(
             "step_time_vs_full"), "target": TARGETS["osft_step_time_vs_full"]},
+        "longest_single_sample_ac": {"value": checks.get("long_context", {}).get("figures", {}).get(
+            "longest_single_sample"), "target": None},
     }
 
 

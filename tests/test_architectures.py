@@ -29,7 +29,7 @@ import json
 
 import pytest
 
-from fixtures.architectures import (ARCHITECTURES, ARCH_BY_NAME, build_architecture, matrix_args,
+from fixtures.architectures import (ARCHITECTURES, ARCH_BY_NAME, NOT_SHIPPED, build_architecture, matrix_args,
                                     reference_step_one)
 from fault_injection import DROP_LOGIT_SCALE
 from fixtures.e2e import read_metrics, torchrun, write_tokenized_jsonl
@@ -70,6 +70,12 @@ def matrix(tmp_path_factory, chatml_model) -> dict:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     exits = json.loads((root / "runs" / "results_0.json").read_text())
     return {"root": root, "models": models, "data": data, "exits": exits, "log": result.stderr}
+
+
+@pytest.mark.skipif(not NOT_SHIPPED, reason="the installed transformers ships every family of the matrix")
+def test_families_this_transformers_lacks_are_named():
+    pytest.skip(f"transformers {__import__('transformers').__version__} lacks or breaks {', '.join(NOT_SHIPPED)}: "
+                "left out (fixtures/architectures.py)")
 
 
 @pytest.mark.parametrize("name", TRAINED)
@@ -138,7 +144,7 @@ def test_lora_trains_every_architecture_on_its_own_objective(matrix, name):
     assert record["loss_backward"] == pytest.approx(ref["objective"], rel=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(LORA_REFUSED))
+@pytest.mark.parametrize("name", sorted(set(LORA_REFUSED) & set(TRAINED)))
 def test_lora_that_cannot_be_merged_stops_with_one_line(matrix, name):
     assert matrix["exits"][f"{name}{LORA}"] == 1
     assert any(LORA_REFUSED[name] in ln and "--lora-target-modules all-linear" in ln

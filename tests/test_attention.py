@@ -243,7 +243,7 @@ def test_varlen_attn_adapter_across_torch_signatures(fake, scale):
     total = sum(lengths)
     q, k, v = torch.randn(total, 4, 8), torch.randn(total, 2, 8), torch.randn(total, 2, 8)
     cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(packed_positions(lengths))
-    out = attention._call_varlen_attn(fake, q, k, v, cu_seqlens, max_seqlen, causal=True, scale=scale,
+    out = attention.call_varlen_attn(fake, q, k, v, cu_seqlens, max_seqlen, causal=True, scale=scale,
                                       sliding_window=None)
     expected = textbook_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                   lengths, scale=scale if scale is not None else 8**-0.5)

@@ -176,6 +176,7 @@ def test_wandb_tracker_mirrors_the_jsonl_record(monkeypatch):
                                 finish=lambda: calls.append(("finish",)))
     fake = types.ModuleType("wandb")
     fake.init = lambda project, config, id, resume: calls.append(("init", project, config, id, resume)) or run
+    fake.errors = types.SimpleNamespace(Error=type("Error", (Exception,), {}))  # as wandb.errors.Error
     monkeypatch.setitem(sys.modules, "wandb", fake)
 
     record = _record()

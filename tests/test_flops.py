@@ -28,7 +28,7 @@ def _meta_model(arch, vocab_size: int = 100):
 # The families flops.py's config arithmetic was written for: their count must be exact. For the
 # others (MLA, linear attention, state-space mixers, ...) it must be exact or refused (None), never off.
 COUNTED_FROM_CONFIG = {"llama", "qwen2_tied_swa", "qwen3", "mistral_swa", "phi3", "olmo2", "granite", "cohere",
-                       "gemma2", "gemma3", "qwen3_moe_aux", "mixtral", "granitemoe_aux", "gpt_oss"}
+                       "gemma2", "gemma3", "qwen3_moe_aux", "mixtral", "granitemoe_aux", "gpt_oss", "gemma4"}
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
@@ -75,6 +75,38 @@ def test_a_config_without_attention_heads_logs_null_flops_instead_of_raising(mod
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, 100))
     shape, reason = checked_model_flops(model)
     assert shape is None and "has no num_attention_heads" in reason and "logged as null" in reason
+
+
+def test_gemma4_head_dim_and_key_value_heads_are_read_per_layer():
+    """transformers 5.24 refuses ``config.head_dim`` on Gemma-4 (its full-attention layers have their own):
+    start-up crashed there. The count reads each layer's config and matches the model's matrices."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from fixtures.tiny_configs import tiny_config
+
+    if "gemma4_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Gemma-4")
+    config = tiny_config("gemma4_text", 100)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape, reason = checked_model_flops(model)
+    assert shape is not None, reason
+    assert shape.num_matmul_params == matmul_params_of(model)
+    # Each layer's query width as its own attention module has it (heads x that layer's head_dim).
+    assert shape.attention_dims == tuple(layer.self_attn.q_proj.out_features for layer in model.model.layers)
+    assert shape.attention_windows == (8, None)
+
+
+def test_a_config_the_count_cannot_read_logs_null_instead_of_raising():
+    """A per-layer attribute the count reads globally: transformers raises on the read; FLOPs go null."""
+    config, model = _meta_model(ARCHITECTURES[0])
+    if not hasattr(config, "per_layer_config"):
+        pytest.skip("this transformers has no heterogeneous (per-layer) configs")
+    model.config.per_layer_config = {0: {"hidden_size": 64}}
+    shape, reason = checked_model_flops(model)
+    assert shape is None
+    assert "cannot read the config" in reason and "AmbiguousGlobalPerLayerAttributeError" in reason
+    assert "logged as null" in reason and "\n" not in reason
 
 
 def test_qwen2_moe_shared_expert_and_dense_layers():

@@ -83,6 +83,12 @@ def test_every_sub_check_ran_and_passed_on_cpu(rehearsal):
     assert osft["osft_0.25"]["step_time_vs_full"] > 0 and osft["osft_0.25"]["peak_memory_vs_full"] > 0
     assert osft["osft_0.25"]["step_1_loss_relative_difference"] <= 1e-4, "fp32 on CPU: the factors reproduce W"
     assert report["summary"]["osft_step_time_vs_full"]["value"] == osft["osft_0.25"]["step_time_vs_full"]
+    long_context = checks["long_context"]["figures"]
+    rows = {row["length"]: row for row in long_context["rows"]}
+    assert set(rows) == set(gpu_check.CPU_SIZES.long_context_lengths)
+    assert all(r["status"] == "ok" and r["context_parallel_size"] == 1 and r["tokens_per_second_per_gpu"] > 0
+               and r["mfu"] is None for r in rows.values())
+    assert long_context["longest_single_sample"] is None and "CUDA only" in long_context["note"]
 
     found = checks["bench_16k"]["figures"]["max_tokens_per_gpu"]
     assert found["liger_off"] is None and found["liger_on"] is None  # the search runs on CUDA only

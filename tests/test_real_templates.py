@@ -36,6 +36,7 @@ HEADERS = {
     "mistral-nemo": ("[/INST]", "[/TOOL_RESULTS]"), "gemma-2": ("<start_of_turn>model\n",),
     "phi-3.5": ("<|assistant|>\n",), "granite-3.3": ("<|start_of_role|>assistant<|end_of_role|>",),
     "command-r7b-tool_use": ("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",), "gpt-oss": ("<|start|>assistant",),
+    "command-r-plus-tool_use": ("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",),
 }
 ENDS = {
     "qwen2.5": ("<|im_end|>",), "qwen3": ("<|im_end|>",), "qwq": ("<|im_end|>",),
@@ -44,9 +45,13 @@ ENDS = {
     "gemma-2": ("<end_of_turn>",), "phi-3.5": ("<|end|>",), "granite-3.3": ("<|end_of_text|>",),
     # The reply's marker, then the turn terminator that is the tokenizer's EOS: both learned.
     "command-r7b-tool_use": ("<|END_RESPONSE|><|END_OF_TURN_TOKEN|>", "<|END_ACTION|><|END_OF_TURN_TOKEN|>"),
+    "command-r-plus-tool_use": ("<|END_OF_TURN_TOKEN|>",),
     # Harmony: the last reply ends <|return|>, earlier ones <|end|>, a tool call <|call|>.
     "gpt-oss": ("<|return|>", "<|end|>", "<|call|>"),
 }
+# Templates that close a tool call with no token of their own: the call is learned through its own
+# text, up to the next turn's header, and is not counted as a reply by the audit (nothing ends it).
+CALL_ENDS = {"command-r-plus-tool_use": "]```\n"}
 # The single-turn conversation's learned text, exactly.
 SINGLE = {
     "qwen3": "<think>\n\n</think>\n\nHi! How can I help?<|im_end|>",
@@ -114,12 +119,14 @@ def test_real_template(loaded, name, conversation, with_tools):
     assert all(label in (token, IGNORE_INDEX) for token, label in zip(sample.input_ids, sample.labels))
     replies = [m for m in messages if m["role"] == "assistant"]
     runs = _runs(sample.input_ids, sample.labels)
-    assert len(runs) == len(replies) == sample.num_replies == sample.num_replies_end_learned
+    unclosed = [reply for reply in replies if reply.get("tool_calls") and name in CALL_ENDS]
+    assert len(runs) == len(replies)
+    assert sample.num_replies == sample.num_replies_end_learned == len(replies) - len(unclosed)
     learned = [tok.decode(sample.input_ids[a:b]) for a, b in runs]
     for (a, b), text, reply in zip(runs, learned, replies):
         before = tok.decode(sample.input_ids[:a])
         assert before.endswith(HEADERS[name]), (before[-80:], text)
-        assert text.endswith(ENDS[name]), text
+        assert text.endswith(CALL_ENDS[name] if reply in unclosed else ENDS[name]), text
         content = reply["content"].split("</think>")[-1].strip()
         assert content in text
         for call in reply.get("tool_calls", ()):
@@ -148,9 +155,22 @@ def test_real_template_pretrain_row(loaded, name):
 
 
 def test_tool_only_template_without_tools_probe(loaded):
-    """Hermes' tool_use template raises without ``tools``: the probe without them finds nothing, with
-    the rows' tools it finds the end-of-turn (process_data passes them)."""
+    """Hermes' tool_use template raises without ``tools``: where the rows' tools are not given (or the
+    template refuses them), a fully described probe tool still finds the end-of-turn."""
     tok, _ = loaded("hermes-3-tool_use")
-    with pytest.raises(ValueError, match="--end-of-turn-token"):
-        ChatEncoder(tok, max_sample_num_tokens=1 << 30)
+    assert ChatEncoder(tok, max_sample_num_tokens=1 << 30).end_of_turn_tokens == ("<|im_end|>",)
     assert ChatEncoder(tok, max_sample_num_tokens=1 << 30, probe_tools=TOOLS).end_of_turn_tokens == ("<|im_end|>",)
+
+
+def test_command_r_plus_starts_on_tools_it_refuses(loaded):
+    """Command-R+'s tool_use template needs a description for every parameter and refuses rows
+    without tools: process_data stopped at start-up ("cannot find the chat template's end-of-turn
+    token"). It now starts; such rows are refused by the template, one by one."""
+    tok, _ = loaded("command-r-plus-tool_use")
+    bare = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    encoder = ChatEncoder(tok, max_sample_num_tokens=1 << 30, probe_tools=bare)
+    assert encoder.end_of_turn_tokens == ("<|END_OF_TURN_TOKEN|>",)
+    row = {"messages": CONVERSATIONS["single"], "tools": bare}
+    (sample,) = encoder.encode_rows([json.dumps(row).encode()])
+    assert isinstance(sample, SampleError) and sample.reason == "template_error"

@@ -1,11 +1,13 @@
-"""A resumed run continues its Weights & Biases run; a wandb that cannot start fails before the model loads.
+"""A resumed run continues its Weights & Biases run; a tracker that cannot start or log never stops a run.
 
     .venv/bin/python -m pytest -q tests/test_tracker_resume.py
 
 wandb is a network service and an optional package (not installed here), so
 these runs put a stand-in ``wandb`` package on PYTHONPATH: the boundary, not
 the trainer, is replaced. It records every ``wandb.init`` call to a file and
-can refuse to start as wandb does without credentials.
+can refuse to start as wandb does without credentials, or fail on ``log`` as it does
+when its service goes away. A tracker package whose import fails is a ``wandb`` /
+``tensorboard`` package on PYTHONPATH that raises ``ImportError`` (a broken install).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class _Run:
         self.id = run_id
 
     def log(self, data, step):
+        if os.environ.get("FAKE_WANDB_LOG_FAIL"):
+            raise errors.CommError("Network error (ConnectionError), entering retry loop")
         with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
             f.write(json.dumps({"log_step": step}) + "\\n")
 
@@ -49,7 +53,13 @@ class Error(Exception):
 
 class UsageError(Error):
     pass
+
+
+class CommError(Error):
+    pass
 '''
+BROKEN = 'raise ImportError("libfoo.so: cannot open shared object file")\n'
+
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +97,59 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, chatml_model, fake_w
     assert inits[1] == {"init_id": first, "resume": "allow"} and saved == first
     assert [c["log_step"] for c in calls if "log_step" in c] == [1, 2]
 
-    failing = torchrun(_args(chatml_model, data, tmp_path / "fails", 1), env={**env, "FAKE_WANDB_FAIL": "1"})
-    text = failing.stdout + failing.stderr
-    assert failing.returncode != 0
-    assert "wandb.init failed (api_key not configured" in text and "wandb login" in text
-    assert "Loading weights" not in text, "the tracker is checked before the model loads"
+
+
+def _warnings(text: str, needle: str) -> list[str]:
+    return [line for line in text.splitlines() if "WARNING" in line and needle in line]
+
+
+def test_a_tracker_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path, chatml_model, fake_wandb):
+    """wandb.init refused (no credentials): the run trains on with one warning instead of exiting."""
+    import os
+
+    vocab = model_vocab_size(chatml_model)
+    data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=20, vocab_size=vocab, seed=2)
+    env = {"PYTHONPATH": f"{fake_wandb}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FAKE_WANDB_LOG": str(tmp_path / "calls.jsonl"), "FAKE_WANDB_FAIL": "1"}
+    result = torchrun(_args(chatml_model, data, tmp_path / "out", 1), env=env)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-4000:]
+    [warning] = _warnings(text, "wandb.init failed (api_key not configured")
+    assert "the run goes on without tracking" in warning
+    assert len((tmp_path / "out" / "training_metrics_0.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_tracker_package_that_fails_to_import_is_one_warning(tmp_path, chatml_model):
+    """Both trackers asked for, both packages broken: one warning (wandb's import fails first); training goes on."""
+    import os
+
+    site = tmp_path / "site"
+    for package in ("wandb", "tensorboard"):
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text(BROKEN)
+    vocab = model_vocab_size(chatml_model)
+    data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=20, vocab_size=vocab, seed=2)
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "out"
+    result = torchrun(_args(chatml_model, data, out, 1) + ["--tensorboard-dir", str(tmp_path / "tb")], env=env)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-4000:]
+    [warning] = _warnings(text, "needs the optional package wandb")
+    assert "the run goes on without tracking" in warning
+    assert len((out / "training_metrics_0.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_tracker_that_fails_while_logging_warns_once_and_is_turned_off(tmp_path, chatml_model, fake_wandb):
+    import os
+
+    vocab = model_vocab_size(chatml_model)
+    data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=20, vocab_size=vocab, seed=2)
+    env = {"PYTHONPATH": f"{fake_wandb}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FAKE_WANDB_LOG": str(tmp_path / "calls.jsonl"), "FAKE_WANDB_LOG_FAIL": "1"}
+    out = tmp_path / "out"
+    result = torchrun(_args(chatml_model, data, out, 2), env=env)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-4000:]
+    [warning] = _warnings(text, "tracker WandbTracker failed in log (CommError: Network error")
+    assert "tracking is off for the rest of the run" in warning
+    assert len((out / "training_metrics_0.jsonl").read_text().splitlines()) == 2

@@ -11,6 +11,8 @@ transformers; stop conditions, sharding strategies and bad inputs behave.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fixtures.e2e import (model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, unpacked_loss_sum,
+from fixtures.e2e import (ROOT, model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, unpacked_loss_sum,
                           write_tokenized_jsonl)
 from sampler import InfiniteSampler, load_tokenized_dataset
 
@@ -205,6 +207,28 @@ def test_decaying_scheduler_without_stop_condition_is_refused():
     with pytest.raises(ValueError, match="--max-steps"):
         TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler="cosine")
     TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler="cosine", max_samples=100)
+
+
+@pytest.mark.parametrize("flag,value", [("learning_rate", float("nan")), ("learning_rate", float("inf")),
+                                        ("learning_rate", -1e-5), ("weight_decay", float("nan")),
+                                        ("max_grad_norm", float("inf"))])
+def test_non_finite_or_negative_optimizer_numbers_are_refused_with_the_others(flag, value):
+    """``nan < 0`` is False: a NaN learning rate passed the check and failed inside torch after the model loaded."""
+    from train import TrainConfig
+
+    with pytest.raises(ValueError) as err:
+        TrainConfig(output_dir="x", min_samples_per_checkpoint=0, **{flag: value})
+    problems = str(err.value).splitlines()[1:]
+    assert f"  - --{flag.replace('_', '-')} must be a finite number >= 0, got {value}" in problems
+    assert any("--min-samples-per-checkpoint" in line for line in problems), "reported with the other problems"
+
+
+def test_learning_rate_nan_is_one_usage_line_on_the_command_line(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", "--output-dir", str(tmp_path), "--data-path", "x",
+                             "--model-name-or-path", "x", "--min-samples-per-checkpoint", "8",
+                             "--learning-rate", "nan"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--learning-rate must be a finite number >= 0, got nan" in result.stderr
 
 
 @pytest.mark.parametrize("name", ["cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"])
