@@ -91,7 +91,7 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
         torch.save(rng_state(), tmp / f"rng_rank{dist_info.rank}.pt")  # tensors and numbers: no pickle needed
         digests = {path.name: file_digest(path) for path in _files_of_rank(tmp, dist_info.rank)}
     except (OSError, dcp.CheckpointException, RuntimeError) as err:
-        error = f"writing {tmp} failed: {_cause(err)}"
+        error = f"writing {tmp} failed: {_cause(err, folder=tmp)}"
     _abort_save_on_error(first_error(error), final, is_main=dist_info.is_main)
     # Each rank hashed the files it wrote, in parallel; rank 0 records them all.
     gathered = [None] * dist_info.world_size if dist_info.is_main else None
@@ -174,8 +174,16 @@ def _abort_save_on_error(error: str | None, final: Path, *, is_main: bool) -> No
     raise SystemExit(1)
 
 
-def _cause(err: BaseException) -> str:
-    """The error itself, plus advice only where the advice fits the cause."""
+FULL_DISK_BYTES = 64 * 2**20
+"""A write that failed without an errno, on a file system with less free space than this, is taken for a full disk."""
+
+
+def _cause(err: BaseException, *, folder: Path | None = None) -> str:
+    """The error itself, plus advice only where the advice fits the cause.
+
+    torch's zip writer (inside DCP's save too) reports a full disk as ``RuntimeError: ... unexpected pos
+    704 vs 598``, and DCP passes other ranks' errors on without their chained OSError; so a failure
+    that names no errno is checked against the free space of ``folder``."""
     leaf = err
     while not isinstance(leaf, OSError):
         if isinstance(leaf, dcp.CheckpointException) and leaf.failures:
@@ -189,6 +197,14 @@ def _cause(err: BaseException) -> str:
         return f"{leaf} (the disk or quota is full: free space)"
     if isinstance(leaf, OSError) and leaf.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{leaf} (fix the folder's permissions)"
+    if not isinstance(leaf, OSError) and folder is not None:
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
+        if free is not None and free < FULL_DISK_BYTES:
+            return (f"No space left on device: {folder} has {free / 2**20:.1f} MiB free (the disk or quota is full: "
+                    f"free space); the write failed with {type(leaf).__name__}: {str(leaf).splitlines()[0]}")
     return f"{type(leaf).__name__}: {str(leaf).splitlines()[0] if str(leaf) else ''}"
 
 

@@ -175,6 +175,12 @@ def _fill(folder: Path) -> None:
         pass  # full
 
 
+def _next_line_needs_a_page(metrics: Path) -> bool:
+    """Whether the next metrics line may need a new 4 KiB page, after a step that saves nothing (every 5th does)."""
+    lines = metrics.read_text().splitlines(keepends=True)
+    return len(lines) % 5 != 0 and metrics.stat().st_size % 4096 + max(len(line) for line in lines) + 64 > 4096
+
+
 def _complete_and_verified(out: Path) -> list[str]:
     from full_state import verify
 
@@ -202,7 +208,7 @@ def test_disk_full_during_a_full_state_save_stops_every_rank_then_resumes_exactl
     for rank in (0, 1):
         assert (f"[rank{rank}] ERROR full-state checkpoint {out / 'full_state' / 'samples_48'} could not be saved"
                 in output), output[-4000:]
-    assert "No space left on device" in output
+    assert "No space left on device" in output, [line for line in output.splitlines() if "ERROR" in line]
     _no_worker_traceback(output)
     assert _complete_and_verified(out) == ["samples_24"], "the failed save must never look like a checkpoint"
     assert not list((out / "full_state").glob("*.tmp")), "the half-written save is removed, freeing its space"
@@ -218,17 +224,22 @@ def test_disk_filled_by_another_writer_between_saves_stops_every_rank_in_one_lin
                                                                                   data_path):
     disk = small_disk(16)  # room for every checkpoint the run plans: only the other writer fills it
     out = disk / "out"
-    run = _Launch(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_STEP_SLEEP": "0.5"})
-    run.wait_for(lambda: (out / "full_state" / "samples_24").is_dir(), "the first full state")
+    metrics = out / "training_metrics_0.jsonl"
+    run = _Launch(_args(chatml_model, data_path, out, "--min-samples-per-checkpoint", str(5 * BATCH),
+                        "--max-steps", "12"), env={"MINI_TRAINER_TEST_STEP_SLEEP": "1"})
+    # The write that meets the full disk first must be rank 0's alone: the metrics line (the row of issue 30;
+    # a failed export already stopped every rank). tmpfs allocates 4 KiB pages, so after the save of step 5
+    # the disk is filled once the next line may no longer fit in the metrics file's last page, on a step
+    # that saves nothing (saves come after the step's line; lines are ~900 bytes: line 10 needs page 3).
+    run.wait_for(lambda: (out / "full_state" / f"samples_{5 * BATCH}").is_dir() and _next_line_needs_a_page(metrics),
+                 "a metrics line that needs a new page")
     _fill(disk)
     assert run.exit_within(SECONDS_TO_EXIT) != 0
     output = run.output
-    # Which write meets the full disk first (the metrics line, or the next export) depends on how much of
-    # its last page a file still has: either way, one line per rank, naming the cause and the file.
-    assert "[rank0] ERROR" in output and "No space left on device" in output, output[-4000:]
+    assert f"[rank0] ERROR stopping: [Errno 28] No space left on device: '{metrics}'" in output, output[-4000:]
     assert "[rank1] ERROR" in output, "the other rank says why it stops"
     _no_worker_traceback(output)
-    assert _complete_and_verified(out)[0] == "samples_24", "what was saved stays loadable"
+    assert _complete_and_verified(out)[0] == f"samples_{5 * BATCH}", "what was saved stays loadable"
 
 
 # ----------------------------------------------------------------------------
@@ -302,11 +313,11 @@ def test_a_checkpoint_older_than_the_content_fingerprint_resumes_with_a_warning(
 def test_a_second_run_on_the_same_output_dir_is_refused_and_a_dead_runs_lock_taken_over(tmp_path, chatml_model,
                                                                                         data_path, caplog):
     out = tmp_path / "out"
-    first = _Launch(_args(chatml_model, data_path, out, "--max-steps", "1000"),
-                    env={"MINI_TRAINER_TEST_STEP_SLEEP": "1"})
+    command = _args(chatml_model, data_path, out, "--max-steps", "200")  # the same command, launched twice
+    first = _Launch(command, env={"MINI_TRAINER_TEST_STEP_SLEEP": "1"})
     try:
         first.wait_for(lambda: (out / "training_metrics_0.jsonl").is_file(), "the first run's first step")
-        second = torchrun(_args(chatml_model, data_path, out), timeout=240)
+        second = torchrun(command, timeout=240)
         assert first.proc.poll() is None, "the first run trains on"
     finally:
         first.kill()  # kill -9 of the job: its lock stays behind, stale
