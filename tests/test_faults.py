@@ -56,9 +56,16 @@ def _ok(result) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def _no_worker_traceback(output: str) -> None:
-    """The trainer's processes print no traceback (torchrun's own summary of a failed job is one)."""
-    assert output.count("Traceback (most recent call last)") == output.count("ChildFailedError:"), output[-6000:]
+def _no_worker_traceback(output: str, *, killed_rank: int | None = None) -> None:
+    """The trainer's processes print no traceback (torchrun's own summary of a failed job is one).
+
+    A rank killed from outside is not judged: its DataLoader worker may report the broken pipe to its
+    dead parent (multiprocessing's resource sharer) before it exits, which says nothing of the survivors.
+    """
+    lines = [line for line in output.splitlines()
+             if killed_rank is None or f"[rank{killed_rank}]:" not in line]
+    shown = "\n".join(lines)
+    assert shown.count("Traceback (most recent call last)") == shown.count("ChildFailedError:"), output[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +409,7 @@ def test_a_rank_killed_by_the_oom_killer_makes_the_survivor_exit_at_once_naming_
         output[-4000:]
     assert "forcefully exiting" not in output, "torchrun had to SIGKILL the survivor"
     assert took < 15, f"the survivor took {took:.1f} s"
-    _no_worker_traceback(output)
+    _no_worker_traceback(output, killed_rank=1)
     assert _complete_and_verified(out) in ([], ["samples_24"]), "nothing half-written is kept"
 
 
