@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures.e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from setup_model_fsdp import compile_refusal
 
@@ -44,10 +44,6 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--num-data-workers", "0", "--skip-objective-check", *extra]
 
 
-def _ok(result) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-
-
 def _recompiles(result) -> int:
     return (result.stdout + result.stderr).count("Recompiling function")
 
@@ -56,7 +52,7 @@ def _recompiles(result) -> int:
 def compiled(tmp_path_factory, chatml_model, data_path) -> tuple[Path, int]:
     out = tmp_path_factory.mktemp("compiled")
     result = torchrun(_args(chatml_model, data_path, out, "--compile"), env=RECOMPILE_LOGS, timeout=900)
-    _ok(result)
+    assert_ok(result)
     assert "torch.compile: 2 decoder blocks" in result.stderr
     return out, _recompiles(result)
 
@@ -64,7 +60,7 @@ def compiled(tmp_path_factory, chatml_model, data_path) -> tuple[Path, int]:
 def test_compiled_losses_equal_eager_without_a_recompile_per_length(tmp_path, chatml_model, data_path, compiled):
     out, recompiles = compiled
     eager = tmp_path / "eager"
-    _ok(torchrun(_args(chatml_model, data_path, eager)))
+    assert_ok(torchrun(_args(chatml_model, data_path, eager)))
     a, b = read_metrics(eager), read_metrics(out)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     lengths = {r["num_total_tokens"] for r in b}
@@ -86,7 +82,7 @@ def test_compiled_run_killed_and_resumed_equals_uninterrupted(tmp_path, chatml_m
     assert killed.returncode != 0
     assert [p.name for p in complete_checkpoints(out / "full_state")] == [f"samples_{CHECKPOINT_EVERY}"]
     resumed = torchrun(_args(chatml_model, data_path, out, "--compile"), env=RECOMPILE_LOGS, timeout=900)
-    _ok(resumed)
+    assert_ok(resumed)
     assert "resumed from" in resumed.stderr
     assert _recompiles(resumed) == 0
     # One dynamic graph whatever length came first: the resumed run runs the same kernels.

@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures.e2e import ROOT, _free_port, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.e2e import ROOT, _free_port, assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 
 BATCH = 12
@@ -52,10 +52,6 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--min-samples-per-checkpoint", str(EVERY), "--keep-last-n-full-states", "3", *extra]
 
 
-def _ok(result) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-
-
 def _no_worker_traceback(output: str, *, killed_rank: int | None = None) -> None:
     """The trainer's processes print no traceback (torchrun's own summary of a failed job is one).
 
@@ -71,7 +67,7 @@ def _no_worker_traceback(output: str, *, killed_rank: int | None = None) -> None
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("reference")
-    _ok(torchrun(_args(chatml_model, data_path, out)))
+    assert_ok(torchrun(_args(chatml_model, data_path, out)))
     return out
 
 
@@ -222,7 +218,7 @@ def test_disk_full_during_a_full_state_save_stops_every_rank_then_resumes_exactl
 
     subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # the user frees space
     resumed = torchrun(_args(chatml_model, data_path, out))
-    _ok(resumed)
+    assert_ok(resumed)
     assert f"resumed from {out / 'full_state' / 'samples_24'}" in resumed.stderr
     _same_run(out, uninterrupted)
 
@@ -266,7 +262,7 @@ def test_corrupt_full_states_are_skipped_with_one_warning_each(tmp_path, chatml_
     shard.write_bytes(bytes(data))
     (previous / ".metadata").write_bytes(b"")
     resumed = torchrun(_args(chatml_model, data_path, out))
-    _ok(resumed)
+    assert_ok(resumed)
     output = resumed.stdout + resumed.stderr
     assert f"skipping corrupt checkpoint {newest}: __1_0.distcp does not match the checksum" in output, output[-4000:]
     assert f"skipping unreadable checkpoint {previous}: .metadata" in output

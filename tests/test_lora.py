@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from api import config_to_argv
-from fixtures.e2e import model_vocab_size, read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl
+from fixtures.e2e import (assert_ok, model_vocab_size, read_metrics, reference_adamw_losses, torchrun,
+                          write_tokenized_jsonl)
 from full_state import complete_checkpoints
 from lora import LoraSettings, apply_lora, export_states, lora_preflight
 from train import TrainConfig
@@ -48,14 +49,10 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--lora-alpha", str(SETTINGS.alpha), *extra]
 
 
-def _ok(result) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-
-
 @pytest.fixture(scope="module")
 def two_step_run(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("lora_run")
-    _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", "--min-samples-per-checkpoint",
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", "--min-samples-per-checkpoint",
                        str(BATCH))))
     return out
 
@@ -173,7 +170,7 @@ def test_base_weights_untouched_and_exports_load(two_step_run, chatml_model):
 
 def test_adapter_only_export(tmp_path, chatml_model, data_path):
     out = tmp_path / "adapter_only"
-    _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "1", "--min-samples-per-checkpoint", "1000",
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "1", "--min-samples-per-checkpoint", "1000",
                        "--no-lora-merge-on-export")))
     [export] = complete_checkpoints(out / "hf_format")
     names = {p.name for p in export.iterdir()}
@@ -191,7 +188,7 @@ def test_full_state_holds_only_adapters_and_resume_is_exact(tmp_path, chatml_mod
     metadata = torch.distributed.checkpoint.FileSystemReader(str(state)).read_metadata()
     model_keys = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:5]
-    _ok(torchrun(args))
+    assert_ok(torchrun(args))
     a, b = read_metrics(two_step_run), read_metrics(out)
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     final_a = _adapter(complete_checkpoints(two_step_run / "hf_format")[-1])

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from api import config_to_argv
 from fault_injection import KILL_AFTER_SAVE
-from fixtures.e2e import model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, write_tokenized_jsonl
+from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from osft import FACTORS, apply_osft, osft_export_state, osft_targets
 from train_config import TrainConfig
@@ -54,10 +54,6 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--min-samples-per-checkpoint", str(SAVE_EVERY), "--num-data-workers", "0", *extra]
 
 
-def _ok(result) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-
-
 def _full_state(out: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the newest full state (model and AdamW state), unsharded, in one process."""
     reader = FileSystemReader(str(complete_checkpoints(out / "full_state")[-1]))
@@ -80,7 +76,7 @@ def _steps(out: Path) -> list[tuple[float, float]]:
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("one_rank")
-    _ok(torchrun(_args(chatml_model, data_path, out, *RATIO), nproc=1))
+    assert_ok(torchrun(_args(chatml_model, data_path, out, *RATIO), nproc=1))
     return out
 
 
@@ -88,7 +84,7 @@ def one_rank(tmp_path_factory, chatml_model, data_path) -> Path:
 def two_ranks(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("two_ranks")
     result = torchrun(_args(chatml_model, data_path, out, *RATIO))
-    _ok(result)
+    assert_ok(result)
     assert "OSFT: 14 matrices decomposed (7 on this rank" in result.stderr  # the SVDs were split
     return out
 
@@ -122,7 +118,7 @@ def test_c10_four_ranks_hybrid_shard_equal_one_rank(tmp_path, chatml_model, data
     nodes = torchrun_two_nodes(_args(chatml_model, data_path, out, *RATIO, "--fsdp-sharding-strategy", "HYBRID_SHARD"),
                                nproc_per_node=2)
     for result in nodes:
-        _ok(result)
+        assert_ok(result)
     assert "mesh (2, 2)" in nodes[0].stderr
     _assert_close_runs(out, one_rank)
 
@@ -132,7 +128,7 @@ def test_c11_kill_and_resume_equals_the_uninterrupted_run(tmp_path, chatml_model
     killed = torchrun(_args(chatml_model, data_path, out, *RATIO), env={KILL_AFTER_SAVE: str(SAVE_EVERY)})
     assert killed.returncode != 0
     resumed = torchrun(_args(chatml_model, data_path, out, *RATIO))
-    _ok(resumed)
+    assert_ok(resumed)
     assert f"resumed from {out / 'full_state' / f'samples_{SAVE_EVERY}'}" in resumed.stderr
     assert "OSFT: 14 matrices decomposed" in resumed.stderr  # then overwritten by the saved factors
     assert _steps(out) == _steps(two_ranks)
@@ -177,7 +173,7 @@ def test_c8_ratio_one_is_bit_identical_to_no_osft(tmp_path, chatml_model, data_p
     for name, extra in (("plain", []), ("ratio_one", ["--osft", "--osft-unfreeze-rank-ratio", "1.0"])):
         out = tmp_path / name
         result = torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", *extra), nproc=1)
-        _ok(result)
+        assert_ok(result)
         runs[name] = out
     assert "freezes no direction" in result.stderr
     assert _steps(runs["ratio_one"]) == _steps(runs["plain"])

@@ -24,7 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures.e2e import ROOT, _free_port, model_vocab_size, pickle_enums, read_metrics, torchrun, write_tokenized_jsonl
+from fixtures.e2e import (ROOT, _free_port, assert_ok, model_vocab_size, pickle_enums, read_metrics, torchrun,
+                          write_tokenized_jsonl)
 from full_state import complete_checkpoints
 
 BATCH = 12
@@ -45,10 +46,6 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--learning-rate", "1e-3", "--num-warmup-steps", "2", "--lr-scheduler", "cosine",
             "--max-steps", str(STEPS), "--min-samples-per-checkpoint", str(CHECKPOINT_EVERY),
             "--num-data-workers", "0", *extra]
-
-
-def _ok(result) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
 def _checkpoint_names(out: Path) -> dict[str, list[str]]:
@@ -72,7 +69,7 @@ def _assert_same_steps(a: list[dict], b: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("run_a")
-    _ok(torchrun(_args(chatml_model, data_path, out)))
+    assert_ok(torchrun(_args(chatml_model, data_path, out)))
     return out
 
 
@@ -85,7 +82,7 @@ def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(tmp_path, chatml_mo
     with (out / "training_metrics_0.jsonl").open("a") as f:
         f.write('{"step": 5, "lr": 0.0')  # a kill mid-write leaves half a line
     resumed = torchrun(_args(chatml_model, data_path, out))
-    _ok(resumed)
+    assert_ok(resumed)
     assert f"resumed from {out / 'full_state' / f'samples_{CHECKPOINT_EVERY}'}" in resumed.stderr
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
     assert _checkpoint_names(out) == _checkpoint_names(uninterrupted), "same cadence with a resume in between"
@@ -107,7 +104,7 @@ def test_resume_from_metadata_in_either_interpreters_form(tmp_path, chatml_model
         metadata = pickle.load(f)
     (saved / ".metadata").write_bytes(pickle_enums(metadata, by_name=by_name))
     resumed = torchrun(_args(chatml_model, data_path, out))
-    _ok(resumed)
+    assert_ok(resumed)
     assert f"resumed from {saved}" in resumed.stderr
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
     a, b = _final_weights(uninterrupted), _final_weights(out)
@@ -124,7 +121,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, chatml_model, data
     assert [p.name for p in complete_checkpoints(root)] == [f"samples_{CHECKPOINT_EVERY}"]
     assert (root / f"samples_{2 * CHECKPOINT_EVERY}.tmp").exists(), "the interrupted save stays a .tmp"
     resumed = torchrun(_args(chatml_model, data_path, out))
-    _ok(resumed)
+    assert_ok(resumed)
     assert "left behind by a save that was interrupted" in resumed.stderr
     assert not list(root.glob("*.tmp")), "the next start removes the leftover"
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
@@ -132,13 +129,13 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, chatml_model, data
 
 def test_sigterm_checkpoints_and_exits_zero_then_continues(tmp_path, chatml_model, data_path, uninterrupted):
     out = tmp_path / "run_d"
-    _ok(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": "3:1"}))
+    assert_ok(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": "3:1"}))
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     [preempted] = complete_checkpoints(out / "full_state")
     assert preempted.name == f"samples_{3 * BATCH}"
     for rank in (0, 1):  # plain tensors and numbers: loads without pickle
         assert "torch" in torch.load(preempted / f"rng_rank{rank}.pt", weights_only=True)
-    _ok(torchrun(_args(chatml_model, data_path, out)))
+    assert_ok(torchrun(_args(chatml_model, data_path, out)))
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
     names = _checkpoint_names(out)
     assert names["hf_format"] == _checkpoint_names(uninterrupted)["hf_format"], "same cadence across a preemption"
@@ -169,7 +166,7 @@ def test_group_sigterm_with_data_workers_checkpoints_and_resumes_exactly(tmp_pat
     done = read_metrics(out)
     assert 2 <= len(done) < STEPS
     assert complete_checkpoints(out / "full_state")[-1].name == f"samples_{len(done) * BATCH}", output[-4000:]
-    _ok(torchrun(args))
+    assert_ok(torchrun(args))
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
     a, b = _final_weights(uninterrupted), _final_weights(out)
     for name in a:
@@ -178,10 +175,10 @@ def test_group_sigterm_with_data_workers_checkpoints_and_resumes_exactly(tmp_pat
 
 def test_preempted_on_the_last_step_still_exports(tmp_path, chatml_model, data_path, uninterrupted):
     out = tmp_path / "run_last"
-    _ok(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": f"{STEPS}:0"}))
+    assert_ok(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": f"{STEPS}:0"}))
     assert _checkpoint_names(out) == _checkpoint_names(uninterrupted)
     rerun = torchrun(_args(chatml_model, data_path, out))
-    _ok(rerun)
+    assert_ok(rerun)
     assert "this run is already finished" in rerun.stderr
 
 
@@ -203,7 +200,7 @@ def test_world_size_change_continues_the_same_stream(tmp_path, chatml_model, dat
     killed = torchrun(_args(chatml_model, data_path, out),
                       env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(CHECKPOINT_EVERY)})
     assert killed.returncode != 0
-    _ok(torchrun(_args(chatml_model, data_path, out), nproc=nproc))
+    assert_ok(torchrun(_args(chatml_model, data_path, out), nproc=nproc))
     resumed, reference = read_metrics(out), read_metrics(uninterrupted)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     step5, ref5 = resumed[4], reference[4]
@@ -214,7 +211,7 @@ def test_world_size_change_continues_the_same_stream(tmp_path, chatml_model, dat
 
 def test_nan_on_one_rank_is_skipped_by_all(tmp_path, chatml_model, data_path):
     out = tmp_path / "run_nan"
-    _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "4"), env={"MINI_TRAINER_TEST_NAN": "2:1"}))
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "4"), env={"MINI_TRAINER_TEST_NAN": "2:1"}))
     records = read_metrics(out)
     assert [r["skipped"] for r in records] == [False, True, False, False]
     assert records[1]["total_samples_accumulated"] == records[0]["total_samples_accumulated"]
@@ -231,7 +228,7 @@ def test_too_many_bad_steps_abort_clearly(tmp_path, chatml_model, data_path):
 
 def test_keep_last_n_and_mismatched_data_refused(tmp_path, chatml_model, data_path, uninterrupted):
     out = tmp_path / "run_keep"
-    _ok(torchrun(_args(chatml_model, data_path, out, "--min-samples-per-checkpoint", str(BATCH),
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--min-samples-per-checkpoint", str(BATCH),
                        "--max-steps", "3", "--keep-last-n-checkpoints", "2")))
     assert [p.name for p in complete_checkpoints(out / "full_state")] == ["samples_24", "samples_36"]
     assert [p.name for p in complete_checkpoints(out / "hf_format")] == ["samples_24", "samples_36"]
@@ -270,7 +267,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path, chatml_model, data_path, 
     assert (tmp_path / "plain_pickle_runs_it").exists(), "torch's own reader (plain pickle.load) would run it"
 
     result = torchrun(_args(chatml_model, data_path, out))
-    _ok(result)
+    assert_ok(result)
     assert not marker.exists(), "resume ran code from a checkpoint folder"
     assert f"skipping unreadable checkpoint {crafted}" in result.stderr and "refusing posix.system" in result.stderr
     previous = complete_checkpoints(out / "full_state")[-2]

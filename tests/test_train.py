@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fixtures.e2e import (ROOT, model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, unpacked_loss_sum,
-                          write_tokenized_jsonl)
+from fixtures.e2e import (ROOT, assert_ok, model_vocab_size, read_metrics, torchrun, torchrun_two_nodes,
+                          unpacked_loss_sum, write_tokenized_jsonl)
 from sampler import InfiniteSampler, load_tokenized_dataset
 
 BATCH = 12
@@ -45,14 +45,10 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--min-samples-per-checkpoint", "1000", "--num-data-workers", "0", *extra]
 
 
-def _ok(result) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-
-
 @pytest.fixture(scope="module")
 def one_step_run(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("one_step")
-    _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "1", "--max-grad-norm", "0")))
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "1", "--max-grad-norm", "0")))
     return out
 
 
@@ -129,7 +125,7 @@ def test_metrics_line_has_every_documented_key(one_step_run):
 def test_stop_conditions_and_checkpoint_cadence(tmp_path, chatml_model, data_path):
     out = tmp_path / "epochs"
     # 40 samples, 12 per step: one epoch ends after ceil(40/12) = 4 steps.
-    _ok(torchrun(_args(chatml_model, data_path, out, "--num-epochs", "1", "--min-samples-per-checkpoint", "20")))
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--num-epochs", "1", "--min-samples-per-checkpoint", "20")))
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["samples_seen"] == 48
@@ -141,7 +137,7 @@ def test_same_seed_same_losses_and_sharding_strategies_agree(tmp_path, chatml_mo
     losses = {}
     for strategy in ("FULL_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"):
         out = tmp_path / f"{strategy}_{len(losses)}"
-        _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", "--fsdp-sharding-strategy",
+        assert_ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", "--fsdp-sharding-strategy",
                            strategy, "--min-samples-per-checkpoint", "100000")))
         losses[out.name] = [r["loss"] for r in read_metrics(out)]
     runs = list(losses.values())
@@ -159,7 +155,7 @@ def test_deferred_gradient_reduction_keeps_losses_and_weights(tmp_path, chatml_m
         args = _args(chatml_model, data_path, out, "--max-steps", "3", "--fsdp-sharding-strategy", strategy,
                      "--min-samples-per-checkpoint", "100000")
         for result in (torchrun_two_nodes(args) if two_nodes else [torchrun(args)]):
-            _ok(result)
+            assert_ok(result)
         records = read_metrics(out)
         assert min(r["grad_accum"] for r in records) >= 2
         [export] = (out / "hf_format").iterdir()
@@ -273,7 +269,7 @@ def test_batch_without_loss_tokens_does_not_move_the_weights(tmp_path, chatml_mo
             f.write(json.dumps({"input_ids": ids, "labels": [-100] * len(ids), "len": len(ids),
                                 "num_loss_counted_tokens": 0}) + "\n")
     out = tmp_path / "out"
-    _ok(torchrun(_args(chatml_model, data, out, "--max-steps", "2", "--weight-decay", "0.5")))
+    assert_ok(torchrun(_args(chatml_model, data, out, "--max-steps", "2", "--weight-decay", "0.5")))
     records = read_metrics(out)
     assert [r["skipped"] for r in records] == [True, True]
     assert [r["total_samples_accumulated"] for r in records] == [0, 0]
@@ -315,7 +311,7 @@ def test_cpu_offload_clips_over_cpu_shards_like_the_plain_run(tmp_path, chatml_m
     records = {}
     for name, extra in (("plain", []), ("offload", ["--cpu-offload"])):
         out = tmp_path / name
-        _ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", "--max-grad-norm", "0.5", *extra)))
+        assert_ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", "--max-grad-norm", "0.5", *extra)))
         records[name] = read_metrics(out)
     for a, b in zip(records["plain"], records["offload"]):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)

@@ -25,7 +25,7 @@ import checkpoint_policy
 import resume_policy
 import validation
 from batch_metrics import MetricsWriter
-from fixtures.e2e import model_vocab_size, torchrun, unpacked_loss_sum, write_tokenized_jsonl
+from fixtures.e2e import assert_ok, model_vocab_size, torchrun, unpacked_loss_sum, write_tokenized_jsonl
 from full_state import complete_checkpoints
 from sampler import InfiniteSampler, load_tokenized_dataset
 
@@ -42,10 +42,6 @@ def strict_metrics(output_dir: Path) -> list[dict]:
     """Every line of rank 0's metrics file, parsed by a JSON parser that rejects NaN/Infinity."""
     lines = (Path(output_dir) / "training_metrics_0.jsonl").read_text().splitlines()
     return [json.loads(line, parse_constant=_reject_constant) for line in lines]
-
-
-def _ok(result) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +180,7 @@ def test_validation_loss_is_exact_and_split_excludes_training_rows(tmp_path, cha
                  "--early-stopping-patience", "2", "--max-grad-norm", "0", "--min-samples-per-full-state", "8")
     killed = torchrun(args, env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(BATCH)})
     assert killed.returncode != 0
-    _ok(torchrun(args))
+    assert_ok(torchrun(args))
     records = strict_metrics(out)
     steps = [r for r in records if "loss" in r]
     vals = [r for r in records if "val_loss" in r]
@@ -214,7 +210,7 @@ def test_separate_validation_file_and_strict_json(tmp_path, chatml_model, data_p
     vocab = model_vocab_size(chatml_model)
     val_path = write_tokenized_jsonl(tmp_path / "val.jsonl", num_samples=7, vocab_size=vocab, seed=8)
     out = tmp_path / "valfile"
-    _ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "0", "--max-steps", "2",
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "0", "--max-steps", "2",
                        "--validation-data-path", str(val_path)), env={"MINI_TRAINER_TEST_NAN": "1:1"}))
     records = strict_metrics(out)
     assert records[0]["skipped"] is True and records[0]["loss"] is None
@@ -226,7 +222,7 @@ def test_separate_validation_file_and_strict_json(tmp_path, chatml_model, data_p
 
 def test_resume_refuses_changed_params_then_applies_them_when_asked(tmp_path, chatml_model, data_path):
     out = tmp_path / "run"
-    _ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "1e-3", "--max-steps", "2")))
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "1e-3", "--max-steps", "2")))
 
     refused = torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--seed", "6",
                              "--max-steps", "3"))
@@ -236,19 +232,19 @@ def test_resume_refuses_changed_params_then_applies_them_when_asked(tmp_path, ch
     assert "--output-dir" in text and "--allow-config-change" in text
     assert "Loading weights" not in text, "the refusal comes before the model loads"
 
-    _ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--max-steps", "3",
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--max-steps", "3",
                        "--allow-config-change")))
     steps = [r for r in strict_metrics(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert [r["lr"] for r in steps] == [pytest.approx(1e-3), pytest.approx(1e-3), pytest.approx(2e-3)]
 
     finished = torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--max-steps", "3"))
-    _ok(finished)
+    assert_ok(finished)
     assert "already finished (reached --max-steps 3)" in finished.stderr and "--max-steps" in finished.stderr
 
     fresh = torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--max-steps", "1",
                            "--no-resume"))
-    _ok(fresh)
+    assert_ok(fresh)
     [moved] = [p for p in out.iterdir() if p.name.startswith("superseded_")]
     assert f"moved the earlier run's checkpoints and metrics in {out} to {moved}" in fresh.stderr
     assert sorted(p.name for p in (moved / "full_state").iterdir()) == ["samples_16", "samples_24"]
