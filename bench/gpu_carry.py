@@ -5,10 +5,12 @@
 
 The GPU machines run Python 3.12 with torch 2.11, transformers 5.17 and the packages in
 ``IMAGE_PACKAGES``, and reach no package index: ``datasets`` (with ``dill`` and ``multiprocess``),
-``liger-kernel`` and ``torchao`` are missing. This resolves what ``NEEDED`` pulls for Python 3.12 on
-x86-64 Linux against PyPI, with the image's torch, transformers and triton standing in as metadata-only
-wheels (so their multi-GB wheels are never fetched), keeps what the image does not hold, and downloads
-those wheels with ``requirements.txt`` naming them. ``make gpu-check`` installs them offline (``pip
+``liger-kernel`` and ``torchao`` are missing, and transformers 5.17 is below requirements.txt's floor
+(Gemma-2 is silently wrong under sdpa there), so transformers is carried too. This resolves what
+``NEEDED`` pulls for Python 3.12 on x86-64 Linux against PyPI, with the image's torch, triton and the
+libraries transformers needs standing in at the image's versions as metadata-only wheels (so the
+multi-GB wheels are never fetched and nothing the image already satisfies is replaced), keeps what the
+image does not hold, and downloads those wheels with ``requirements.txt`` naming them. ``make gpu-check`` installs them offline (``pip
 install --no-index --no-deps --find-links .gpu-carry -r .gpu-carry/requirements.txt``) when the
 folder is there. ``--check`` (``tests/test_gpu_carry.py``) proves, offline, that every carried wheel
 installs on Python 3.12 x86-64 and that each of its requirements is carried or on the image.
@@ -25,10 +27,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-NEEDED = ("datasets>=3.0", "liger-kernel>=0.6", "torchao>=0.18")
-"""What requirements.txt, requirements-dev.txt and requirements-cuda.txt ask for that the image lacks."""
-STAND_INS = {"torch": "2.11.0", "transformers": "5.17.0", "triton": "3.6.0"}
-"""The image's heavy packages, at its versions: resolved against, never downloaded."""
+NEEDED = ("transformers>=5.23,<5.25", "datasets>=3.0", "liger-kernel>=0.6", "torchao>=0.18")
+"""What requirements.txt, requirements-dev.txt and requirements-cuda.txt ask for that the image lacks
+(or holds below the floor: transformers)."""
+STAND_INS = {"torch": "2.11.0", "triton": "3.6.0", "huggingface-hub": "1.33.0", "tokenizers": "0.23.2",
+             "safetensors": "0.8.0", "numpy": "2.5.2"}
+"""Image packages at the versions its pip list showed: resolved against, never downloaded."""
 IMAGE_PACKAGES = frozenset("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi
 charset-normalizer click cloudpickle contourpy cuda-bindings cuda-core cuda-pathfinder cycler einops
@@ -38,7 +42,7 @@ networkx numpy nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-run
 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
 nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx packaging pandas peft pillow pip pluggy
 propcache protobuf psutil pyarrow pygments pyparsing pytest python-dateutil pyyaml regex requests rich
-safetensors scipy sentencepiece setuptools shellingham six sympy tokenizers torch tqdm transformers triton
+safetensors scipy sentencepiece setuptools shellingham six sympy tokenizers torch tqdm triton
 typer typing-extensions tzdata urllib3 wheel xxhash yarl zipp
 """.split())
 """Packages the GPU image holds (its package list as read on 2026-11-17, the part that matters here)."""
@@ -63,7 +67,7 @@ def _stand_in_wheels(folder: Path) -> None:
 
 
 def resolve() -> dict[str, str]:
-    """``{name: version}`` of everything ``NEEDED`` pulls on the image's Python, torch and transformers."""
+    """``{name: version}`` of everything ``NEEDED`` pulls on the image's Python and packages."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         _stand_in_wheels(tmp)

@@ -30,9 +30,12 @@ def carry(tmp_path_factory) -> Path:
 def test_the_carry_installs_offline_on_the_gpu_images_python(carry):
     pins = (carry / "requirements.txt").read_text().split()
     names = {gpu_carry.canonical(pin.split("==")[0]) for pin in pins}
-    assert {"datasets", "dill", "multiprocess", "liger-kernel", "torchao"} <= names
+    assert {"transformers", "datasets", "dill", "multiprocess", "liger-kernel", "torchao"} <= names
     assert not names & gpu_carry.IMAGE_PACKAGES, "nothing the image already holds is carried"
-    assert not {"torch", "transformers", "triton"} & names
+    assert not {"torch", "triton", "huggingface-hub", "tokenizers"} & names
+    transformers = next(pin.split("==")[1] for pin in pins if pin.startswith("transformers=="))
+    assert (5, 23) <= tuple(int(part) for part in transformers.split(".")[:2]) < (5, 25), \
+        "the carried transformers is inside requirements.txt's range"
     assert gpu_carry.check(carry) == []
     assert sum(f.stat().st_size for f in carry.glob("*.whl")) < 32 * 2**20
 
