@@ -78,7 +78,7 @@ def meta_model(config, trust_remote_code: bool) -> nn.Module:
     return model
 
 
-def apply_liger_kernels(model: nn.Module, *, device_type: str) -> bool:
+def apply_liger_kernels(model: nn.Module, *, device_type: str, compile: bool = False) -> bool:
     """Swap in Liger's RMSNorm, RoPE and SwiGLU kernels where the architecture has them.
 
     Call on the bare Hugging Face model before activation checkpointing and
@@ -89,10 +89,20 @@ def apply_liger_kernels(model: nn.Module, *, device_type: str) -> bool:
     ``apply_rotary_pos_emb`` of the model's transformers module for the whole
     process (Liger's own mechanism).
 
+    Under ``compile`` the blocks are left to inductor, which fuses these
+    elementwise kernels itself: dynamo cannot trace Liger's RMSNorm
+    ``autograd.Function`` (an ``AssertionError`` at the first step on an H100,
+    torch 2.11 with liger-kernel 0.8.5).
+
     Returns:
-        True when kernels were applied; False (with a warning) on CPU or for an
-        architecture Liger does not cover.
+        True when kernels were applied; False (with a log line) under compile, on
+        CPU or for an architecture Liger does not cover.
     """
+    if compile:
+        log_rank_0("--compile: Liger's RMSNorm, RoPE and SwiGLU are left to inductor, which fuses them itself "
+                   "(dynamo cannot trace Liger's autograd Functions); its fused linear cross-entropy still applies",
+                   level=logging.WARNING)
+        return False
     if device_type != "cuda":
         log_rank_0("--use-liger-kernels needs a GPU (Triton kernels): keeping the PyTorch RMSNorm/RoPE/SwiGLU",
                    level=logging.WARNING)
@@ -333,7 +343,7 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
             quantize_base_weights(model, shard_size=mesh.shape[-1], dtype=param_dtype)
     if use_liger_kernels:
         # Rebinds RMSNorm/SwiGLU forwards (parameters untouched) and Liger's RoPE: before AC and fully_shard.
-        apply_liger_kernels(model, device_type=device.type)
+        apply_liger_kernels(model, device_type=device.type, compile=compile)
 
     # Hybrid models: linear-attention / SSM layers must not carry a state across packed samples (recurrent.py).
     mixers = run_mixers_per_sample(decoder_of(model), find_decoder_blocks(model))

@@ -146,8 +146,8 @@ class TrainConfig:
     cpu_offload: bool = config_field(False, help="keep sharded params, grads and optimizer state in host memory")
     activation_checkpointing: bool = config_field(True, help="recompute each decoder block in backward")
     use_liger_kernels: bool = config_field(
-        False, help="Liger fused linear cross-entropy plus RMSNorm/RoPE/SwiGLU kernels (CUDA; ignored with a "
-                    "warning on CPU)")
+        False, help="Liger fused linear cross-entropy plus RMSNorm/RoPE/SwiGLU kernels (CUDA; ignored on CPU; "
+                    "with --compile only the loss)")
     head_learned_positions_only: bool = config_field(
         True, help="LM head and cross-entropy only on positions with a label: same loss and gradients, less work")
     compile: bool = config_field(

@@ -94,6 +94,15 @@ def test_liger_on_cpu_warns_and_changes_nothing(chatml_model, warnings_seen):
     assert any("Liger" in r.getMessage() or "liger" in r.getMessage() for r in warnings_seen.records)
 
 
+def test_liger_under_compile_leaves_the_blocks_to_inductor(chatml_model, warnings_seen):
+    """Dynamo failed on Liger's RMSNorm autograd.Function at step 1 on an H100 (torch 2.11, liger 0.8.5)."""
+    model = AutoModelForCausalLM.from_pretrained(chatml_model)
+    forwards = [m.forward for m in model.modules()]
+    assert apply_liger_kernels(model, device_type="cuda", compile=True) is False
+    assert [m.forward for m in model.modules()] == forwards
+    assert any("left to inductor" in r.getMessage() for r in warnings_seen.records)
+
+
 # ----------------------------------------------------------------------------
 # Boundaries
 
