@@ -282,22 +282,24 @@ def _model_preflight(config: TrainConfig, model_config: PretrainedConfig) -> str
                                  export_text_only=config.export_text_only)
     if error is not None:
         return error
+    # One meta model (no memory) for every check that reads the architecture.
+    model = (meta_model(model_config, config.trust_remote_code)
+             if config.context_parallel_size > 1 or config.attn_implementation != "auto"
+             or config.osft_settings is not None else None)
+    needs = attention_needs(model) if model is not None else None
     if config.context_parallel_size > 1:
-        model = meta_model(model_config, config.trust_remote_code)
         error = context_parallel.refusal(
-            config.context_parallel_size, world_size=dist.get_world_size(), needs=attention_needs(model),
+            config.context_parallel_size, world_size=dist.get_world_size(), needs=needs,
             num_recurrent_mixers=len(recurrent_mixers(find_decoder_blocks(model))),
             router_loss=bool(getattr(model_config, "output_router_logits", False)))
         if error is not None:
             return error
     if config.attn_implementation != "auto":
-        needs = attention_needs(meta_model(model_config, config.trust_remote_code))
         error = explicit_attention_refusal(config.attn_implementation, needs)
         if error is not None:
             return error
     if config.osft_settings is not None:
         # A pattern that matches nothing is refused here, in seconds, not after the weights load.
-        model = meta_model(model_config, config.trust_remote_code)
         try:
             osft_targets(model, blocks=find_decoder_blocks(model), patterns=config.osft_settings.target_patterns)
         except ValueError as err:

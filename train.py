@@ -35,7 +35,7 @@ from schedule import stop_reason
 from setup_run import batch_loader, close_run, setup_run
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_step import log_step, reduce_step, report_skipped_step, train_step
-from utils import (DistInfo, cleanup, exit_finished_process, exit_process, init_distributed, log_rank_0, lost_ranks,
+from utils import (DistInfo, cleanup, exit_process, init_distributed, log_rank_0, lost_ranks,
                    parse_config, setup_logging, stop_in_one_line)
 
 __all__ = ["TrainConfig", "main", "train"]
@@ -100,4 +100,4 @@ if __name__ == "__main__":
         main()
     except SystemExit as stop:  # a refusal or failure, already logged in one line; --help; usage errors
         exit_process(0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1)
-    exit_finished_process()
+    exit_process()

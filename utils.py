@@ -398,25 +398,20 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def exit_process(code: int) -> None:
-    """End this process now with ``code``, streams flushed, skipping the interpreter's teardown
-    (see ``exit_finished_process``): the way out when the job is already broken (a rank died)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def exit_process(code: int = 0) -> None:
+    """End this process now with ``code``, streams flushed, skipping the interpreter's teardown.
 
-
-def exit_finished_process(code: int = 0) -> None:
-    """End a command-line run that finished, skipping the interpreter's teardown.
-
-    After ``destroy_process_group`` the gloo/NCCL groups stay referenced from torch's native DTensor
+    Both ways out of a command-line run take it: a run that finished, and a job already broken (a rank
+    died). After ``destroy_process_group`` the gloo/NCCL groups stay referenced from torch's native DTensor
     dispatch caches (through the device mesh), so they are destroyed only during interpreter teardown,
     with their worker threads still running; a 2-rank CPU run was seen to lose a rank there to SIGABRT
     ("terminate called without an active exception") after it had saved and logged everything.
     Every file is closed by then; the streams are flushed here.
     """
-    exit_process(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _free_port() -> int:
