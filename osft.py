@@ -129,24 +129,28 @@ class OSFTFactors:
     U_low: torch.Tensor  # (N, r-k)
     S_low: torch.Tensor  # (r-k,)
     V_low: torch.Tensor  # (M, r-k)
+    exact_solver_redid: bool = False  # the fast GPU SVD missed SVD_TOLERANCE and gesvd redid it
 
 
 SVD_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 """Relative reconstruction error of an SVD in each upcast dtype above which the GPU redoes it exactly."""
 
 
-def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """``torch.linalg.svd`` (thin) that reproduces ``matrix`` to its dtype's ``SVD_TOLERANCE`` on every device.
 
     On CUDA, torch's default cuSOLVER driver is Jacobi (gesvdj), fast but inexact on large matrices:
     on an H100 (torch 2.11, cu130) Qwen2.5-1.5B's weights came back reproduced only to 5e-4 in fp32,
     which failed the start-up self-check. Where it misses, the QR-based gesvd (slower, exact) redoes
     that matrix, so the cost is paid only where the fast answer is wrong. CPU LAPACK is exact already.
+
+    Returns:
+        U, S, V^T, and whether gesvd redid it (counted in the start-up log).
     """
     U, S, Vh = torch.linalg.svd(matrix, full_matrices=False)  # (N, r), (r,), (r, M)
     if matrix.device.type == "cuda" and relative_error((U * S) @ Vh, matrix) > SVD_TOLERANCE[matrix.dtype]:
-        U, S, Vh = torch.linalg.svd(matrix, full_matrices=False, driver="gesvd")
-    return U, S, Vh
+        return *torch.linalg.svd(matrix, full_matrices=False, driver="gesvd"), True
+    return U, S, Vh, False
 
 
 def relative_error(approximation: torch.Tensor, exact: torch.Tensor) -> float:
@@ -158,11 +162,11 @@ def decompose(weight: torch.Tensor, num_frozen: int, *, upcast_dtype: torch.dtyp
               dtype: torch.dtype | None = None) -> OSFTFactors:
     """SVD of ``weight`` in ``upcast_dtype``; the factors are returned in ``dtype`` (default: the weight's)."""
     dtype = dtype or weight.dtype
-    U, S, Vh = svd(weight.to(upcast_dtype))
+    U, S, Vh, redone = svd(weight.to(upcast_dtype))
     V = Vh.T
     k = num_frozen
     parts = (U[:, :k], S[:k], V[:, :k], U[:, k:], S[k:], V[:, k:])
-    return OSFTFactors(*(p.to(dtype).contiguous() for p in parts))
+    return OSFTFactors(*(p.to(dtype).contiguous() for p in parts), exact_solver_redid=redone)
 
 
 def reconstruct(factors: OSFTFactors | dict[str, torch.Tensor], *, upcast_dtype: torch.dtype = torch.float32
@@ -389,9 +393,11 @@ class DecompositionReport:
     seconds: float
     peak_memory_gb: float  # utils.peak_memory_gb: device peak on GPU, process peak RSS on CPU
     max_reconstruction_error: float = 0.0  # max over all matrices (all ranks) of ||U S V^T - W|| / ||W||
+    num_redone_here: int = 0  # SVDs on this rank that the fast GPU solver missed and gesvd redid
 
     def describe(self) -> str:
-        return (f"OSFT: {self.num_matrices} matrices decomposed ({self.num_decomposed_here} on this rank, "
+        redone = f", {self.num_redone_here} redone by gesvd" if self.num_redone_here else ""
+        return (f"OSFT: {self.num_matrices} matrices decomposed ({self.num_decomposed_here} on this rank{redone}, "
                 f"{self.gflop_here:.2f} G SVD units) in {self.seconds:.1f}s, peak memory {self.peak_memory_gb:.2f} GB; "
                 f"factors reproduce the weights to {self.max_reconstruction_error:.1e} (relative)")
 
@@ -438,12 +444,13 @@ def fill_osft_factors(model: nn.Module, dense_weights: dict[str, torch.Tensor], 
             mine[name] = torch.empty((m.out_features, m.in_features), device=device, dtype=dtype)
             dist.recv(mine[name], group_src=0, group=group)
     cost = sum(svd_flops(m.out_features, m.in_features) for (_, m), owner in zip(modules, owners) if owner == rank)
-    factors, worst = {}, 0.0
+    factors, worst, redone = {}, 0.0, 0
     for (name, m), owner in zip(modules, owners):
         if owner == rank:
             device = comm_device or _local(m.U_low).device
             weight = mine.pop(name).to(device)
             factors[name] = decompose(weight, m.S_high.shape[0], upcast_dtype=upcast_dtype, dtype=m.U_low.dtype)
+            redone += factors[name].exact_solver_redid
             # The factors as training holds them (their dtype) against the weight: the start-up self-check.
             dense = weight.to(upcast_dtype)
             worst = max(worst, relative_error(reconstruct(factors[name], upcast_dtype=upcast_dtype), dense))
@@ -466,4 +473,5 @@ def fill_osft_factors(model: nn.Module, dense_weights: dict[str, torch.Tensor], 
         worst = float(worst_tensor)
     return DecompositionReport(num_matrices=len(modules), num_decomposed_here=sum(o == rank for o in owners),
                                gflop_here=cost / 1e9, seconds=time.perf_counter() - began,
-                               peak_memory_gb=peak_memory_gb(), max_reconstruction_error=worst)
+                               peak_memory_gb=peak_memory_gb(), max_reconstruction_error=worst,
+                               num_redone_here=redone)
