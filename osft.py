@@ -129,15 +129,22 @@ class OSFTFactors:
     U_low: torch.Tensor  # (N, r-k)
     S_low: torch.Tensor  # (r-k,)
     V_low: torch.Tensor  # (M, r-k)
-    exact_solver_redid: bool = False  # the fast GPU SVD missed SVD_TOLERANCE and gesvd redid it
+    exact_solver_redid: bool = False  # the fast GPU SVD missed svd_tolerance and gesvd redid it
 
 
-SVD_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
-"""Relative reconstruction error of an SVD in each upcast dtype above which the GPU redoes it exactly."""
+def svd_tolerance(shape: tuple[int, int], dtype: torch.dtype) -> float:
+    """Relative reconstruction error above which an SVD is redone exactly: 2 eps sqrt(max(N, M)).
+
+    An exact (backward-stable) SVD still rounds: CPU LAPACK in fp32 reproduced decaying-spectrum
+    matrices to 0.24-0.66 eps sqrt(max(N, M)) from 896 x 4864 to 4096 x 14336 (9.5e-6 there;
+    ``bench.bench_osft --part svd``), so a fixed 1e-5 would redo nearly every matrix of a 70B model.
+    cuSOLVER's Jacobi miss on the H100 (5e-4 at 1536 x 8960) was 44 eps sqrt(max(N, M)).
+    """
+    return 2 * torch.finfo(dtype).eps * max(shape) ** 0.5
 
 
 def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """``torch.linalg.svd`` (thin) that reproduces ``matrix`` to its dtype's ``SVD_TOLERANCE`` on every device.
+    """``torch.linalg.svd`` (thin) that reproduces ``matrix`` to ``svd_tolerance`` on every device.
 
     On CUDA, torch's default cuSOLVER driver is Jacobi (gesvdj), fast but inexact on large matrices:
     on an H100 (torch 2.11, cu130) Qwen2.5-1.5B's weights came back reproduced only to 5e-4 in fp32,
@@ -148,7 +155,8 @@ def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
         U, S, V^T, and whether gesvd redid it (counted in the start-up log).
     """
     U, S, Vh = torch.linalg.svd(matrix, full_matrices=False)  # (N, r), (r,), (r, M)
-    if matrix.device.type == "cuda" and relative_error((U * S) @ Vh, matrix) > SVD_TOLERANCE[matrix.dtype]:
+    if (matrix.device.type == "cuda"
+            and relative_error((U * S) @ Vh, matrix) > svd_tolerance(tuple(matrix.shape), matrix.dtype)):
         return *torch.linalg.svd(matrix, full_matrices=False, driver="gesvd"), True
     return U, S, Vh, False
 

@@ -3,6 +3,7 @@
     python -m bench.bench_osft                                   # CPU: both parts, a few minutes
     python -m bench.bench_osft --part speed --hidden-size 512 --num-layers 4 --max-tokens-per-gpu 4096
     python -m bench.bench_osft --part forgetting --phase-two-steps 120
+    python -m bench.bench_osft --part svd --svd-shapes 1536x8960,4096x4096,4096x14336 [--svd-device cuda]
 
 ``speed``: a random Qwen2-style model (``tiny_model.build_model``) trains with ``train.py`` as full
 fine-tuning and as ``--osft --osft-unfreeze-rank-ratio 0.25`` on the same data and flags, runs
@@ -16,7 +17,14 @@ vocabulary (every token has ``--num-successors`` successors; the best possible l
 ln(num_successors)). A random model learns A (phase one, full fine-tuning); from that export,
 phase two trains on B once with full fine-tuning and once with OSFT. Reported: A's held-out loss
 before and after phase two (the rise is the forgetting) and B's held-out loss (what was learned).
-Single-process ``python train.py`` runs; writes ``bench/osft_results.json``.
+Single-process ``python train.py`` runs.
+
+``svd``: how exactly each SVD solver reproduces a weight-like matrix (columns scaled by j^-0.5, so
+the spectrum decays) of each shape, and its seconds: the device's default driver and, on CUDA,
+``gesvd``; each error also as a multiple of eps sqrt(max(N, M)), against ``osft.svd_tolerance``,
+above which the start-up redoes a GPU SVD with ``gesvd``.
+
+Writes ``bench/osft_results.json``.
 """
 
 from __future__ import annotations
@@ -166,9 +174,38 @@ def forgetting(args, work: Path) -> dict:
     return result
 
 
+def svd_accuracy(shapes: list[tuple[int, int]], device: str) -> list[dict]:
+    """Per shape and driver: relative reconstruction error, its multiple of eps sqrt(max(N, M)), seconds."""
+    import torch
+
+    from osft import relative_error, svd_tolerance
+
+    drivers = [None, "gesvd"] if device.startswith("cuda") else [None]
+    eps = torch.finfo(torch.float32).eps
+    rows = []
+    for shape in shapes:
+        generator = torch.Generator().manual_seed(0)
+        weight = (torch.randn(shape, generator=generator) * torch.arange(1, shape[1] + 1) ** -0.5).to(device)
+        for driver in drivers:
+            kwargs = {"driver": driver} if driver else {}
+            torch.linalg.svd(weight[:64, :64], full_matrices=False, **kwargs)  # solver set-up out of the timing
+            synchronize = torch.cuda.synchronize if weight.is_cuda else (lambda: None)
+            synchronize()
+            began = time.perf_counter()
+            U, S, Vh = torch.linalg.svd(weight, full_matrices=False, **kwargs)
+            synchronize()
+            seconds = time.perf_counter() - began
+            error = relative_error((U * S) @ Vh, weight)
+            rows.append({"shape": f"{shape[0]}x{shape[1]}", "device": device, "driver": driver or "default",
+                         "seconds": seconds, "relative_error": error,
+                         "error_over_eps_sqrt_max": error / (eps * max(shape) ** 0.5),
+                         "redo_tolerance": svd_tolerance(shape, torch.float32)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("all", "speed", "forgetting"), default="all")
+    parser.add_argument("--part", choices=("all", "speed", "forgetting", "svd"), default="all")
     parser.add_argument("--hidden-size", type=int, default=256, help="speed: model width")
     parser.add_argument("--num-layers", type=int, default=2, help="speed: decoder blocks")
     parser.add_argument("--batch-size", type=int, default=16, help="speed: samples per step")
@@ -179,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phase-two-steps", type=int, default=60, help="forgetting: steps learning B")
     parser.add_argument("--learning-rate", type=float, default=3e-3, help="forgetting: both phases")
     parser.add_argument("--num-successors", type=int, default=4, help="forgetting: branching of each chain")
+    parser.add_argument("--svd-shapes", default="896x4864,4864x896,1536x8960",
+                        help="svd: comma list of NxM fp32 matrices to decompose")
+    parser.add_argument("--svd-device", default="cpu", help="svd: where the SVDs run (cpu, cuda)")
     parser.add_argument("--output-json", default=str(ROOT / "bench" / "osft_results.json"))
     args = parser.parse_args(argv)
 
@@ -206,6 +246,15 @@ def main(argv: list[str] | None = None) -> None:
         for mode in ("full", "osft_0.25"):
             print(f"{'then B, ' + mode:<22} {f[mode]['A_heldout']:>11.3f} {f[mode]['A_rise']:>+8.3f} "
                   f"{f[mode]['B_heldout']:>11.3f}")
+    if args.part in ("all", "svd"):
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.svd_shapes.split(",")]
+        results["svd"] = rows = svd_accuracy(shapes, args.svd_device)
+        print(f"\nsvd (fp32, on {args.svd_device}): error is ||U S V^T - W|| / ||W||; above the tolerance "
+              "(2 eps sqrt(max(N, M))) a GPU start-up redoes it with gesvd")
+        print(f"{'shape':<12} {'driver':<8} {'seconds':>8} {'error':>9} {'/ eps sqrt(max)':>16} {'tolerance':>10}")
+        for row in rows:
+            print(f"{row['shape']:<12} {row['driver']:<8} {row['seconds']:>8.2f} {row['relative_error']:>9.2e} "
+                  f"{row['error_over_eps_sqrt_max']:>16.2f} {row['redo_tolerance']:>10.2e}")
     Path(args.output_json).write_text(json.dumps(results, indent=2))
     shutil.rmtree(work, ignore_errors=True)
 

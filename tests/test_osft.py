@@ -22,7 +22,7 @@ from torch import nn
 
 from osft import (FACTORS, TRAINABLE, OSFTLinear, apply_osft, assign_by_flops, decompose, fill_osft_factors,
                   num_frozen_directions, osft_export_state, osft_modules, osft_targets, project_gradients,
-                  project_parameters, reconstruct, svd_flops)
+                  project_parameters, reconstruct, svd, svd_flops, svd_tolerance)
 
 LAYER_NAMES = [f"model.layers.{i}.{part}" for i in range(2) for part in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -141,11 +141,21 @@ def test_c1_reconstruction_on_cuda_at_real_sizes(shape):
     right = torch.linalg.qr(torch.randn(shape[1], r, generator=generator, dtype=torch.float64))[0]
     weight = ((left * torch.logspace(0, -3, r, dtype=torch.float64)) @ right.T).float().cuda()
     factors = decompose(weight, num_frozen_directions(*shape, 0.25), upcast_dtype=torch.float32)
-    assert _rel(reconstruct(factors) - weight, weight) <= 1e-5
+    assert _rel(reconstruct(factors) - weight, weight) <= svd_tolerance(shape, torch.float32)
     U = torch.cat([factors.U_high, factors.U_low], dim=1)
     V = torch.cat([factors.V_high, factors.V_low], dim=1)
     eye = torch.eye(r, device=weight.device)
     assert (U.T @ U - eye).abs().max() <= 1e-4 and (V.T @ V - eye).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("shape", [(896, 4864), (4864, 896)])
+def test_an_exact_svd_meets_the_redo_tolerance_and_the_gpus_jacobi_miss_does_not(shape):
+    """CPU LAPACK (exact) at Qwen2.5-0.5B's MLP shapes must not count as a miss, or the GPU would
+    redo every matrix with its slow solver; the H100's gesvdj answer (5e-4 at 1536 x 8960) must."""
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * torch.arange(1, shape[1] + 1) ** -0.5
+    U, S, Vh, redone = svd(weight)
+    assert not redone and _rel((U * S) @ Vh - weight, weight) <= svd_tolerance(shape, torch.float32)
+    assert 5e-4 > svd_tolerance((1536, 8960), torch.float32)
 
 
 def test_forward_rebuilds_w_or_runs_the_factors_by_token_count_with_equal_results():
