@@ -356,14 +356,20 @@ def _train_setup(runner: Runner, deadline: float) -> tuple[list, dict]:
     return base, info
 
 
-def _timed_train(runner: Runner, base: list, extra: tuple[str, ...], deadline: float) -> dict:
-    """One train.py run: medians over its steps but the first (warm-up, compilation), from the metrics lines."""
+def _timed_train(runner: Runner, base: list, extra: tuple[str, ...], deadline: float, *,
+                 keep_log_lines: str | None = None) -> dict:
+    """One train.py run: medians over its steps but the first (warm-up, compilation), from the metrics lines;
+    with ``keep_log_lines``, the output lines that contain it too (``log_lines``)."""
     out = Path(tempfile.mkdtemp(prefix="train_run_", dir=runner.scratch))  # never a folder a run could resume
-    runner.run([sys.executable, "train.py", *base, "--output-dir", out, *extra], deadline=deadline)
+    result = runner.run([sys.executable, "train.py", *base, "--output-dir", out, *extra], deadline=deadline)
     records = [json.loads(line) for line in (out / "training_metrics_0.jsonl").read_text().splitlines()]
     shutil.rmtree(out, ignore_errors=True)
     timed = records[1:] or records
-    return {"args": list(extra), "step_1_loss": records[0]["loss"],
+    kept = {}
+    if keep_log_lines:
+        kept["log_lines"] = [line.strip() for line in (result.stdout + result.stderr).splitlines()
+                             if keep_log_lines in line]
+    return {"args": list(extra), **kept, "step_1_loss": records[0]["loss"],
             "peak_memory_gb": max(r["peak_memory_usage_GB"] for r in records),
             **{key: _median([r[key] for r in timed]) for key in
                ("tokens_per_second_per_gpu", "loss_tokens_per_second_per_gpu", "mfu", "model_flops_per_token",
@@ -434,7 +440,8 @@ def check_osft(runner: Runner, deadline: float) -> dict:
     figures: dict = {"train_flags": [str(part) for part in base], "batch_size": info["batch_size"]}
     for mode, extra in (("full", ()), ("osft_0.25", ("--osft", "--osft-unfreeze-rank-ratio", "0.25"))):
         try:
-            figures[mode] = {"status": "ok", **_timed_train(runner, base, extra, deadline)}
+            # The start-up lines: decomposition seconds, peak memory, SVDs redone by gesvd, reconstruction.
+            figures[mode] = {"status": "ok", **_timed_train(runner, base, extra, deadline, keep_log_lines="OSFT:")}
         except (CheckFailed, CheckTimeout) as err:  # recorded; the other mode still runs
             figures[mode] = {"status": f"{'timeout' if isinstance(err, CheckTimeout) else 'failed'}: {err}"}
     full, osft = figures["full"], figures["osft_0.25"]

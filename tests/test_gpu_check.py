@@ -82,6 +82,7 @@ def test_every_sub_check_ran_and_passed_on_cpu(rehearsal):
     assert osft["full"]["status"] == "ok" and osft["osft_0.25"]["status"] == "ok"
     assert osft["osft_0.25"]["step_time_vs_full"] > 0 and osft["osft_0.25"]["peak_memory_vs_full"] > 0
     assert osft["osft_0.25"]["step_1_loss_relative_difference"] <= 1e-4, "fp32 on CPU: the factors reproduce W"
+    assert any("matrices decomposed" in line for line in osft["osft_0.25"]["log_lines"]), "the start-up's figures"
     assert report["summary"]["osft_step_time_vs_full"]["value"] == osft["osft_0.25"]["step_time_vs_full"]
     long_context = checks["long_context"]["figures"]
     rows = {row["length"]: row for row in long_context["rows"]}
