@@ -47,7 +47,6 @@ batch x batch matrix is gone.
 from __future__ import annotations
 
 import heapq
-import warnings
 from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
 
@@ -600,31 +599,6 @@ def _lpt_fits(sizes: list[int], max_tokens_per_rank: int, num_ranks: int) -> boo
             return False
         heapq.heapreplace(heap, load)
     return True
-
-
-def batch_lengths_to_minibatches(
-    batch_lengths: Sequence[int], max_tokens_per_rank: int, num_ranks: int, rank: int
-) -> list[list[int]]:
-    """This rank's minibatches (lists of batch indices, ``[-1]`` for a dummy).
-
-    The original mini_trainer's signature and contract over ``plan_minibatches``:
-    samples longer than ``max_tokens_per_rank`` are left out of every minibatch
-    with a warning (its collator drops them), not an error. ``sampler.py``
-    drops them itself before planning, so it counts them.
-    """
-    if not 0 <= rank < num_ranks:
-        raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
-    sizes = np.asarray(batch_lengths, dtype=np.int64)
-    keep = np.flatnonzero(sizes <= max_tokens_per_rank)
-    if keep.size < sizes.size:
-        over = np.flatnonzero(sizes > max_tokens_per_rank)
-        warnings.warn(f"left out {over.size} sample(s) longer than max_tokens_per_rank={max_tokens_per_rank}: "
-                      f"batch indices {over[:5].tolist()}{' ...' if over.size > 5 else ''}", stacklevel=2)
-        sizes = sizes[keep]
-    plan = plan_minibatches(sizes, max_tokens_per_rank=max_tokens_per_rank, num_ranks=num_ranks)
-    if keep.size == len(batch_lengths):
-        return [minibatch[rank] for minibatch in plan]
-    return [[int(keep[i]) if i >= 0 else -1 for i in minibatch[rank]] for minibatch in plan]
 
 
 def batch_lengths_to_minibatches_lpt(

@@ -37,6 +37,7 @@ import dataclasses
 import itertools
 import json
 import signal
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,6 +274,30 @@ def _chunk_starts(column: pa.ChunkedArray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------
 # Sampler
+
+
+def batch_lengths_to_minibatches(
+    batch_lengths: Sequence[int], max_tokens_per_rank: int, num_ranks: int, rank: int
+) -> list[list[int]]:
+    """This rank's minibatches (lists of batch indices, ``[-1]`` for a dummy): the original mini_trainer's
+    public per-rank packer, with its signature, import path (``from sampler import ...``) and contract, over
+    ``packing.plan_minibatches``. Samples longer than ``max_tokens_per_rank`` are left out of every
+    minibatch with a warning (its collator dropped them), not an error. The loader below does not call it:
+    it drops such samples itself before planning, so it counts them.
+    """
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
+    sizes = np.asarray(batch_lengths, dtype=np.int64)
+    keep = np.flatnonzero(sizes <= max_tokens_per_rank)
+    if keep.size < sizes.size:
+        over = np.flatnonzero(sizes > max_tokens_per_rank)
+        warnings.warn(f"left out {over.size} sample(s) longer than max_tokens_per_rank={max_tokens_per_rank}: "
+                      f"batch indices {over[:5].tolist()}{' ...' if over.size > 5 else ''}", stacklevel=2)
+        sizes = sizes[keep]
+    plan = plan_minibatches(sizes, max_tokens_per_rank=max_tokens_per_rank, num_ranks=num_ranks)
+    if keep.size == len(batch_lengths):
+        return [minibatch[rank] for minibatch in plan]
+    return [[int(keep[i]) if i >= 0 else -1 for i in minibatch[rank]] for minibatch in plan]
 
 
 class InfiniteSampler:

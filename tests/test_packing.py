@@ -9,7 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packing import (
-    batch_lengths_to_minibatches,
     batch_lengths_to_minibatches_lpt,
     bins_lower_bound,
     lpt_minibatches,
@@ -19,6 +18,7 @@ from packing import (
     sample_costs,
 )
 from packing import _BestFit
+from sampler import batch_lengths_to_minibatches
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -273,3 +273,21 @@ def assert_same_step(a, b):
         assert (x.max_seqlen, x.num_loss_counted_tokens, x.num_samples, x.num_tokens) == (
             y.max_seqlen, y.num_loss_counted_tokens, y.num_samples, y.num_tokens,
         )  # fmt: skip
+
+
+def test_the_originals_public_packer_imports_from_sampler_and_packs_as_its_tests_ask():
+    """mini_trainer's own tests import ``batch_lengths_to_minibatches`` from ``sampler`` and call it with
+    positional ``(batch_lengths, max_tokens_per_rank, num_ranks, rank)``: every index lands once on one
+    rank, every rank gets the same number of minibatches, none over budget."""
+    from sampler import batch_lengths_to_minibatches
+
+    assert batch_lengths_to_minibatches([], 130000, 4, 0) == []
+    assert batch_lengths_to_minibatches([5000], 130000, 4, 0) == [[0]]
+    assert batch_lengths_to_minibatches([5000], 130000, 4, 3) == [[-1]]
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(100, 100_000, size=300).tolist()
+    columns = [batch_lengths_to_minibatches(lengths, 130000, 8, rank) for rank in range(8)]
+    assert len({len(column) for column in columns}) == 1
+    placed = [i for column in columns for minibatch in column for i in minibatch if i != -1]
+    assert sorted(placed) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in minibatch if i != -1) <= 130000 for column in columns for minibatch in column)
