@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from utils import gpu_name, synchronize
+
+if TYPE_CHECKING:
+    from finetune_method import FineTuningMethod
 
 
 @dataclass(frozen=True)
@@ -153,33 +156,33 @@ def _mlp_params(layer: Any, hidden: int, *, is_moe: bool) -> tuple[int, int]:
     return router + shared + num_experts * expert, router + shared + top_k * expert
 
 
-def matmul_params_of(model: Any) -> int:
+def matmul_params_of(model: Any, method: FineTuningMethod | None = None) -> int:
     """What ``model_flops`` counts, counted on the model itself: its weight matrices (2-D, or 3-D fused
     experts) but the embedding tables (lookups: the input embedding, Gemma-4's per-layer table), plus
-    the LM head's matmul once (tied or not). Biases, norms and sinks are elementwise; LoRA adapters are
-    left out as the config knows nothing of them; OSFT layers count as the dense weight they stand for.
-    Sharded parameters (DTensor) report their global size."""
-    from torch import nn
-
-    from osft import osft_modules  # torch: only where a model exists (the shape tables need none)
+    the LM head's matmul once (tied or not). Biases, norms and sinks are elementwise. A fine-tuning
+    method's own parameters count as it says (``FineTuningMethod.added_matrices``: adapters not at all,
+    factors as the dense weight they stand for). Sharded parameters (DTensor) report their global size."""
+    from torch import nn  # torch: only where a model exists (the shape tables need none)
 
     head = model.get_output_embeddings().weight
     lookups = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
     lookups.add(id(model.get_input_embeddings().weight))
-    # An OSFT layer computes x W^T with W (N x M) rebuilt from its factors: it counts as its N x M.
-    factored = osft_modules(model)
-    factor_ids = {id(p) for _, m in factored for p in m.parameters()}
+    added, stands_for = method.added_matrices(model) if method is not None else (set(), 0)
     count = sum(p.numel() for name, p in model.named_parameters()
-                if p.ndim >= 2 and not name.endswith("bias") and "lora_" not in name
-                and id(p) not in lookups and p is not head and id(p) not in factor_ids)
-    return count + head.numel() + sum(m.out_features * m.in_features for _, m in factored)
+                if p.ndim >= 2 and not name.endswith("bias")
+                and id(p) not in lookups and p is not head and id(p) not in added)
+    return count + head.numel() + stands_for
 
 
-def checked_model_flops(model: Any) -> tuple[ModelFlops | None, str]:
+def checked_model_flops(model: Any, method: FineTuningMethod | None = None) -> tuple[ModelFlops | None, str]:
     """``model_flops(model.config)`` where it describes exactly the matrices the model holds, else None
     (MFU and model FLOPs are then logged as null rather than guessed: the config-based count does
     not know every layer kind, e.g. MLA projections, linear attention or state-space mixers).
     Never raises on a config it cannot read: FLOPs are an optional metric and must not stop a run.
+
+    Args:
+        model: the Hugging Face model (sharded or not).
+        method: the fine-tuning method that converted it (``matmul_params_of``); None: full fine-tuning.
 
     Returns:
         The shape or None, and one line saying which and why, for the start-up log.
@@ -198,7 +201,7 @@ def checked_model_flops(model: Any) -> tuple[ModelFlops | None, str]:
         first_sentence = str(err).split(". ")[0]  # transformers' messages go on with advice for model authors
         return None, (f"FLOPs per token: cannot read the config of {name} ({type(err).__name__}: "
                       f"{first_sentence}); {NULL_FLOPS}")
-    real = matmul_params_of(model)
+    real = matmul_params_of(model, method)
     if shape.num_matmul_params != real:
         return None, (f"FLOPs per token: the config of {name} describes {shape.num_matmul_params:,} matrix "
                       f"parameters but the model holds {real:,}; {NULL_FLOPS}")
@@ -223,7 +226,8 @@ def training_flops(shape: ModelFlops, lengths: Sequence[int], *, frozen_base: bo
         shape: from ``model_flops``; None where the config does not describe the model (the FLOPs
             keys are then None).
         lengths: real (unpadded) sample lengths, e.g. every packed row's samples of one step.
-        frozen_base: LoRA: the base weights get no gradient, so matmuls cost 4 N per token, not 6 N.
+        frozen_base: the base weights get no gradient (``FineTuningMethod.frozen_base``), so matmuls
+            cost 4 N per token, not 6 N.
     """
     num_tokens = int(sum(lengths))
     per_weight = 4 if frozen_base else 6

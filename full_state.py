@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import fault_injection
 import resume_policy
-from osft import osft_modules
 from safe_metadata import MetadataSafeReader
 from train_state import TrainState
 from utils import DistInfo, first_error, log_rank_0, logger, rng_state, set_rng_state
@@ -43,21 +42,19 @@ TRAINER_STATE = "trainer_state.json"
 CHECKSUMS = "checksums"
 """trainer_state.json's map of every shard and RNG file to its ``file_digest``, checked before a resume loads."""
 FORMAT_VERSION = 1
-# Frozen weights (LoRA's base model) never change, so resume reloads them from the
-# model itself; the checkpoint holds only what training moves.
-# dcp.load fills exactly the keys get_state_dict listed, so a non-strict set only lets the
-# frozen keys be absent.
-STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
-LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
-# OSFT's frozen factors come from an SVD at start-up, which need not round the same on another
-# rank count, thread count or device: they are saved, so a resume continues the very same factors.
-OSFT_STATE_OPTIONS = StateDictOptions(ignore_frozen_params=False)
-OSFT_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=False, strict=False)
 
 
 def _options(model) -> tuple[StateDictOptions, StateDictOptions]:
-    """``(save options, load options)`` for this model."""
-    return (OSFT_STATE_OPTIONS, OSFT_LOAD_OPTIONS) if osft_modules(model) else (STATE_OPTIONS, LOAD_OPTIONS)
+    """``(save options, load options)`` for this model (the FSDP-wrapped ``CausalLMWithLoss``).
+
+    Frozen weights (a frozen base model) never change, so a resume reloads them from the model itself and
+    the checkpoint holds only what training moves, unless the method says they must be saved
+    (``FineTuningMethod.saves_frozen_weights``). dcp.load fills exactly the keys get_state_dict listed, so
+    a non-strict load only lets the frozen keys be absent.
+    """
+    ignore_frozen = not model.method.saves_frozen_weights(model)
+    return (StateDictOptions(ignore_frozen_params=ignore_frozen),
+            StateDictOptions(ignore_frozen_params=ignore_frozen, strict=False))
 
 
 def full_state_root(output_dir: str | Path) -> Path:

@@ -14,12 +14,9 @@ config. It is written into ``samples_<N>.tmp`` and renamed
 only when complete, so a crash mid-save never leaves a folder that looks
 finished.
 
-With LoRA (``--lora-rank``) the folder holds the merged model (``W + scaling *
-B @ A``, the form vLLM serves) and the adapter in ``adapter/``
-(``adapter_config.json`` + ``adapter_model.safetensors`` for
-``peft.PeftModel.from_pretrained``); with ``--no-lora-merge-on-export`` only the
-adapter, at the top of the folder. With ``--osft`` each decomposed layer's factors are multiplied
-back into its ``weight``: a plain checkpoint, no OSFT keys.
+A fine-tuning method decides what the gathered state becomes (``FineTuningMethod.export_state``): the
+original model's weights (adapters merged, factors multiplied back), and files of its own beside them
+(a peft adapter); its module's docstring says which.
 """
 
 from __future__ import annotations
@@ -37,10 +34,8 @@ from safetensors.torch import save_file
 
 import fault_injection
 from full_state import complete_checkpoints
-from lora import export_states, lora_scaling
 from loss import CausalLMWithLoss
 from multimodal import PROCESSOR_FILES
-from osft import osft_export_state
 from setup_model_fsdp import gather_full_state_dict
 from utils import first_error, logger
 
@@ -114,22 +109,11 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    lora_config = getattr(wrapper, "lora_config", None)
-    merge = getattr(wrapper, "lora_merge_on_export", True)
-    # OSFT factors become W = U_high S_high V_high^T + U_low S_low V_low^T under <module>.weight (no-op without).
-    state = osft_export_state(state, upcast_dtype=getattr(wrapper, "osft_upcast_dtype", torch.float32))
-    multimodal = getattr(wrapper, "multimodal_export", None)
-    text_only = multimodal.key_map if multimodal is not None else None
-    if lora_config is not None:
-        state, adapter = export_states(state, scaling=lora_scaling(lora_config),
-                                       fan_in_fan_out=lora_config.fan_in_fan_out)
-        if text_only is not None:
-            adapter = _renamed_adapter(adapter, text_only)
-            lora_config = copy.deepcopy(lora_config)
-            lora_config.base_model_name_or_path = None  # the base is the text-only export, not the source
-            lora_config.target_modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter})
-        _save_adapter(adapter, lora_config, (tmp / "adapter") if merge else tmp)
-    if lora_config is None or merge:
+    multimodal = wrapper.multimodal_export
+    # The original model's keys (a method's own layout undone: merged adapters, factors multiplied back);
+    # a method's own files (a peft adapter) are written into tmp. None: no model weights to write.
+    state = wrapper.method.export_state(state, tmp, multimodal_export=multimodal)
+    if state is not None:
         tied_key = _tied_output_key(model)
         state = {
             name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
@@ -143,7 +127,7 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
             state = {name: tensor.contiguous() for name, tensor in multimodal.state(state).items()}
         _save_model(state, config, generation_config, tmp, max_shard_size)
     tokenizer.save_pretrained(tmp)
-    if multimodal is not None and text_only is None:
+    if multimodal is not None and multimodal.key_map is None:
         _copy_processor_files(model.config, tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -172,15 +156,6 @@ def _save_model(state: dict[str, torch.Tensor], model_config, generation_config,
         generation_config.save_pretrained(folder)
 
 
-def _renamed_adapter(adapter: dict[str, torch.Tensor], key_map: dict[str, str]) -> dict[str, torch.Tensor]:
-    """peft adapter keys (``base_model.model.<module>.lora_A.weight``) renamed for the text-only causal LM."""
-    renamed = {}
-    for key, tensor in adapter.items():
-        module, which = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
-        renamed[f"base_model.model.{key_map[module + '.weight'].removesuffix('.weight')}.lora_{which}"] = tensor
-    return renamed
-
-
 def _copy_processor_files(model_config, folder: Path) -> None:
     """The source checkpoint's processor files (image/video preprocessor, chat template), copied as they are."""
     from transformers.utils import cached_file
@@ -197,11 +172,3 @@ def _copy_processor_files(model_config, folder: Path) -> None:
                                _raise_exceptions_for_connection_errors=False)
         if path is not None and Path(path).is_file():
             shutil.copyfile(path, folder / name)
-
-
-def _save_adapter(adapter: dict[str, torch.Tensor], lora_config, folder: Path) -> None:
-    """peft's adapter files, in fp32 (small, and exact for resuming or merging elsewhere)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lora_config.save_pretrained(folder)
-    save_file({name: tensor.float().contiguous() for name, tensor in adapter.items()},
-              folder / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -21,14 +21,22 @@ model whose ``W' = W + scaling * B @ A`` carries the original key names.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
+from finetune_method import FineTuningMethod, ModelBuild
 from utils import comma_list
+
+if TYPE_CHECKING:
+    from multimodal import MultimodalExport
 
 ADAPTER_NAME = "default"
 ALL_LINEAR = "all-linear"
@@ -134,24 +142,23 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
     return config
 
 
-def lora_preflight(model_config, settings: LoraSettings, *, shard_size: int = 1) -> str | None:
-    """Adapt (and quantize, for QLoRA) a meta-device copy of the architecture: the error line, or None.
-
-    No memory and no weights are touched. ``shard_size`` is the FSDP shard group's
-    size, which decides which weights split into whole NF4 groups.
-    """
+def adapted_meta_model(model_config, settings: LoraSettings) -> nn.Module:
+    """The architecture on the meta device with adapters injected, as training injects them: no memory, no
+    weights. Raises ``apply_lora``'s one-line ``ValueError``."""
     from multimodal import auto_model_class, detach_non_text, is_multimodal
 
     with torch.device("meta"):
         model = auto_model_class(model_config).from_config(model_config)
     if is_multimodal(model_config):
         detach_non_text(model)  # adapters go on the language model only, as in training
-    try:
-        apply_lora(model, settings)
-        if settings.quantize_data_type != "none":
-            from qlora import quantize_base_weights
+    apply_lora(model, settings)
+    return model
 
-            quantize_base_weights(model, shard_size=shard_size, dtype=torch.float32)
+
+def lora_preflight(model_config, settings: LoraSettings) -> str | None:
+    """Adapt a meta-device copy of the architecture: the error line, or None."""
+    try:
+        adapted_meta_model(model_config, settings)
     except ValueError as err:
         return str(err)
     return None
@@ -160,16 +167,6 @@ def lora_preflight(model_config, settings: LoraSettings, *, shard_size: int = 1)
 def lora_scaling(config) -> float:
     """The factor of ``B @ A`` in peft's forward, from a ``peft.LoraConfig``."""
     return config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
-
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; works on meta and sharded models (global counts)."""
-    trainable = total = 0
-    for param in model.parameters():
-        numel = param.numel()
-        total += numel
-        trainable += numel if param.requires_grad else 0
-    return trainable, total
 
 
 def export_states(state: dict[str, torch.Tensor], *, scaling: float,
@@ -205,3 +202,76 @@ def export_states(state: dict[str, torch.Tensor], *, scaling: float,
             delta = delta.T
         merged[key] = (merged[key].float() + delta).to(merged[key].dtype)
     return merged, adapter
+
+
+def renamed_adapter(adapter: dict[str, torch.Tensor], key_map: dict[str, str]) -> dict[str, torch.Tensor]:
+    """peft adapter keys (``base_model.model.<module>.lora_A.weight``) renamed for the text-only causal LM."""
+    renamed = {}
+    for key, tensor in adapter.items():
+        module, which = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        renamed[f"base_model.model.{key_map[module + '.weight'].removesuffix('.weight')}.lora_{which}"] = tensor
+    return renamed
+
+
+def save_adapter(adapter: dict[str, torch.Tensor], lora_config, folder: Path) -> None:
+    """peft's adapter files, in fp32 (small, and exact for resuming or merging elsewhere)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lora_config.save_pretrained(folder)
+    save_file({name: tensor.float().contiguous() for name, tensor in adapter.items()},
+              folder / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+class LoRA(FineTuningMethod):
+    """Adapters on a frozen base (module docstring); exports the merged model plus ``adapter/``, or the
+    adapter alone (``merge_on_export`` off)."""
+
+    frozen_base = True
+
+    def __init__(self, settings: LoraSettings) -> None:
+        self.settings = settings
+        self.peft_config = None  # peft's LoraConfig as ``convert`` resolved it: what the adapter export saves
+
+    def describe(self) -> str:
+        return f", LoRA rank {self.settings.rank}, alpha {self.settings.alpha:g} on {self.settings.target_modules}"
+
+    def fingerprint(self) -> dict:
+        return {"lora": self.fingerprint_fields()}
+
+    def fingerprint_fields(self) -> list:
+        """The settings that shape the adapters: a checkpoint of other adapters cannot be resumed."""
+        settings = self.settings
+        return [settings.rank, settings.alpha, settings.target_modules, settings.use_rslora]
+
+    def preflight(self, model_config, *, meta_model, shard_size: int) -> str | None:
+        return lora_preflight(model_config, self.settings)
+
+    def convert(self, model: nn.Module, build: ModelBuild) -> None:
+        from multimodal import language_model_targets
+
+        config = apply_lora(model, self.settings)
+        config.base_model_name_or_path = build.model_name_or_path  # recorded in the adapter's config
+        export = build.multimodal_export
+        if export is not None and export.key_map is None:  # exported whole: the towers must not match
+            config.target_modules = language_model_targets(model, config.target_modules)
+        self.peft_config = config
+
+    def convert_loaded(self, model: nn.Module, build: ModelBuild) -> None:
+        # Adapters are initialised here, on rank 0, and reach the other ranks with the weights.
+        apply_lora(model, self.settings)
+
+    def export_state(self, state: dict[str, torch.Tensor], folder: Path, *,
+                     multimodal_export: MultimodalExport | None) -> dict[str, torch.Tensor] | None:
+        config = self.peft_config
+        merged, adapter = export_states(state, scaling=lora_scaling(config), fan_in_fan_out=config.fan_in_fan_out)
+        if multimodal_export is not None and multimodal_export.key_map is not None:
+            adapter = renamed_adapter(adapter, multimodal_export.key_map)
+            config = copy.deepcopy(config)
+            config.base_model_name_or_path = None  # the base is the text-only export, not the source
+            config.target_modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter})
+        merge = self.settings.merge_on_export
+        save_adapter(adapter, config, (folder / "adapter") if merge else folder)
+        return merged if merge else None
+
+    def added_matrices(self, model: nn.Module) -> tuple[set[int], int]:
+        # Adapter FLOPs are left out: the config-based count knows nothing of them.
+        return {id(param) for name, param in model.named_parameters() if "lora_" in name}, 0

@@ -29,8 +29,10 @@ Tests: ``.venv/bin/python -m pytest -q tests/test_osft.py``.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +41,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from utils import peak_memory_gb, reset_peak_memory
+from finetune_method import FineTuningMethod, ModelBuild
+from setup_model_fsdp import find_decoder_blocks
+from utils import log_rank_0, peak_memory_gb, reset_peak_memory
 
 FROZEN = ("U_high", "S_high", "V_high")
 TRAINABLE = ("U_low", "S_low", "V_low")
@@ -483,3 +487,100 @@ def fill_osft_factors(model: nn.Module, dense_weights: dict[str, torch.Tensor], 
                                gflop_here=cost / 1e9, seconds=time.perf_counter() - began,
                                peak_memory_gb=peak_memory_gb(), max_reconstruction_error=worst,
                                num_redone_here=redone)
+
+
+class OSFT(FineTuningMethod):
+    """Orthogonal Subspace Fine-Tuning (module docstring): factor shells on meta, SVDs split across the ranks
+    at start-up, projections around the optimizer step, dense weights in every export."""
+
+    def __init__(self, settings: OSFTSettings) -> None:
+        self.settings = settings
+
+    def describe(self) -> str:
+        return f", OSFT unfreeze rank ratio {self.settings.unfreeze_rank_ratio:g}"
+
+    def fingerprint(self) -> dict:
+        settings = self.settings
+        if settings.unfreeze_rank_ratio == 1.0:  # splits nothing: full fine-tuning
+            return {}
+        # The factors' shapes follow from the ratio and targets; the SVD's dtype changes their rounding.
+        return {"osft": [settings.unfreeze_rank_ratio, settings.target_patterns,
+                         str(settings.upcast_dtype).removeprefix("torch.")]}
+
+    def preflight(self, model_config, *, meta_model, shard_size: int) -> str | None:
+        # A pattern that matches nothing is refused here, in seconds, not after the weights load.
+        model = meta_model()
+        try:
+            osft_targets(model, blocks=find_decoder_blocks(model), patterns=self.settings.target_patterns)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    def convert(self, model: nn.Module, build: ModelBuild) -> None:
+        """Replace the targets of the meta model by empty factor layers (``fill`` decomposes the weights)."""
+        settings = self.settings
+        log_rank_0(settings.describe())
+        targets = osft_targets(model, blocks=find_decoder_blocks(model), patterns=settings.target_patterns)
+        names = apply_osft(model, targets, unfreeze_rank_ratio=settings.unfreeze_rank_ratio,
+                           upcast_dtype=settings.upcast_dtype)
+        if not names:
+            log_rank_0(f"OSFT: ratio {settings.unfreeze_rank_ratio:g} freezes no direction of any of the "
+                       f"{len(targets)} targets: plain full fine-tuning", level=logging.WARNING)
+            return
+        num_frozen = sum(model.get_submodule(name).S_high.numel() for name in names)
+        num_trainable = sum(model.get_submodule(name).S_low.numel() for name in names)
+        log_rank_0(f"OSFT: {len(names)} of {len(targets)} target matrices decomposed ({len(targets) - len(names)} "
+                   f"too small to freeze a direction); {num_frozen:,} singular directions frozen, "
+                   f"{num_trainable:,} trainable")
+
+    def weights_it_fills(self, model: nn.Module) -> set[str]:
+        return {f"{name}.{factor}" for name, _ in osft_modules(model) for factor in FACTORS}
+
+    def hold_back(self, model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The dense weights of the decomposed layers: ``fill`` decomposes them instead of broadcasting them."""
+        names = [name for name, _ in osft_modules(model)]
+        held = {name: full_state.pop(f"{name}.weight") for name in names}
+        if names:
+            # The broadcast is not strict (the factors are absent from it); every other key must still match.
+            expected = {key for key in model.state_dict() if key.rpartition(".")[2] not in FACTORS}
+            assert expected == set(full_state), f"state dict keys differ: {sorted(expected ^ set(full_state))[:5]}"
+        return held
+
+    def fill(self, model: nn.Module, held: dict[str, torch.Tensor], build: ModelBuild) -> None:
+        """Decompose the weights across the ranks (by SVD FLOPs), check the factors reproduce them, log it."""
+        modules = osft_modules(model)
+        if not modules:
+            return
+        # Every rank needs the factors (the replicas of HYBRID_SHARD too): the world group.
+        report = fill_osft_factors(model, held, upcast_dtype=self.settings.upcast_dtype, comm_device=build.device)
+        tolerance = RECONSTRUCTION_TOLERANCE[modules[0][1].U_low.dtype]
+        log_rank_0(report.describe())
+        if report.max_reconstruction_error > tolerance:  # the same number on every rank (all-reduced): all exit
+            log_rank_0(f"OSFT self-check failed: the factors reproduce a weight only to "
+                       f"{report.max_reconstruction_error:.1e} (tolerance {tolerance:.0e}); --osft-upcast-dtype "
+                       "float64 decomposes more exactly", level=logging.ERROR)
+            raise SystemExit(1)
+
+    def before_clip(self, model: nn.Module, *, device: torch.device) -> None:
+        # The gradients lose their frozen-subspace part first, so the clip measures what is applied. The sums
+        # run over the shard group only (HYBRID_SHARD's replicas hold the same shards).
+        project_gradients(model, group=shard_group(model), comm_device=device)
+
+    def after_update(self, model: nn.Module, *, device: torch.device) -> None:
+        # AdamW's per-element scaling moves a projected gradient back into the frozen subspace: project again.
+        project_parameters(model, group=shard_group(model), comm_device=device)
+
+    def saves_frozen_weights(self, model: nn.Module) -> bool:
+        # The frozen factors come from an SVD at start-up, which need not round the same on another rank
+        # count, thread count or device: they are saved, so a resume continues the very same factors.
+        return bool(osft_modules(model))
+
+    def export_state(self, state: dict[str, torch.Tensor], folder: Path, *,
+                     multimodal_export) -> dict[str, torch.Tensor]:
+        return osft_export_state(state, upcast_dtype=self.settings.upcast_dtype)
+
+    def added_matrices(self, model: nn.Module) -> tuple[set[int], int]:
+        # An OSFT layer computes x W^T with W (N x M) rebuilt from its factors: it counts as its N x M.
+        factored = osft_modules(model)
+        return ({id(param) for _, module in factored for param in module.parameters()},
+                sum(module.out_features * module.in_features for _, module in factored))

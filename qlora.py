@@ -30,12 +30,19 @@ weight; each rank keeps its own rows.
 
 from __future__ import annotations
 
+import logging
+import resource
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from finetune_method import ModelBuild
+from lora import LoRA, LoraSettings, adapted_meta_model
+from utils import log_rank_0
 
 NF4 = "nf4"
 QUANTIZE_DATA_TYPES = ("none", NF4)
@@ -212,3 +219,66 @@ def gather_dequantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if is_main:
             full[name] = tensor.detach().cpu()
     return full
+
+
+def qlora_preflight(model_config, settings: LoraSettings, *, shard_size: int = 1) -> str | None:
+    """Adapt and quantize a meta-device copy of the architecture: the error line, or None. ``shard_size`` is
+    the FSDP shard group's size, which decides which weights split into whole NF4 groups."""
+    try:
+        quantize_base_weights(adapted_meta_model(model_config, settings), shard_size=shard_size, dtype=torch.float32)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+class QLoRA(LoRA):
+    """LoRA on an NF4 base (module docstring): rank 0 quantizes, every rank holds NF4 shards, exports
+    dequantize."""
+
+    def fingerprint(self) -> dict:
+        # The base's rounding changes every loss: a LoRA checkpoint is not a QLoRA one.
+        return {"lora": self.fingerprint_fields() + [self.settings.quantize_data_type]}
+
+    def preflight(self, model_config, *, meta_model, shard_size: int) -> str | None:
+        return qlora_preflight(model_config, self.settings, shard_size=shard_size)
+
+    def convert(self, model: nn.Module, build: ModelBuild) -> None:
+        super().convert(model, build)
+        # Meta NF4 shells with the shapes fully_shard cuts; broadcast_nf4 fills them.
+        quantize_base_weights(model, shard_size=build.shard_size, dtype=build.param_dtype)
+
+    def ignored_params(self, model: nn.Module, build: ModelBuild) -> set[nn.Parameter]:
+        if build.shard_size > 1:
+            return set()
+        # Workaround: with a shard group of one rank (NO_SHARD, or a single process) FSDP2 skips the
+        # all-gather and assumes one all-gather input per parameter, but an NF4 weight has three
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``world_size == 1``). Every
+        # rank holds whole weights there anyway, so FSDP2 simply leaves the frozen NF4 weights alone.
+        return {param for param in model.parameters() if is_nf4(param)}
+
+    def convert_loaded(self, model: nn.Module, build: ModelBuild) -> None:
+        super().convert_loaded(model, build)
+        # Rank 0 alone quantizes, weight by weight; the other ranks only ever see NF4 bytes.
+        began = time.perf_counter()
+        report = quantize_base_weights(model, shard_size=build.shard_size, dtype=build.param_dtype,
+                                       device=build.device)
+        log_rank_0(f"QLoRA: {report.num_quantized} base weights in NF4 ({report.num_full_bytes / 2**20:.1f} MiB "
+                   f"in {str(build.param_dtype).removeprefix('torch.')} -> {report.num_nf4_bytes / 2**20:.1f} MiB) "
+                   f"on {build.device.type} in {time.perf_counter() - began:.1f}s; rank 0 peak host memory "
+                   f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB after loading")
+        if report.num_kept:
+            log_rank_0(f"QLoRA: {report.num_kept} adapted linear layers stay in full precision (frozen): their "
+                       f"shards do not split into whole NF4 groups ({', '.join(report.kept_names[:3])}, ...)",
+                       level=logging.WARNING)
+
+    def weights_it_fills(self, model: nn.Module) -> set[str]:
+        return {name for name, param in model.named_parameters() if is_nf4(param)}
+
+    def hold_back(self, model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return pop_nf4(full_state)
+
+    def fill(self, model: nn.Module, held: dict[str, torch.Tensor], build: ModelBuild) -> None:
+        broadcast_nf4(model, held, device=build.weights_device)
+
+    def gather_full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return gather_dequantized_state(model)

@@ -44,13 +44,12 @@ ADDED_LATER = ("data_content_xxh3",)
 other fields still are compared), so a run started before the field existed still resumes, with a warning."""
 
 
-def fingerprint(model_config, dataset, lora=None, osft=None, *, data_digest: str) -> dict:
-    """What must not change between a checkpoint and its resume: model shape, adapters and data.
+def fingerprint(model_config, dataset, method, *, data_digest: str) -> dict:
+    """What must not change between a checkpoint and its resume: model shape, fine-tuning method and data.
 
-    ``lora`` (``lora.LoraSettings`` or None) shapes the trainable parameters, so a
-    checkpoint of other adapters (or of full fine-tuning) cannot be resumed; its
-    base quantization (QLoRA) is part of it too. ``osft`` (``osft.OSFTSettings`` or None) splits the
-    weights into factors of other shapes; ratio 1.0 splits nothing and counts as full fine-tuning.
+    ``method`` (``finetune_method.FineTuningMethod``) adds what shapes its trainable parameters
+    (``FineTuningMethod.fingerprint``: another adapter rank, factors of other shapes), so a checkpoint of
+    another method or other settings cannot be resumed; a field it leaves out counts as None.
     ``data_digest`` is ``dataset.content_digest()``: every token id and label, so a file
     re-tokenized with the same lengths (another template, other masks) is not resumed on.
     """
@@ -63,12 +62,7 @@ def fingerprint(model_config, dataset, lora=None, osft=None, *, data_digest: str
         "num_data_samples": len(dataset),
         "data_lengths_sha1": hashlib.sha1(np.ascontiguousarray(dataset.lengths, dtype=np.int64)).hexdigest(),
         "data_content_xxh3": data_digest,
-        # QLoRA's base rounding changes every loss: appended only when on, so LoRA checkpoints still match.
-        "lora": None if lora is None else ([lora.rank, lora.alpha, lora.target_modules, lora.use_rslora]
-                                           + ([lora.quantize_data_type] if lora.quantize_data_type != "none"
-                                              else [])),
-        "osft": None if osft is None or osft.unfreeze_rank_ratio == 1.0 else [
-            osft.unfreeze_rank_ratio, osft.target_patterns, str(osft.upcast_dtype).removeprefix("torch.")],
+        **method.fingerprint(),
     }
 
 
@@ -91,7 +85,9 @@ def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> 
 def fingerprint_mismatch(saved: dict, current: dict) -> tuple[str | None, list[str]]:
     """``(what differs as one phrase or None, fields the checkpoint predates)`` of two fingerprints."""
     missing = [name for name in ADDED_LATER if name in current and name not in saved]
-    changes = {name: pair for name, pair in changed_fields(saved, current).items() if name not in missing}
+    # Both sides' fields: a method's field is absent where it is off (None), on either side.
+    changes = {name: pair for name, pair in changed_fields(saved, {**dict.fromkeys(saved), **current}).items()
+               if name not in missing}
     listed = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changes.items())
     return listed or None, missing
 
@@ -161,7 +157,7 @@ def _compare_run_params(path: Path, state: dict, current: dict, *, allow_change:
     if not changes:
         return None, None
     old_decay, new_decay = changes.get("weight_decay", (0, 0))
-    if bool(old_decay) != bool(new_decay):  # setup_run.param_groups: one group at 0, two (decayed, exempt) above
+    if bool(old_decay) != bool(new_decay):  # finetune_method.param_groups: one group at 0, two (decayed, exempt) above
         return (f"cannot resume {path} with --weight-decay {new_decay}: it was written with {old_decay}, and "
                 "turning decay on or off changes the optimizer's parameter groups (biases and norms are "
                 "exempt); use --no-resume or another --output-dir"), None

@@ -1,21 +1,23 @@
 """Load a Hugging Face causal LM and shard it with FSDP2 (``fully_shard``).
 
-Order of operations (torchtitan's ``parallelize_llama`` order):
+``setup_model`` is a pipeline of named stages, in torchtitan's ``parallelize_llama`` order:
 
-1. every rank builds the architecture on the ``meta`` device (no memory) and
-   the attention backend is chosen from what it needs; rank 0 alone loads the
-   pretrained weights into host memory, once, in their stored dtype (bf16 for
-   most checkpoints), so a 70B model is never held once per rank nor in fp32;
-2. activation checkpointing per decoder block (``gradient_checkpointing_enable``);
-3. with ``--compile``, ``torch.compile`` per decoder block (``compile_blocks``):
-   after AC, so the checkpoint wraps the compiled block and backward recomputes
-   it compiled; before ``fully_shard``, whose hooks stay outside the compiled
-   graph (FSDP2 disables dynamo on them), as torchtitan orders it;
-4. ``fully_shard`` on every decoder block, then on the root (the loss wrapper,
-   which owns embeddings, final norm and LM head);
-5. the shards are materialised on the device and filled from rank 0's copy by
-   ``set_model_state_dict(..., broadcast_from_rank0=True)``; buffers that are
-   not in the state dict (rotary ``inv_freq``) are broadcast explicitly.
+1. every rank builds the architecture on the ``meta`` device (no memory; a multimodal checkpoint's towers
+   detached), and the attention backend is chosen from what it needs;
+2. rank 0 alone loads the pretrained weights into host memory, once, in their stored dtype (bf16 for
+   most checkpoints), so a 70B model is never held once per rank nor in fp32, and the fine-tuning method
+   converts them (``finetune_method.py``: LoRA adapters, QLoRA's NF4 quantization);
+3. the method converts the meta model the same way (LoRA adapters, QLoRA's NF4 shells, OSFT's factor
+   layers; nothing for full fine-tuning);
+4. Liger kernels, then activation checkpointing per decoder block;
+5. with ``--compile``, ``torch.compile`` per decoder block (``compile_blocks``): after AC, so the
+   checkpoint wraps the compiled block and backward recomputes it compiled; before ``fully_shard``, whose
+   hooks stay outside the compiled graph (FSDP2 disables dynamo on them), as torchtitan orders it;
+6. ``fully_shard`` on every decoder block, then on the root (the loss wrapper, which owns embeddings,
+   final norm and LM head), and the shards are materialised on the device;
+7. ``set_model_state_dict(..., broadcast_from_rank0=True)`` fills the shards from rank 0's copy, less
+   what the method fills itself (QLoRA's NF4 bytes, OSFT's factors), which it fills next; buffers that
+   are not in the state dict (rotary ``inv_freq``) are broadcast explicitly.
 
 The full model is never moved to one GPU before sharding.
 """
@@ -24,28 +26,22 @@ from __future__ import annotations
 
 import copy
 import logging
-import resource
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, PretrainedConfig
 
 from attention import CONTEXT_PARALLEL, attention_needs, resolve_attn_implementation
 from context_parallel import inner_backend, register_context_parallel_backend
-from lora import LoraSettings, apply_lora, count_parameters
+from finetune_method import FineTuningMethod, ModelBuild, count_parameters
 from loss import CausalLMWithLoss, decoder_of
-from multimodal import (auto_model_class, detach_non_text, is_multimodal, language_model_targets, text_only_export,
+from multimodal import (MultimodalExport, auto_model_class, detach_non_text, is_multimodal, text_only_export,
                         whole_export)
-from osft import FACTORS as OSFT_FACTORS
-from osft import (RECONSTRUCTION_TOLERANCE, OSFTSettings, apply_osft, fill_osft_factors, osft_modules,
-                  osft_targets)
-from qlora import NF4, broadcast_nf4, gather_dequantized_state, is_nf4, pop_nf4, quantize_base_weights
 from recurrent import run_mixers_per_sample
 from utils import DistInfo, log_rank_0
 
@@ -63,7 +59,6 @@ class ModelSetup:
     mesh_shape: tuple[int, ...]
     num_trainable_params: int
     num_params: int
-    quantized: str = "none"  # what --lora-quantize-data-type did, for the startup log
     context_parallel_inner: str | None = None  # the varlen backend context_parallel wraps (None: no CP)
 
 
@@ -228,9 +223,17 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
                 sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
                 use_liger_kernels: bool, local_world_size: int,
                 head_learned_positions_only: bool = True, compile: bool = False, trust_remote_code: bool = False,
-                lora: LoraSettings | None = None, osft: OSFTSettings | None = None,
+                method: FineTuningMethod | None = None,
                 context_parallel_size: int = 1, export_text_only: bool = False) -> tuple[CausalLMWithLoss, ModelSetup]:
-    """Build the sharded training module (model plus loss) on every rank.
+    """Build the sharded training module (model plus loss) on every rank, in named stages:
+
+    build on meta (multimodal split) -> attention -> load on rank 0 (method.convert_loaded) ->
+    method.convert -> kernels (Liger) -> activation checkpointing -> compile -> shard -> broadcast (less
+    what method.hold_back keeps) -> method.fill -> buffers.
+
+    Rank 0 loads before the meta model is converted: what a method initialises on the loaded model from the
+    seeded RNG (LoRA's adapters) then draws the same numbers whatever the meta conversion draws (peft builds
+    its adapter layers on the host, initialised, before moving them to the meta device).
 
     Args:
         model_name_or_path: local folder or hub id understood by ``from_pretrained``.
@@ -245,38 +248,97 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
         head_learned_positions_only: LM head and loss on labelled positions only (``loss.learned_positions``).
         compile: ``torch.compile`` each decoder block (``compile_blocks``).
         trust_remote_code: run the modelling code a checkpoint ships (off unless the user asks).
-        lora: inject LoRA adapters and freeze the base weights (None: full fine-tuning).
-        osft: replace the targeted linear layers by their SVD factors (``osft.py``; None: dense).
+        method: the fine-tuning method (``finetune_method.py``); None: full fine-tuning.
         context_parallel_size: above 1, attention runs as ``context_parallel`` around the resolved varlen
             backend (``context_parallel.inner_backend``).
         export_text_only: a multimodal checkpoint's exports hold its language model alone, as a causal LM.
 
     Returns:
-        The FSDP2-wrapped ``CausalLMWithLoss`` and what was resolved.
+        The FSDP2-wrapped ``CausalLMWithLoss`` (its ``method`` and ``multimodal_export`` are read by the
+        exports) and what was resolved.
     """
+    method = method or FineTuningMethod()
     device = dist_info.device
-    if cpu_offload and device.type == "cpu":
-        log_rank_0("--cpu-offload has nothing to offload on CPU (FSDP2's CPUOffloadPolicy needs an "
-                   "accelerator): parameters already live in host memory", level=logging.WARNING)
-        cpu_offload = False
+    cpu_offload = _offload_possible(cpu_offload, device)
     # fp32 master weights everywhere; bf16 compute only where the hardware makes it pay.
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-
     config = (copy.deepcopy(model_config) if model_config is not None
               else AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code))
     config.use_cache = False
-    # Every rank builds the architecture on meta (no memory); its attention needs pick the backend.
     model = meta_model(config, trust_remote_code)
-    multimodal = is_multimodal(config)
-    # How a multimodal checkpoint is exported; its text-only key map is read before LoRA renames anything.
-    export = None
-    if multimodal:
-        export = (text_only_export(model, trust_remote_code=trust_remote_code) if export_text_only
-                  else whole_export(config, trust_remote_code=trust_remote_code))
-    attn = resolve_attn_implementation(attn_implementation, device.type, attention_needs(model))
+    export = _multimodal_export(model, config, export_text_only=export_text_only, trust_remote_code=trust_remote_code)
+    attn, inner = _set_attention(model, attn_implementation, device.type, context_parallel_size)
+    mesh = build_mesh(sharding_strategy, dist_info, local_world_size)
+    build = ModelBuild(model_name_or_path=model_name_or_path, multimodal_export=export, shard_size=mesh.shape[-1],
+                       param_dtype=param_dtype, device=device,
+                       weights_device=torch.device("cpu") if cpu_offload else device)
+    full_state, real_buffers = (_load_on_rank_0(config, build, method, trust_remote_code=trust_remote_code)
+                                if dist_info.rank == 0 else ({}, {}))
+    method.convert(model, build)
+    model.generation_config.use_cache = False
+    if use_liger_kernels:
+        apply_liger_kernels(model, device_type=device.type, compile=compile)
+    _run_mixers_per_sample(model)
+    apply_activation_checkpointing(model, activation_checkpointing)
+    blocks = find_decoder_blocks(model)
+    if compile:
+        compile_blocks(blocks, device_type=device.type)
+    wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels,
+                               head_learned_positions_only=head_learned_positions_only)
+    wrapper.method, wrapper.multimodal_export = method, export
+    num_trainable, num_params = count_parameters(model)
+    _shard(wrapper, blocks, mesh=mesh, param_dtype=param_dtype, sharding_strategy=sharding_strategy,
+           cpu_offload=cpu_offload, ignored_params=method.ignored_params(model, build))
+    wrapper.to_empty(device=build.weights_device)
+    held = method.hold_back(wrapper.model, full_state) if dist_info.rank == 0 else {}
+    set_model_state_dict(wrapper.model, full_state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload,
+        strict=not method.weights_it_fills(wrapper.model)))  # what the method fills is not in the broadcast
+    del full_state
+    method.fill(wrapper.model, held, build)
+    del held
+    _broadcast_buffers(wrapper.model, real_buffers, device)
+    del real_buffers
+    log_rank_0(f"objective: logit processing {wrapper.logit_transform.describe()}; router loss "
+               + (f"coef {wrapper.router_loss.coef:g} x per-sample load balancing over "
+                  f"{wrapper.router_loss.num_experts} experts (top {wrapper.router_loss.top_k})"
+                  if wrapper.router_loss else "none"))
+    return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
+                               block_class=type(blocks[0]).__name__, mesh_shape=tuple(mesh.shape),
+                               num_trainable_params=num_trainable, num_params=num_params,
+                               context_parallel_inner=inner)
+
+
+# ----------------------------------------------------------------------------
+# The stages of setup_model, in its order.
+
+
+def _offload_possible(cpu_offload: bool, device: torch.device) -> bool:
+    if cpu_offload and device.type == "cpu":
+        log_rank_0("--cpu-offload has nothing to offload on CPU (FSDP2's CPUOffloadPolicy needs an "
+                   "accelerator): parameters already live in host memory", level=logging.WARNING)
+        return False
+    return cpu_offload
+
+
+def _multimodal_export(model: nn.Module, config, *, export_text_only: bool,
+                       trust_remote_code: bool) -> MultimodalExport | None:
+    """How a multimodal checkpoint is exported (None for a causal LM); the text-only key map is read from the
+    meta model before any method renames a module."""
+    if not is_multimodal(config):
+        return None
+    return (text_only_export(model, trust_remote_code=trust_remote_code) if export_text_only
+            else whole_export(config, trust_remote_code=trust_remote_code))
+
+
+def _set_attention(model: nn.Module, attn_implementation: str, device_type: str,
+                   context_parallel_size: int) -> tuple[str, str | None]:
+    """The backend the model's attention needs, wrapped by context parallelism when asked:
+    ``(backend, the varlen backend context parallelism wraps, or None)``."""
+    attn = resolve_attn_implementation(attn_implementation, device_type, attention_needs(model))
     inner = None
     if context_parallel_size > 1:
-        inner, reason = inner_backend(attn, device.type)
+        inner, reason = inner_backend(attn, device_type)
         if inner is None:
             raise ValueError(reason)
         register_context_parallel_backend(inner)
@@ -284,96 +346,36 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
         attn = CONTEXT_PARALLEL
     if attn != "eager":
         model.set_attn_implementation(attn)
-    # OSFT shells replace the targeted nn.Linear on meta, before anything else wraps the model (LoRA and
-    # compile are refused with it; AC, Liger and fully_shard then see the factor layers).
-    osft_names = _apply_osft_shells(model, osft)
-    mesh = build_mesh(sharding_strategy, dist_info, local_world_size)
-    quantize = lora is not None and lora.quantize_data_type == NF4
-    if dist_info.rank == 0:
-        # The stored dtype (bf16 for most checkpoints): one copy of the weights in host memory, at its
-        # smallest. The loaded module is dropped; its tensors live on in the state dict until broadcast.
-        loaded = auto_model_class(config).from_pretrained(model_name_or_path, config=copy.deepcopy(config),
-                                                          dtype="auto", attn_implementation="eager",
-                                                          trust_remote_code=trust_remote_code)
-        if multimodal:
-            # The towers and projectors stay here, on rank 0's host, as loaded: the export writes them back.
-            non_text_state, detached = detach_non_text(loaded)
-            if not export_text_only:
-                unmatched = export.keep_non_text(non_text_state, model_name_or_path)
-                if unmatched:
-                    log_rank_0(f"{len(unmatched)} frozen tensors ({', '.join(unmatched[:3])}, ...) are not under "
-                               "these names in the checkpoint's files: exported in the dtype they loaded in",
-                               level=logging.WARNING)
-            num_frozen = sum(t.numel() for t in non_text_state.values())
-            log_rank_0(f"{type(loaded).__name__}: training its language model ({type(decoder_of(loaded)).__name__} "
-                       f"and the LM head); {', '.join(detached[:4])}{', ...' if len(detached) > 4 else ''} "
-                       f"({num_frozen:,} parameters) stay frozen in rank 0's host memory for the exports, "
-                       "neither sharded nor trained")
-        if lora is not None:
-            # Adapters are initialised here, on rank 0, and reach the other ranks with the weights.
-            apply_lora(loaded, lora)
-        if quantize:
-            # QLoRA: rank 0 alone quantizes, weight by weight; the other ranks only ever see NF4 bytes.
-            began = time.perf_counter()
-            report = quantize_base_weights(loaded, shard_size=mesh.shape[-1], dtype=param_dtype, device=device)
-            log_rank_0(f"QLoRA: {report.num_quantized} base weights in NF4 ({report.num_full_bytes / 2**20:.1f} MiB "
-                       f"in {str(param_dtype).removeprefix('torch.')} -> {report.num_nf4_bytes / 2**20:.1f} MiB) "
-                       f"on {device.type} in {time.perf_counter() - began:.1f}s; rank 0 peak host memory "
-                       f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB after loading")
-            if report.num_kept:
-                log_rank_0(f"QLoRA: {report.num_kept} adapted linear layers stay in full precision (frozen): their "
-                           f"shards do not split into whole NF4 groups ({', '.join(report.kept_names[:3])}, ...)",
-                           level=logging.WARNING)
-        full_state = loaded.state_dict()
-        real_buffers = dict(loaded.named_buffers())
-        del loaded
-    else:
-        full_state, real_buffers = {}, {}
-    # The decomposed weights leave the broadcast: their factors are filled by fill_osft_factors instead.
-    dense_weights = {name: full_state.pop(f"{name}.weight") for name in osft_names} if dist_info.rank == 0 else {}
-    model.generation_config.use_cache = False
-    lora_config = None
-    if lora is not None:
-        lora_config = apply_lora(model, lora)
-        lora_config.base_model_name_or_path = model_name_or_path  # recorded in the adapter's config
-        if multimodal and not export_text_only:
-            lora_config.target_modules = language_model_targets(model, lora_config.target_modules)
-        if quantize:
-            # Meta NF4 shells with the shapes fully_shard cuts; broadcast_nf4 fills them.
-            quantize_base_weights(model, shard_size=mesh.shape[-1], dtype=param_dtype)
-    if use_liger_kernels:
-        # Rebinds RMSNorm/SwiGLU forwards (parameters untouched) and Liger's RoPE: before AC and fully_shard.
-        apply_liger_kernels(model, device_type=device.type, compile=compile)
+    return attn, inner
 
-    # Hybrid models: linear-attention / SSM layers must not carry a state across packed samples (recurrent.py).
+
+def _run_mixers_per_sample(model: nn.Module) -> None:
+    """Hybrid models: linear-attention / SSM layers must not carry a state across packed samples (recurrent.py)."""
     mixers = run_mixers_per_sample(decoder_of(model), find_decoder_blocks(model))
     if mixers:
         mixer_classes = sorted({type(m).__name__ for m in mixers})
         log_rank_0(f"packed rows: {len(mixers)} recurrent token mixers ({', '.join(mixer_classes)}) run once per "
                    "packed sample, so no state flows from one sample into the next")
-    if activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", True):
+
+
+def apply_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
+    """Recompute each decoder block's activations in backward (non-reentrant), where the model supports it."""
+    if not enabled:
+        return
+    if not getattr(model, "supports_gradient_checkpointing", True):
         log_rank_0(f"{type(model).__name__} does not support activation checkpointing: training without it "
                    "(more activation memory)", level=logging.WARNING)
-        activation_checkpointing = False
-    if activation_checkpointing:
-        # transformers 5 renamed the public switch; 4.x only has the old name.
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    blocks = find_decoder_blocks(model)
-    if compile:
-        compile_blocks(blocks, device_type=device.type)
-    wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels,
-                               head_learned_positions_only=head_learned_positions_only)
-    # Read by the export (hf_export.py): the adapter's config and whether to merge it.
-    wrapper.lora_config = lora_config
-    wrapper.lora_merge_on_export = lora is None or lora.merge_on_export
-    wrapper.osft_upcast_dtype = osft.upcast_dtype if osft is not None else torch.float32
-    # Read by the export too: how a multimodal checkpoint is written (None for a causal LM).
-    wrapper.multimodal_export = export
-    num_trainable, num_params = count_parameters(model)
+        return
+    # transformers 5 renamed the public switch; 4.x only has the old name.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+
+def _shard(wrapper: CausalLMWithLoss, blocks: list[nn.Module], *, mesh: DeviceMesh, param_dtype: torch.dtype,
+           sharding_strategy: str, cpu_offload: bool, ignored_params: set[nn.Parameter]) -> None:
+    """``fully_shard`` every decoder block, then the root; gradients reduced in fp32."""
     fsdp_kwargs = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
@@ -382,84 +384,43 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     }
     if cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
-    if quantize and mesh.shape[-1] == 1:
-        # Workaround: with a shard group of one rank (NO_SHARD, or a single process) FSDP2 skips the
-        # all-gather and assumes one all-gather input per parameter, but an NF4 weight has three
-        # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``world_size == 1``). Every
-        # rank holds whole weights there anyway, so FSDP2 simply leaves the frozen NF4 weights alone.
-        fsdp_kwargs["ignored_params"] = {param for param in model.parameters() if is_nf4(param)}
-    block_class = type(blocks[0]).__name__
+    if ignored_params:
+        fsdp_kwargs["ignored_params"] = ignored_params
     for block in blocks:
         fully_shard(block, **fsdp_kwargs)
     # The root (embeddings, final norm, LM head) keeps its parameters gathered from forward to
     # backward: backward needs the LM head first, so resharding would only gather it again.
     fully_shard(wrapper, **{**fsdp_kwargs, "reshard_after_forward": False})
 
-    wrapper.to_empty(device="cpu" if cpu_offload else device)
-    full_nf4 = pop_nf4(full_state)
-    if osft_names and dist_info.rank == 0:
-        # strict=False below lets the factors be absent; every other key must still match exactly.
-        expected = {key for key in wrapper.model.state_dict() if key.rpartition(".")[2] not in OSFT_FACTORS}
-        assert expected == set(full_state), f"state dict keys differ: {sorted(expected ^ set(full_state))[:5]}"
-    set_model_state_dict(
-        wrapper.model,
-        full_state,
-        # NF4 weights are not in rank 0's dict any more: broadcast_nf4 sends their bytes; nor are OSFT's
-        # decomposed weights.
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload,
-                                 strict=not quantize and not osft_names),
-    )
-    del full_state
-    if quantize:
-        broadcast_nf4(wrapper.model, full_nf4, device=torch.device("cpu") if cpu_offload else device)
-    del full_nf4
-    if osft_names:
-        _fill_osft(wrapper.model, dense_weights, osft, device)
-    del dense_weights
-    _broadcast_buffers(wrapper.model, real_buffers, device)
-    del real_buffers
-    log_rank_0(f"objective: logit processing {wrapper.logit_transform.describe()}; router loss "
-               + (f"coef {wrapper.router_loss.coef:g} x per-sample load balancing over "
-                  f"{wrapper.router_loss.num_experts} experts (top {wrapper.router_loss.top_k})"
-                  if wrapper.router_loss else "none"))
 
-    return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
-                               block_class=block_class, mesh_shape=tuple(mesh.shape),
-                               num_trainable_params=num_trainable, num_params=num_params,
-                               context_parallel_inner=inner)
+def _load_on_rank_0(config, build: ModelBuild, method: FineTuningMethod, *,
+                    trust_remote_code: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Rank 0 alone reads the checkpoint, in its stored dtype (bf16 for most): one copy of the weights in host
+    memory, at its smallest, changed as the method changed the meta model. Returns ``(state dict, buffers)``;
+    the loaded module is dropped, its tensors live on in them until the broadcast."""
+    loaded = auto_model_class(config).from_pretrained(build.model_name_or_path, config=copy.deepcopy(config),
+                                                      dtype="auto", attn_implementation="eager",
+                                                      trust_remote_code=trust_remote_code)
+    if build.multimodal_export is not None:
+        _keep_non_text(loaded, build.multimodal_export, build.model_name_or_path)
+    method.convert_loaded(loaded, build)
+    return loaded.state_dict(), dict(loaded.named_buffers())
 
 
-def _apply_osft_shells(model: nn.Module, osft: OSFTSettings | None) -> list[str]:
-    """Replace the OSFT targets of the meta model by empty factor layers; returns their names."""
-    if osft is None:
-        return []
-    log_rank_0(osft.describe())
-    targets = osft_targets(model, blocks=find_decoder_blocks(model), patterns=osft.target_patterns)
-    names = apply_osft(model, targets, unfreeze_rank_ratio=osft.unfreeze_rank_ratio, upcast_dtype=osft.upcast_dtype)
-    if not names:
-        log_rank_0(f"OSFT: ratio {osft.unfreeze_rank_ratio:g} freezes no direction of any of the {len(targets)} "
-                   "targets: plain full fine-tuning", level=logging.WARNING)
-    else:
-        num_frozen = sum(model.get_submodule(name).S_high.numel() for name in names)
-        num_trainable = sum(model.get_submodule(name).S_low.numel() for name in names)
-        log_rank_0(f"OSFT: {len(names)} of {len(targets)} target matrices decomposed ({len(targets) - len(names)} "
-                   f"too small to freeze a direction); {num_frozen:,} singular directions frozen, "
-                   f"{num_trainable:,} trainable")
-    return names
-
-
-def _fill_osft(model: nn.Module, dense_weights: dict[str, torch.Tensor], osft: OSFTSettings,
-               device: torch.device) -> None:
-    """Decompose the weights across the ranks (by SVD FLOPs), check the factors reproduce them, log it."""
-    # Every rank needs the factors (the replicas of HYBRID_SHARD too): the world group.
-    report = fill_osft_factors(model, dense_weights, upcast_dtype=osft.upcast_dtype, comm_device=device)
-    tolerance = RECONSTRUCTION_TOLERANCE[next(m for _, m in osft_modules(model)).U_low.dtype]
-    log_rank_0(report.describe())
-    if report.max_reconstruction_error > tolerance:  # the same number on every rank (all-reduced): all exit
-        log_rank_0(f"OSFT self-check failed: the factors reproduce a weight only to "
-                   f"{report.max_reconstruction_error:.1e} (tolerance {tolerance:.0e}); --osft-upcast-dtype "
-                   "float64 decomposes more exactly", level=logging.ERROR)
-        raise SystemExit(1)
+def _keep_non_text(loaded: nn.Module, export: MultimodalExport, model_name_or_path: str) -> None:
+    """The towers and projectors stay on rank 0's host, as loaded: the whole export writes them back."""
+    non_text_state, detached = detach_non_text(loaded)
+    if export.key_map is None:
+        unmatched = export.keep_non_text(non_text_state, model_name_or_path)
+        if unmatched:
+            log_rank_0(f"{len(unmatched)} frozen tensors ({', '.join(unmatched[:3])}, ...) are not under "
+                       "these names in the checkpoint's files: exported in the dtype they loaded in",
+                       level=logging.WARNING)
+    num_frozen = sum(t.numel() for t in non_text_state.values())
+    log_rank_0(f"{type(loaded).__name__}: training its language model ({type(decoder_of(loaded)).__name__} "
+               f"and the LM head); {', '.join(detached[:4])}{', ...' if len(detached) > 4 else ''} "
+               f"({num_frozen:,} parameters) stay frozen in rank 0's host memory for the exports, "
+               "neither sharded nor trained")
 
 
 def sync_gradients_on(model: nn.Module, *, sharding_strategy: str, final_minibatch: bool) -> None:
@@ -489,12 +450,6 @@ def _broadcast_buffers(model: nn.Module, real_buffers: dict[str, torch.Tensor], 
 
 
 def gather_full_state_dict(wrapper: CausalLMWithLoss) -> dict[str, torch.Tensor]:
-    """All-gather the Hugging Face state dict into rank 0's host memory (empty on other ranks).
-
-    ``cpu_offload`` moves each gathered tensor off the GPU as it arrives, so a
-    large model never needs its full size in GPU memory. NF4 weights (QLoRA)
-    come back dequantized, in the compute dtype.
-    """
-    if any(is_nf4(param) for param in wrapper.model.parameters()):
-        return gather_dequantized_state(wrapper.model)
-    return get_model_state_dict(wrapper.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """All-gather the Hugging Face state dict into rank 0's host memory (empty on other ranks), as the
+    method holds it (``FineTuningMethod.gather_full_state``: QLoRA's NF4 weights come back dequantized)."""
+    return wrapper.method.gather_full_state(wrapper.model)

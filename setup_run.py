@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -42,11 +42,10 @@ import validation
 from attention import attention_needs, explicit_attention_refusal, model_inputs
 from autotune import probe_token_budget
 from batch_metrics import MetricsWriter, truncate_metrics
+from finetune_method import FineTuningMethod
 from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
-from lora import lora_preflight
 from loss import CausalLMWithLoss
 from multimodal import multimodal_preflight
-from osft import osft_targets
 from recurrent import recurrent_mixers
 from sampler import StepBatch
 from selfcheck import check_data_fits_model, check_objective
@@ -73,6 +72,7 @@ class Run:
     total_steps: int | None        # None: infinite sampling
     max_tokens: int                # resolved --max-tokens-per-gpu
     model: CausalLMWithLoss        # FSDP-sharded
+    method: FineTuningMethod       # full fine-tuning, LoRA, QLoRA or OSFT (TrainConfig.fine_tuning_method)
     resolved: ModelSetup           # what setup_model decided: attention backend, dtype, mesh, ...
     model_shape: flops.ModelFlops | None  # None where the config does not describe it
     peak_tflops: float | None      # the MFU denominator
@@ -95,9 +95,10 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     from transformers import AutoTokenizer
 
     seed_everything(config.seed)
+    method = config.fine_tuning_method()
     fail_together(_preflight(config) if dist_info.is_main else None)
     model_config = _load_model_config(config)
-    fail_together(_model_preflight(config, model_config) if dist_info.is_main else None)
+    fail_together(_model_preflight(config, model_config, method) if dist_info.is_main else None)
     if dist_info.is_main:
         for leftover in remove_leftover_tmp(config.output_dir):
             logger.warning("removed %s, left behind by a save that was interrupted", leftover)
@@ -108,7 +109,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     schedule.check_scheduler(config, total_steps, is_main=dist_info.is_main)
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
-    model_fingerprint = resume_policy.fingerprint(model_config, dataset, config.lora, config.osft_settings,
+    model_fingerprint = resume_policy.fingerprint(model_config, dataset, method,
                                                   data_digest=_data_digest(dataset, dist_info))
     fail_together(_resume_policy(config, run_params, model_fingerprint) if dist_info.is_main else None)
     candidates = resume_candidates(config.output_dir, resume=config.resume, resume_from=config.resume_from)
@@ -121,7 +122,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
         use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
         compile=config.compile, local_world_size=_local_world_size(),
-        trust_remote_code=config.trust_remote_code, lora=config.lora, osft=config.osft_settings,
+        trust_remote_code=config.trust_remote_code, method=method,
         context_parallel_size=config.context_parallel_size,
         export_text_only=config.export_text_only,
     )
@@ -131,7 +132,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         log_rank_0(f"--context-parallel-size {context.size} does not divide the {_local_world_size()} processes per "
                    "node: some groups span nodes, and their K/V all-gather of every layer crosses the network",
                    level=logging.WARNING)
-    model_shape, flops_reason = flops.checked_model_flops(model.model)
+    model_shape, flops_reason = flops.checked_model_flops(model.model, method=method)
     log_rank_0(flops_reason, level=logging.INFO if model_shape else logging.WARNING)
     peak_tflops, peak_reason = flops.device_peak_tflops(dist_info.device)
     log_rank_0("MFU denominator: %s", peak_reason)
@@ -153,8 +154,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
-    optimizer = torch.optim.AdamW(param_groups(model, weight_decay=config.weight_decay), lr=config.learning_rate,
-                                  betas=config.adam_betas)
+    optimizer = torch.optim.AdamW(method.param_groups(model, weight_decay=config.weight_decay),
+                                  lr=config.learning_rate, betas=config.adam_betas)
     scheduler = schedule.build_scheduler(config, optimizer, total_steps)
     began = time.perf_counter()
     state = resume_train_state(model, optimizer, scheduler, candidates=candidates, resume=config.resume,
@@ -164,7 +165,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         log_rank_0("resume took %.2fs", time.perf_counter() - began)
         if config.allow_config_change:
             resume_policy.apply_new_hyperparameters(optimizer, scheduler, config)
-    _announce(config, dist_info, resolved, len(dataset), total_steps, max_tokens)
+    _announce(config, dist_info, resolved, method, len(dataset), total_steps, max_tokens)
     if isinstance(dataset, data_mix.MixedDataset):
         log_rank_0(dataset.describe())
     if dist_info.is_main:
@@ -176,7 +177,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     metrics = MetricsWriter(metrics_path) if dist_info.is_main else None
     state.wandb_run_id = tracker.wandb_run_id or state.wandb_run_id
     return Run(config=config, dist_info=dist_info, dataset=dataset, total_steps=total_steps, max_tokens=max_tokens,
-               model=model, resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
+               model=model, method=method, resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
                optimizer=optimizer, scheduler=scheduler, state=state, run_params=run_params,
                model_fingerprint=model_fingerprint, tokenizer=tokenizer, generation_config=generation_config,
                metrics=metrics, tracker=tracker, context=context, val_dataset=val_dataset, val_plan=val_plan)
@@ -199,31 +200,6 @@ def batch_loader(run: Run) -> Iterator[Iterator[StepBatch]]:
         pin_memory=dist_info.device.type == "cuda",  # lets the non_blocking host-to-GPU copies overlap
     ) as loader:
         yield (context_parallel.shard_step_batch(batch, context, device=dist_info.device) for batch in loader)
-
-
-NO_DECAY_NAME_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
-"""transformers' ``Trainer.get_decay_parameter_names`` (which TRL and axolotl use): a parameter whose lowercased
-name matches one of these, or that belongs to an ``nn.LayerNorm``, gets no weight decay."""
-
-
-def param_groups(model: torch.nn.Module, *, weight_decay: float) -> list[dict]:
-    """AdamW's parameter groups: weight matrices and embeddings decay by ``weight_decay``; biases and
-    norm weights do not (transformers' Trainer convention, ``NO_DECAY_NAME_PATTERNS``). Only trainable
-    parameters get optimizer state (with LoRA: the adapters alone). At ``--weight-decay 0`` there is one
-    group, as before the split, so full states of such runs still load (DCP restores groups by position)."""
-    patterns = [re.compile(pattern) for pattern in NO_DECAY_NAME_PATTERNS]
-    layer_norms = {id(p) for module in model.modules() if isinstance(module, torch.nn.LayerNorm)
-                   for p in module.parameters(recurse=False)}
-    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
-    if weight_decay == 0:
-        return [{"params": [param for _, param in trainable], "weight_decay": 0.0}]
-    decay, no_decay = [], []
-    for name, param in trainable:
-        exempt = id(param) in layer_norms or any(pattern.search(name.lower()) for pattern in patterns)
-        (no_decay if exempt else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
 
 
 def close_run(run: Run) -> None:
@@ -274,23 +250,22 @@ def _load_model_config(config: TrainConfig) -> PretrainedConfig:
     return model_config
 
 
-def _model_preflight(config: TrainConfig, model_config: PretrainedConfig) -> str | None:
+def _model_preflight(config: TrainConfig, model_config: PretrainedConfig, method: FineTuningMethod) -> str | None:
     """Rank 0, before heavy work: a multimodal checkpoint whose language model cannot be trained alone (or
-    exported alone, with --export-text-only), an explicit attention backend, context parallelism or LoRA
-    settings this model refuses."""
+    exported alone, with --export-text-only), an explicit attention backend, context parallelism or a
+    fine-tuning method this model refuses."""
     error = multimodal_preflight(model_config, trust_remote_code=config.trust_remote_code,
                                  export_text_only=config.export_text_only)
     if error is not None:
         return error
-    # One meta model (no memory) for every check that reads the architecture.
-    model = (meta_model(model_config, config.trust_remote_code)
-             if config.context_parallel_size > 1 or config.attn_implementation != "auto"
-             or config.osft_settings is not None else None)
-    needs = attention_needs(model) if model is not None else None
+    # One meta model (no memory) for every check that reads the architecture, built only if one does.
+    meta = functools.cache(lambda: meta_model(model_config, config.trust_remote_code))
+    needs = (attention_needs(meta()) if config.context_parallel_size > 1 or config.attn_implementation != "auto"
+             else None)
     if config.context_parallel_size > 1:
         error = context_parallel.refusal(
             config.context_parallel_size, world_size=dist.get_world_size(), needs=needs,
-            num_recurrent_mixers=len(recurrent_mixers(find_decoder_blocks(model))),
+            num_recurrent_mixers=len(recurrent_mixers(find_decoder_blocks(meta()))),
             router_loss=bool(getattr(model_config, "output_router_logits", False)))
         if error is not None:
             return error
@@ -298,17 +273,8 @@ def _model_preflight(config: TrainConfig, model_config: PretrainedConfig) -> str
         error = explicit_attention_refusal(config.attn_implementation, needs)
         if error is not None:
             return error
-    if config.osft_settings is not None:
-        # A pattern that matches nothing is refused here, in seconds, not after the weights load.
-        try:
-            osft_targets(model, blocks=find_decoder_blocks(model), patterns=config.osft_settings.target_patterns)
-        except ValueError as err:
-            return str(err)
-    if config.lora is not None:
-        shard_size = shard_group_size(config.fsdp_sharding_strategy, dist.get_world_size(),
-                                      _local_world_size())
-        return lora_preflight(model_config, config.lora, shard_size=shard_size)
-    return None
+    shard_size = shard_group_size(config.fsdp_sharding_strategy, dist.get_world_size(), _local_world_size())
+    return method.preflight(model_config, meta_model=meta, shard_size=shard_size)
 
 
 def _local_world_size() -> int:
@@ -444,7 +410,7 @@ def _original_generation_config(model_name_or_path: str):
         return None
 
 
-def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_samples: int,
+def _announce(config: TrainConfig, dist_info: DistInfo, resolved, method: FineTuningMethod, num_dataset_samples: int,
               total_steps: int | None, max_tokens: int) -> None:
     """Print each resolved decision once, with its reason."""
     log_rank_0("world size %d on %s (%s backend)", dist_info.world_size, dist_info.device.type,
@@ -456,9 +422,7 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, num_dataset_sa
                "on" if config.activation_checkpointing else "off")
     log_rank_0("trainable parameters: %s of %s (%.2f%%)%s", f"{resolved.num_trainable_params:,}",
                f"{resolved.num_params:,}", 100.0 * resolved.num_trainable_params / max(resolved.num_params, 1),
-               f", LoRA rank {config.lora.rank}, alpha {config.lora.alpha:g} on {config.lora_target_modules}"
-               if config.lora else f", OSFT unfreeze rank ratio {config.osft_unfreeze_rank_ratio:g}"
-               if config.osft else "")
+               method.describe())
     log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
                "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
                config.batch_size, max_tokens)

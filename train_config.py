@@ -6,8 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from lora import ALL_LINEAR, LoraSettings
-from osft import UPCAST_DTYPES, OSFTSettings, num_frozen_directions
+from finetune_method import FineTuningMethod
+from lora import ALL_LINEAR, LoRA, LoraSettings
+from osft import OSFT, UPCAST_DTYPES, OSFTSettings, num_frozen_directions
+from qlora import QLoRA
 from utils import collect_errors, comma_list, config_field
 
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
@@ -226,6 +228,14 @@ class TrainConfig:
                             target_modules=self.lora_target_modules, use_rslora=self.lora_use_rslora,
                             merge_on_export=self.lora_merge_on_export,
                             quantize_data_type=self.lora_quantize_data_type)
+
+    def fine_tuning_method(self) -> FineTuningMethod:
+        """A new instance of the method the flags choose: the one place that picks it (``finetune_method.py``)."""
+        if self.osft_settings is not None:
+            return OSFT(self.osft_settings)
+        if self.lora is not None:
+            return QLoRA(self.lora) if self.lora.quantize_data_type != "none" else LoRA(self.lora)
+        return FineTuningMethod()
 
     @property
     def has_stop_condition(self) -> bool:

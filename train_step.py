@@ -21,7 +21,6 @@ import flops
 from attention import model_inputs
 from batch_metrics import StepCounts, step_record
 from objective import router_aux_weight
-from osft import project_gradients, project_parameters, shard_group
 from sampler import StepBatch
 from setup_model_fsdp import sync_gradients_on
 from setup_run import Run
@@ -79,10 +78,7 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
         local_loss_tokens += minibatch.num_loss_counted_tokens
     synchronize()  # so the forward/backward time below is the device's, not the launch queue's
     forward_backward_time = time.perf_counter() - start
-    # OSFT: the gradients lose their frozen-subspace part first, so the clip measures what is applied.
-    # The sums run over the shard group only (HYBRID_SHARD's replicas hold the same shards).
-    osft_group = shard_group(model)
-    project_gradients(model, group=osft_group, comm_device=device)
+    run.method.before_clip(model, device=device)
     # The norm is reduced over every shard, so all ranks see the same value and
     # take the same skip decision without another collective.
     grad_norm = clip_grad_norm(model, run.config.max_grad_norm)
@@ -92,8 +88,7 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     empty = batch.batch_num_loss_counted_tokens == 0
     if finite and not empty:
         run.optimizer.step()
-        # AdamW's per-element scaling moves a projected gradient back into the frozen subspace: project again.
-        project_parameters(model, group=osft_group, comm_device=device)
+        run.method.after_update(model, device=device)
         run.scheduler.step()  # the schedule counts updates: skipped steps do not advance it
     run.optimizer.zero_grad(set_to_none=True)
     state.step += 1
@@ -126,7 +121,7 @@ def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts,
     record.update(flops.speed_metrics(
         run.model_shape, batch.sample_lengths, num_loss_counted_tokens=counts.num_loss_counted_tokens,
         seconds=record["time_per_batch"], world_size=dist_info.world_size, peak_tflops=run.peak_tflops,
-        frozen_base=run.config.lora is not None))
+        frozen_base=run.method.frozen_base))
     if isinstance(run.dataset, data_mix.MixedDataset):
         record.update(run.dataset.source_metrics(run.config.seed, state.samples_seen))
     if run.metrics is not None:

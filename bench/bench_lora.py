@@ -42,7 +42,8 @@ def state_bytes(shape: str, lora_rank: int, *, quantize: bool = False,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lora import LoraSettings, apply_lora, count_parameters
+    from finetune_method import count_parameters
+    from lora import LoraSettings, apply_lora
     from model_shapes import model_config
     from qlora import quantize_base_weights
 

@@ -13,7 +13,12 @@ everything. A module outside the root is imported by its dotted path from the re
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
+
+import pytest
 
 from fixtures.e2e import ROOT
 
@@ -127,3 +132,35 @@ def test_every_module_is_in_the_code_layout_page():
     page = (ROOT / "docs" / "code-layout.md").read_text()
     missing = sorted(name for name in MODULES if f"`{name}.py`" not in page)
     assert not missing, f"docs/code-layout.md does not say what {missing} are for"
+
+
+METHOD_NAMES = {"LoRA": (r"lora", {"lora.py", "qlora.py"}),
+                "QLoRA": (r"qlora|nf4|quantiz", {"qlora.py", "lora.py"}),  # LoraSettings carries the NF4 flag
+                "OSFT": (r"osft", {"osft.py"})}
+"""Each fine-tuning method, as its code spells it, and its own modules. Besides them only the config
+(``train_config.py``: its flags and ``fine_tuning_method``, the one place that picks a method) names it."""
+
+
+def _code_tokens(path: Path) -> list[str]:
+    """The names and strings of a module's code: comments and docstrings left out (they may cite a method)."""
+    source = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        for statement in body if isinstance(body, list) else []:
+            if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) \
+                    and isinstance(statement.value.value, str):
+                docstrings.update(range(statement.lineno, statement.end_lineno + 1))
+    # Python 3.12 splits an f-string into FSTRING_START/MIDDLE/END tokens: its text is the middle.
+    kinds = {tokenize.NAME, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+    return [token.string for token in tokenize.generate_tokens(io.StringIO(source).readline)
+            if token.type in kinds and token.start[0] not in docstrings]
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_NAMES))
+def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(method):
+    pattern, own = METHOD_NAMES[method]
+    named = sorted(name for name, path in MODULES.items() if f"{name}.py" not in own | {"train_config.py"}
+                   and any(re.search(pattern, token, re.IGNORECASE) for token in _code_tokens(path)))
+    assert not named, (f"{named} name {method}: ask the run's FineTuningMethod instead (docs/code-layout.md, "
+                       "'How to add a fine-tuning method')")

@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2Config
 
 from fixtures.e2e import model_vocab_size, read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
-from lora import LoraSettings, apply_lora, lora_preflight
-from qlora import NF4_GROUP, nf4_refusal, quantize_base_weights
+from lora import LoraSettings, apply_lora
+from qlora import NF4_GROUP, nf4_refusal, qlora_preflight, quantize_base_weights
 from tiny_model import build_tiny_model
 from train import TrainConfig
 
@@ -132,11 +132,11 @@ def test_quantize_keeps_embeddings_norms_and_head_and_counts_what_stays():
 
 def test_what_cannot_be_quantized_is_a_one_line_error(chatml_model):
     narrow = AutoModelForCausalLM.from_pretrained(chatml_model).config  # hidden 64: no whole group anywhere
-    error = lora_preflight(narrow, SETTINGS, shard_size=2)
+    error = qlora_preflight(narrow, SETTINGS, shard_size=2)
     assert "none of its 14 adapted linear layers" in error and "--lora-quantize-data-type none" in error
     moe = MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
                         num_key_value_heads=2, num_local_experts=4, vocab_size=300)
-    error = lora_preflight(moe, SETTINGS)
+    error = qlora_preflight(moe, SETTINGS)
     assert "fused 3-D parameters" in error and "--lora-quantize-data-type none" in error
     assert "\n" not in error
     with pytest.raises(ValueError, match="give --lora-rank"):

@@ -12,7 +12,7 @@ import torch
 
 from fixtures.architectures import ARCH_BY_NAME, COMMON
 from resume_policy import check_resume
-from setup_run import param_groups
+from finetune_method import param_groups
 
 LR, WD = 0.1, 0.5
 
