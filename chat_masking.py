@@ -70,6 +70,7 @@ class SampleError(Exception):
 
     ``audit`` marks a label-audit finding: the chat template or the masking failed on a row whose
     input was well formed (``encode_rows`` sets it). Otherwise the row itself is bad (an input error).
+    ``row_format`` is set by ``data_formats.read_row`` when the row's format was found.
     """
 
     def __init__(self, reason: str, detail: str, *, audit: bool = False):
@@ -77,6 +78,7 @@ class SampleError(Exception):
         self.reason = reason
         self.detail = detail
         self.audit = audit
+        self.row_format: str | None = None  # the input format the row was found to be in, when known
 
 
 @dataclass

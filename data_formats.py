@@ -102,16 +102,24 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     if columns:
         row = {columns.get(key, key): value for key, value in row.items()}
     fmt = row_format(row, input_format)
+    try:
+        return fmt, _convert(fmt, row)
+    except SampleError as err:
+        err.row_format = fmt
+        raise
+
+
+def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
     rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
     if fmt == "messages":
-        return fmt, ChatRow(row)
+        return ChatRow(row)
     if fmt == "text":
-        return fmt, ChatRow({"messages": [{"role": "pretrain", "content": row["text"]}], **rest})
+        return ChatRow({"messages": [{"role": "pretrain", "content": row["text"]}], **rest})
     if fmt == "alpaca":
-        return fmt, ChatRow(_alpaca(row, rest))
+        return ChatRow(_alpaca(row, rest))
     if fmt == "sharegpt":
-        return fmt, ChatRow(_sharegpt(row, rest))
-    return fmt, _prompt_completion(row["prompt"], row["completion"], rest)
+        return ChatRow(_sharegpt(row, rest))
+    return _prompt_completion(row["prompt"], row["completion"], rest)
 
 
 def _string_or_none(row: dict[str, Any], key: str) -> str | None:

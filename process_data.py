@@ -263,6 +263,8 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
         number = chunk.numbers[offset]
         if isinstance(item, SampleError):
             result = item
+            if item.row_format is not None:
+                formats[item.row_format] += 1
         else:
             formats[item[0]] += 1
             result = next(encoded)
@@ -345,7 +347,9 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
             for number, raw, item in zip(chunk.numbers, chunk.rows, convert_rows(chunk.rows, config)):
                 scan.num_rows += not (isinstance(raw, bytes) and not raw.strip())
                 if isinstance(item, SampleError):
-                    if item.reason in _SHAPE_REASONS and not scan.unknown:
+                    if item.row_format is not None:
+                        scan.formats[item.row_format] += 1
+                    elif item.reason in _SHAPE_REASONS and not scan.unknown:
                         scan.unknown.append(f"{chunk.file} {chunk.unit} {number}: {item.detail}")
                     continue
                 scan.formats[item[0]] += 1
