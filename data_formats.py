@@ -110,9 +110,9 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
 
 
 def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
-    rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
     if fmt == "messages":
         return ChatRow(row)
+    rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
     if fmt == "text":
         return ChatRow({"messages": [{"role": "pretrain", "content": row["text"]}], **rest})
     if fmt == "alpaca":

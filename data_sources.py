@@ -89,8 +89,8 @@ class Input:
         elif self.kind == "hub":
             yield from _hub_chunks(self, chunk_size)
         else:
-            for path in self.files:
-                yield from _file_chunks(path, chunk_size)
+            for path in self.files:  # one file keeps --input-file's spelling in messages
+                yield from _file_chunks(path, chunk_size, self.spec if len(self.files) == 1 else str(path))
 
 
 def open_input(spec: str, *, split: str = "train", subset: str | None = None) -> Input:
@@ -165,21 +165,21 @@ def _starts_array(path: Path) -> bool:
     return False
 
 
-def _file_chunks(path: Path, chunk_size: int) -> Iterator[Chunk]:
+def _file_chunks(path: Path, chunk_size: int, label: str) -> Iterator[Chunk]:
     kind = _kind(path)
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        yield from _batched_tables(str(path), pq.ParquetFile(path).iter_batches(batch_size=chunk_size), chunk_size)
+        yield from _batched_tables(label, pq.ParquetFile(path).iter_batches(batch_size=chunk_size), chunk_size)
     elif kind == "arrow":
-        yield from _batched_tables(str(path), _arrow_batches(path), chunk_size)
+        yield from _batched_tables(label, _arrow_batches(path), chunk_size)
     elif kind == "csv":
-        yield from _batched_tables(str(path), _csv_batches(path), chunk_size)
+        yield from _batched_tables(label, _csv_batches(path), chunk_size)
     elif _starts_array(path):
-        yield from _chunked(str(path), "line", _json_array(path), chunk_size)
+        yield from _chunked(label, "line", _json_array(path), chunk_size)
     else:
         with _open_binary(path) as f:
-            yield from _chunked(str(path), "line", enumerate(f, 1), chunk_size)
+            yield from _chunked(label, "line", enumerate(f, 1), chunk_size)
 
 
 def _chunked(file: str, unit: str, numbered: Iterator[tuple[int, Any]], chunk_size: int) -> Iterator[Chunk]:
