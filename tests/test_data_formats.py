@@ -16,6 +16,7 @@ import pytest
 from chat_masking import SampleError
 from data_formats import parse_columns, read_row
 from process_data import ProcessDataConfig, main, process_data
+from tests.test_process_data import read_jsonl, write_jsonl
 from utils import IGNORE_INDEX
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,17 +74,6 @@ ALPACA_MESSAGES = [
                   {"role": "assistant", "content": "5"}]},
 ]
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Gradient descent minimizes the loss, one step at a time."]
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n")
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def tokenize(tmp_path: Path, name: str, rows: list, model: Path, **overrides) -> tuple[list[dict], list[dict], dict]:
