@@ -66,12 +66,32 @@ Renderer = Callable[[list[dict], bool], str]
 
 
 class SampleError(Exception):
-    """One row cannot become a sample; ``reason`` is a stable slug counted in the summary."""
+    """One row cannot become a sample; ``reason`` is a stable slug counted in the summary.
 
-    def __init__(self, reason: str, detail: str):
+    ``audit`` marks a label-audit finding: the chat template or the masking failed on a row whose
+    input was well formed (``encode_rows`` sets it). Otherwise the row itself is bad (an input error).
+    ``row_format`` is set by ``data_formats.read_row`` when the row's format was found.
+    """
+
+    def __init__(self, reason: str, detail: str, *, audit: bool = False):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.audit = audit
+        self.row_format: str | None = None  # the input format the row was found to be in, when known
+
+
+@dataclass
+class ChatRow:
+    """One row in the ``messages`` format, as ``ChatEncoder.encode_rows`` takes it.
+
+    ``data_formats`` converts the other input formats to it. ``fields`` is the row itself
+    (``messages``, optional ``tools``, other fields copied to the output).
+    """
+
+    fields: dict[str, Any]
+    num_prompt_messages: int = 0  # leading messages never learned (a prompt/completion row's prompt turns)
+    num_prompt_chars: int = 0  # a plain prompt/completion row (one pretrain message): its prompt's characters
 
 
 @dataclass
@@ -122,8 +142,26 @@ def parse_row(line: bytes) -> tuple[list[dict], dict[str, Any]]:
     return messages, extra
 
 
+def load_row(line: bytes) -> dict[str, Any]:
+    """One JSON line as a dict; ``SampleError`` for a blank line, bad JSON or a non-object."""
+    if not line.strip():
+        raise SampleError("blank_line", "the line is empty")
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SampleError("invalid_json", str(err)) from None
+    if not isinstance(row, dict):
+        raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
+    return row
+
+
 def parse_chat_row(line: bytes) -> tuple[list[dict], list[dict] | None, dict[str, Any]]:
-    """Parse and validate one JSONL line.
+    """Parse and validate one JSONL line in the ``messages`` format (``load_row`` + ``check_row``)."""
+    return check_row(load_row(line))
+
+
+def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[str, Any]]:
+    """Validate one row in the ``messages`` format.
 
     Returns:
         ``(messages, tools, extra)``: the messages (keys with ``None`` values
@@ -134,14 +172,6 @@ def parse_chat_row(line: bytes) -> tuple[list[dict], list[dict] | None, dict[str
     Raises:
         SampleError: with the reason the row is unusable.
     """
-    if not line.strip():
-        raise SampleError("blank_line", "the line is empty")
-    try:
-        row = json.loads(line)
-    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise SampleError("invalid_json", str(err)) from None
-    if not isinstance(row, dict):
-        raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
     if "messages" not in row:
         raise SampleError("missing_messages", "no 'messages' field")
     messages = row["messages"]
@@ -220,7 +250,7 @@ def reasoning_text(message: dict) -> str:
 
 def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tuple[str, ...],
                eos_token: str | None = None, special_tokens: tuple[str, ...] = (),
-               mask_reasoning: bool = False) -> tuple[str, list[CharSpan], str]:
+               mask_reasoning: bool = False, first_learned: int = 0) -> tuple[str, list[CharSpan], str]:
     """The learned character spans of every assistant turn, by the learning rule (module docstring).
 
     Turns are located in the rendering of the whole conversation (``sentinel_turn_spans``); where a
@@ -237,6 +267,7 @@ def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tup
         special_tokens: the tokenizer's added tokens; a generation prompt is matched in pieces
             that end at one of them (or a newline), never inside one.
         mask_reasoning: leave each turn's reasoning text (``reasoning_text``) out of its span.
+        first_learned: assistant turns before this message index stay masked (a prompt's turns).
 
     Returns:
         ``(full_text, spans, rule)``: sorted, disjoint ``[start, end)`` spans in ``full_text``, a
@@ -253,6 +284,8 @@ def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tup
         rule, turns = "incremental", incremental_turn_spans(render, messages, full, ends=ends)
     spans: list[CharSpan] = []
     for i, (start, end) in turns:
+        if i < first_learned:
+            continue
         message = messages[i]
         for call in message.get("tool_calls", ()):
             if call["function"]["name"] not in full[start:end]:
@@ -730,43 +763,64 @@ class ChatEncoder:
             raise SampleError("template_error", f"the chat template refused the conversation: {err}") from None
         return texts[0]
 
-    def reply_spans(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[CharSpan], str]:
-        """The full rendered text, the learned character spans and the rule that located them."""
+    def reply_spans(self, messages: list[dict], tools: list[dict] | None = None, *,
+                    first_learned: int = 0) -> tuple[str, list[CharSpan], str]:
+        """The full rendered text, the learned character spans and the rule that located them
+        (assistant turns before message ``first_learned`` stay masked)."""
         if not self.renders_tool_calls and any("tool_calls" in message for message in messages):
             raise SampleError("tool_calls_not_rendered", "the chat template does not render tool_calls; "
                                                          "pass --chat-template with one that does")
         render = self.render if tools is None else (lambda msgs, gen: self.render(msgs, gen, tools))
         return turn_spans(render, messages, end_of_turn=self.end_of_turn_tokens, eos_token=self.eos_token,
-                          special_tokens=self.added_tokens, mask_reasoning=self.mask_reasoning)
+                          special_tokens=self.added_tokens, mask_reasoning=self.mask_reasoning,
+                          first_learned=first_learned)
 
-    def encode_rows(self, lines: list[bytes]) -> list[Sample | SampleError]:
-        """Encode a chunk of JSONL lines; one ``Sample`` or ``SampleError`` per line, in order.
+    def encode_rows(self, rows: list[bytes | ChatRow]) -> list[Sample | SampleError]:
+        """Encode a chunk of rows; one ``Sample`` or ``SampleError`` per row, in order.
 
-        All texts of the chunk go through the Rust tokenizer in one batch.
+        A row is a JSONL line in the ``messages`` format or a ``ChatRow`` (``data_formats``
+        converts the other formats). All texts of the chunk go through the Rust tokenizer in one batch.
         """
-        results: list[Sample | SampleError | None] = [None] * len(lines)
-        pending = []  # (index, text, spans or None for pretrain, extra)
-        for index, line in enumerate(lines):
+        results: list[Sample | SampleError | None] = [None] * len(rows)
+        pending = []  # (index, text, spans or None without template, extra, rule, prompt chars, has a reply)
+        for index, row in enumerate(rows):
             try:
-                messages, tools, extra = parse_chat_row(line)
-                if messages[0]["role"] == "pretrain":
-                    pending.append((index, messages[0]["content"], None, extra, None))
-                else:
-                    text, spans, rule = self.reply_spans(messages, tools)
-                    pending.append((index, text, spans, extra, rule))
+                chat_row = ChatRow(load_row(row)) if isinstance(row, bytes) else row
+                messages, tools, extra = check_row(chat_row.fields)
             except SampleError as err:
                 results[index] = err
-        encodings = self.backend.encode_batch([text for _, text, _, _, _ in pending], add_special_tokens=False)
-        for (index, text, spans, extra, rule), encoding in zip(pending, encodings):
-            results[index] = self._finish(encoding, text, spans, extra, rule)
+                continue
+            if messages[0]["role"] == "pretrain":
+                pending.append((index, messages[0]["content"], None, extra, None, chat_row.num_prompt_chars, False))
+                continue
+            first_learned = chat_row.num_prompt_messages
+            has_reply = any(message["role"] == "assistant" for message in messages[first_learned:])
+            try:
+                text, spans, rule = self.reply_spans(messages, tools, first_learned=first_learned)
+            except SampleError as err:
+                err.audit = True  # a well-formed conversation the template (or the masking) failed on
+                results[index] = err
+                continue
+            pending.append((index, text, spans, extra, rule, 0, has_reply))
+        encodings = self.backend.encode_batch([item[1] for item in pending], add_special_tokens=False)
+        for (index, text, spans, extra, rule, prompt_chars, has_reply), encoding in zip(pending, encodings):
+            results[index] = self._finish(encoding, text, spans, extra, rule, prompt_chars=prompt_chars,
+                                          has_reply=has_reply)
         return results
 
-    def _finish(self, encoding, text: str, spans: list[CharSpan] | None, extra: dict,
-                rule: str | None) -> Sample | SampleError:
+    def _finish(self, encoding, text: str, spans: list[CharSpan] | None, extra: dict, rule: str | None, *,
+                prompt_chars: int = 0, has_reply: bool = False) -> Sample | SampleError:
+        """The sample of one encoded text. Without a template (``spans`` None): ``text + EOS``, learned
+        from the first token whose first character is at or after ``prompt_chars``::
+
+            prompt/completion  "Q: 2+2? " + "A: 4"      tokens [Q :  2 + 2 ?][ A : 4 ] EOS
+            labels                                             M  M  M M M M   A : 4   EOS
+        """
         input_ids = encoding.ids
         if spans is None:
             input_ids.append(self.eos_token_id)
-            token_spans = [(0, len(input_ids))]
+            first = _first_token_from(encoding, len(input_ids) - 1, len(text), prompt_chars) if prompt_chars else 0
+            token_spans = [(first, len(input_ids))]
         else:
             token_spans = [token_span(encoding, len(input_ids), len(text), span) for span in spans]
         if len(input_ids) > self.max_sample_num_tokens:
@@ -774,7 +828,9 @@ class ChatEncoder:
                                            f"{self.max_sample_num_tokens}")
         num_loss = sum(t1 - t0 for t0, t1 in token_spans)
         if num_loss == 0:
-            return SampleError("no_loss_tokens", "no assistant token is learned in this conversation")
+            # Audit finding only where a reply was there to learn; a conversation without one is bad input.
+            return SampleError("no_loss_tokens", "no assistant token is learned in this conversation",
+                               audit=has_reply)
         # The audit: the token holding the last character of a reply's end-of-turn is its last learned
         # token, and no EOS the template writes right after is left unlearned (the model must learn to
         # stop). mask_reasoning may split a reply in two spans: only spans ending at a reply's end count.

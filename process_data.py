@@ -1,4 +1,4 @@
-"""Tokenize a chat JSONL file into training rows with loss masks.
+"""Tokenize chat (or plain text) data into training rows with loss masks.
 
     TOKENIZERS_PARALLELISM=false python process_data.py \\
         --input-file data/chat.jsonl --output-dir data/chat_tkns \\
@@ -8,25 +8,33 @@
 CPU only, no torchrun: tokenization runs in ``--num-proc`` worker processes.
 ``--output-file data/chat_tkns.jsonl`` (the older form) writes one file instead.
 
-Input: one JSON object per line with ``messages``, a list of
-``{"role", "content"}`` (roles system, user, assistant, tool; assistant turns
-may carry ``tool_calls`` and ``reasoning_content``), or a single
-``{"role": "pretrain", "content": ...}`` message. A row's ``tools`` (JSON
-schemas) is passed to the chat template. Other top-level fields (an ``id``, a
-source tag) are copied to the output row unchanged.
+Input rows: ``messages``, a list of ``{"role", "content"}`` (roles system,
+user, assistant, tool; assistant turns may carry ``tool_calls`` and
+``reasoning_content``), or a single ``{"role": "pretrain", "content": ...}``
+message. A row's ``tools`` (JSON schemas) is passed to the chat template. Other
+top-level fields (an ``id``, a source tag) are copied to the output row
+unchanged. ShareGPT ``conversations``, TRL ``prompt``/``completion`` and
+``text``, and alpaca ``instruction``/``input``/``output`` rows are recognised
+row by row and converted (``data_formats.py``). ``--input-file`` is a JSON lines
+file (or ``.json`` array, ``.gz``), ``.parquet``, ``.arrow``, ``.csv``, a
+``save_to_disk`` folder, a folder or glob of such files, or a hub dataset id
+(``data_sources.py``).
 
 Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
 ``F.summary.json``, ``F.rejected.jsonl``):
   D/data.jsonl      ``input_ids``, ``labels`` (-100 = masked, unshifted),
                     ``len``, ``num_loss_counted_tokens`` + the row's other fields
-  D/rejected.jsonl  ``{"line": N, "reason": ..., "detail": ...}`` per unusable line
-  D/summary.json    counts by outcome and reason, length statistics,
+  D/rejected.jsonl  ``{"line": N, "reason": ..., "detail": ...}`` per unusable row
+                    (``"row"`` for table rows, ``"file"`` when several files)
+  D/summary.json    counts by outcome, format and reason, length statistics,
                     tokenizer, arguments and the label audit; written last
 
-The label audit (docs/data.md) is on by default: the run exits non-zero, after
-writing everything, when a reply's end-of-turn is not learned or more than
-``--max-rejected-fraction`` of the chat rows is rejected (``--allow-audit-failures``
-keeps going).
+Bad rows (bad JSON, an unknown shape, a missing field...) are input errors:
+counted, listed and skipped; they never stop the run (``--strict`` makes the
+first one fatal). The label audit (docs/data.md) judges the masking only: the
+run exits non-zero, after writing everything, when a reply's end-of-turn is not
+learned or more than ``--max-rejected-fraction`` of the conversations the chat
+template was given could not be masked (``--allow-audit-failures`` keeps going).
 
 How replies are found and masked: see ``chat_masking.py``. Output files are
 written under temporary names and renamed when complete; ``--num-proc N``
@@ -50,7 +58,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chat_masking import ChatEncoder, SampleError, parse_chat_row, parse_row
+from chat_masking import ChatEncoder, ChatRow, SampleError
+from data_formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row
+from data_sources import Chunk, Input, open_input
 from utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
 
 
@@ -60,7 +70,8 @@ def _default_num_proc() -> int:
 
 @dataclass
 class ProcessDataConfig:
-    input_file: str = config_field(help="input JSONL, one {\"messages\": [...]} object per line")
+    input_file: str = config_field(help="input rows: JSON lines (.json array, .gz), .parquet, .arrow, .csv, a "
+                                        "folder or glob of them, or a hub dataset id")
     model_name_or_path: str = config_field(help="Hugging Face tokenizer with a chat template (local folder or hub id)")
     output_dir: str | None = config_field(None, help="output folder: data.jsonl, summary.json, rejected.jsonl")
     output_file: str | None = config_field(None, help="single output JSONL (older form); the summary and "
@@ -80,8 +91,14 @@ class ProcessDataConfig:
     seed: int = config_field(42, help="seed for choosing the printed samples")
     chunk_size: int = config_field(256, help="lines per worker task (output is the same for any value)")
     logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR")
+    input_format: str = config_field("auto", choices=list(INPUT_FORMATS),
+                                     help="row format; auto recognises each row's from its keys")
+    columns: str | None = config_field(None, help="rename input columns first, NAME=COLUMN,... "
+                                                  "(e.g. prompt=question,completion=answer)")
+    split: str = config_field("train", help="split of a hub dataset id or a save_to_disk DatasetDict folder")
+    subset: str | None = config_field(None, help="configuration (subset) name of a hub dataset id")
     max_rejected_fraction: float = config_field(0.01, help="label audit: fail when more than this fraction of the "
-                                                           "chat rows is rejected (blank lines not counted)")
+                                                           "conversations cannot be masked by the template")
     allow_audit_failures: bool = config_field(False, help="label audit: write the dataset and exit 0 even when a "
                                                           "rule is broken (a warning instead of an error)")
 
@@ -103,6 +120,12 @@ class ProcessDataConfig:
             errors.append("--string-for-printing-masks must not be empty")
         if self.end_of_turn_token == "":
             errors.append("--end-of-turn-token must not be empty")
+        if self.input_format not in INPUT_FORMATS:
+            errors.append(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {self.input_format!r}")
+        try:
+            parse_columns(self.columns)
+        except ValueError as err:
+            errors.append(str(err))
         if not 0.0 <= self.max_rejected_fraction <= 1.0:
             errors.append(f"--max-rejected-fraction must be in [0, 1], got {self.max_rejected_fraction}")
         collect_errors(errors)
@@ -129,7 +152,7 @@ class OutputPaths:
 
 @dataclass
 class ChunkResult:
-    """What a worker returns for one chunk of lines; the main process only writes and counts."""
+    """What a worker returns for one chunk of rows; the main process only writes and counts."""
 
     data: bytes
     rejected: bytes
@@ -137,9 +160,11 @@ class ChunkResult:
     lengths: list[int]
     num_loss_counted_tokens: list[int]
     num_pretrain: int
-    reasons: Counter
-    first_rejection: tuple[int, str] | None  # (line, "reason: detail")
-    audit: ChunkAudit
+    reasons: Counter  # every rejection, by reason
+    first_rejection: str | None  # "file:line: reason: detail"
+    audit: ChunkAudit  # the label audit's counts, its findings (rejected by the template or masking) included
+    input_errors: ChunkAudit  # rows rejected for their input (bad JSON, shape, content), examples by reason
+    formats: Counter  # rows by the format they were read as
 
 
 NUM_AUDIT_EXAMPLES = 3  # decoded examples kept per rejection reason and per broken rule
@@ -154,6 +179,7 @@ class ChunkAudit:
     num_chat_loss_tokens: int = 0
     num_replies: int = 0
     num_replies_end_learned: int = 0
+    reasons: Counter = dataclasses.field(default_factory=Counter)  # rejected rows by reason
     rules: Counter = dataclasses.field(default_factory=Counter)  # rows by how their replies were located
     # reason (a rejection reason or "reply_end_not_learned") -> [{"line", "detail", "text"}]
     examples: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
@@ -168,6 +194,7 @@ class ChunkAudit:
         self.num_chat_loss_tokens += other.num_chat_loss_tokens
         self.num_replies += other.num_replies
         self.num_replies_end_learned += other.num_replies_end_learned
+        self.reasons.update(other.reasons)
         self.rules.update(other.rules)
         for reason, examples in other.examples.items():
             for example in examples:
@@ -183,16 +210,18 @@ def _cut(text: str) -> str:
 
 
 _ENCODER: ChatEncoder | None = None  # one per worker process, set by _init_worker (the Pool initializer pattern)
+_CONFIG: ProcessDataConfig | None = None
 
 
 def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_tokens: tuple[str, ...]) -> None:
-    global _ENCODER
+    global _ENCODER, _CONFIG
     # N worker processes already use the cores; Rust threads inside each would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenizer = load_tokenizer(config.model_name_or_path)
     tokenizer.chat_template = chat_template
     # The main process probed the end-of-turn tokens once: workers take them as given.
     _ENCODER = make_encoder(config, tokenizer, end_of_turn=end_of_turn_tokens)
+    _CONFIG = config
 
 
 def make_encoder(config: ProcessDataConfig, tokenizer, *, end_of_turn: str | tuple[str, ...] | None,
@@ -202,33 +231,62 @@ def make_encoder(config: ProcessDataConfig, tokenizer, *, end_of_turn: str | tup
                        mask_reasoning=config.mask_reasoning, probe_tools=probe_tools)
 
 
-def _process_chunk(first_line: int, lines: list[bytes]) -> ChunkResult:
-    assert _ENCODER is not None, "worker not initialised"
-    return encode_chunk(_ENCODER, first_line, lines)
+def _process_chunk(chunk: Chunk) -> ChunkResult:
+    assert _ENCODER is not None and _CONFIG is not None, "worker not initialised"
+    return encode_chunk(_ENCODER, chunk, config=_CONFIG)
 
 
-def encode_chunk(encoder: ChatEncoder, first_line: int, lines: list[bytes]) -> ChunkResult:
-    """Encode lines ``first_line, first_line + 1, ...`` (1-based) into output bytes and counts."""
+def convert_rows(rows: list, config: ProcessDataConfig) -> list[tuple[str, ChatRow] | SampleError]:
+    """Each input row in the ``messages`` format, with the format it was read as, or why it cannot be."""
+    columns = parse_columns(config.columns)
+    converted: list[tuple[str, ChatRow] | SampleError] = []
+    for raw in rows:
+        try:
+            converted.append(read_row(raw, input_format=config.input_format, columns=columns))
+        except SampleError as err:
+            converted.append(err)
+    return converted
+
+
+def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig) -> ChunkResult:
+    """Convert and encode one chunk of rows into output bytes and counts."""
     data, rejected, row_bytes, lengths, num_loss = [], [], [], [], []
     reasons: Counter = Counter()
+    formats: Counter = Counter()
     first_rejection = None
     num_pretrain = 0
-    audit = ChunkAudit()
-    for offset, result in enumerate(encoder.encode_rows(lines)):
-        line_no = first_line + offset
+    audit, input_errors = ChunkAudit(), ChunkAudit()
+    converted = convert_rows(chunk.rows, config)
+    encoded = iter(encoder.encode_rows([item[1] for item in converted if not isinstance(item, SampleError)]))
+    named = chunk.file != config.input_file  # one of several files: rejected rows say which
+    for offset, item in enumerate(converted):
+        number = chunk.numbers[offset]
+        if isinstance(item, SampleError):
+            result = item
+            if item.row_format is not None:
+                formats[item.row_format] += 1
+        else:
+            formats[item[0]] += 1
+            result = next(encoded)
         if isinstance(result, SampleError):
             reasons[result.reason] += 1
-            rejected.append(json.dumps({"line": line_no, "reason": result.reason, "detail": result.detail},
-                                       ensure_ascii=False) + "\n")
+            record = {"file": chunk.file} if named else {}
+            record.update({chunk.unit: number, "reason": result.reason, "detail": result.detail})
+            rejected.append(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+            where = f"{chunk.file}:{number}" if chunk.unit == "line" else f"{chunk.file}: row {number}"
             if first_rejection is None:
-                first_rejection = (line_no, f"{result.reason}: {result.detail}")
-            if len(audit.examples.get(result.reason, ())) < NUM_AUDIT_EXAMPLES:
-                audit.add_example(result.reason, {"line": line_no, "detail": result.detail,
-                                                  "text": _cut(lines[offset].decode("utf-8", "replace").strip())})
+                first_rejection = f"{where}: {result.reason}: {result.detail}"
+            kept = audit if result.audit else input_errors
+            kept.reasons[result.reason] += 1
+            if len(kept.examples.get(result.reason, ())) < NUM_AUDIT_EXAMPLES:
+                raw = chunk.rows[offset]
+                text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else \
+                    json.dumps(raw, ensure_ascii=False, default=str)
+                kept.add_example(result.reason, {chunk.unit: number, "detail": result.detail, "text": _cut(text.strip())})
             continue
-        encoded = result.to_json_line(encoder.id_strings)
-        data.append(encoded)
-        row_bytes.append(len(encoded))
+        line = result.to_json_line(encoder.id_strings)
+        data.append(line)
+        row_bytes.append(len(line))
         lengths.append(len(result.input_ids))
         num_loss.append(result.num_loss_counted_tokens)
         num_pretrain += result.is_pretrain
@@ -240,11 +298,11 @@ def encode_chunk(encoder: ChatEncoder, first_line: int, lines: list[bytes]) -> C
             audit.rules[result.rule] += 1
             if result.num_replies_end_learned < result.num_replies:
                 audit.add_example("reply_end_not_learned", {
-                    "line": line_no, "detail": f"{result.num_replies - result.num_replies_end_learned} of "
-                                               f"{result.num_replies} replies have no learned end-of-turn",
+                    chunk.unit: number, "detail": f"{result.num_replies - result.num_replies_end_learned} of "
+                                                  f"{result.num_replies} replies have no learned end-of-turn",
                     "text": _cut(render_labels(encoder.tokenizer, result.input_ids, result.labels, "<|mAsK|>"))})
     return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss,
-                       num_pretrain, reasons, first_rejection, audit)
+                       num_pretrain, reasons, first_rejection, audit, input_errors, formats)
 
 
 # ----------------------------------------------------------------------------
@@ -257,41 +315,68 @@ def load_tokenizer(model_name_or_path: str):
     return AutoTokenizer.from_pretrained(model_name_or_path)
 
 
-def _read_chunks(path: Path, chunk_size: int):
-    """Yield ``(first_line, lines)``; the file is streamed, never held whole."""
-    with open(path, "rb") as f:
-        lines: list[bytes] = []
-        first_line = 1
-        for line_no, line in enumerate(f, 1):
-            lines.append(line)
-            if len(lines) == chunk_size:
-                yield first_line, lines
-                lines, first_line = [], line_no + 1
-        if lines:
-            yield first_line, lines
+_SCAN_ROWS = 1000  # rows read before tokenizing: formats, the rows' tools for the end-of-turn probe
+_PROBE_TOOL = [{"type": "function", "function": {"name": "probe_tool", "description": "A tool.", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}]
 
 
-def _count_lines(path: Path) -> int:
-    """Lines in the file (a final line without a newline counts), reading 1 MiB blocks."""
-    num_lines, last = 0, b"\n"
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            num_lines += block.count(b"\n")
-            last = block[-1:]
-    return num_lines + (last != b"\n")
+@dataclass
+class _Scan:
+    """What the first ``_SCAN_ROWS`` rows show, before any tokenizing."""
+
+    num_rows: int = 0  # non-blank rows
+    formats: Counter = dataclasses.field(default_factory=Counter)  # rows of a recognised format
+    unknown: list[str] = dataclasses.field(default_factory=list)  # first detail of a row of no accepted format
+    tools: list[dict] | None = None  # the first row's tools
+    calls_tools: bool = False
+
+    @property
+    def probe_tools(self) -> list[dict] | None:
+        """The rows' tools, or a stand-in schema when rows call tools without one, so the end-of-turn
+        probe renders the way the rows will be rendered."""
+        return self.tools or (_PROBE_TOOL if self.calls_tools else None)
+
+
+_SHAPE_REASONS = ("missing_messages", "ambiguous_format", "missing_field")
+
+
+def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
+    scan = _Scan()
+    with contextlib.closing(source.chunks(min(config.chunk_size, _SCAN_ROWS))) as chunks:
+        for chunk in chunks:
+            for number, raw, item in zip(chunk.numbers, chunk.rows, convert_rows(chunk.rows, config)):
+                scan.num_rows += not (isinstance(raw, bytes) and not raw.strip())
+                if isinstance(item, SampleError):
+                    if item.row_format is not None:
+                        scan.formats[item.row_format] += 1
+                    elif item.reason in _SHAPE_REASONS and not scan.unknown:
+                        scan.unknown.append(f"{chunk.file} {chunk.unit} {number}: {item.detail}")
+                    continue
+                scan.formats[item[0]] += 1
+                messages, tools = item[1].fields.get("messages"), item[1].fields.get("tools")
+                if isinstance(tools, list) and tools and scan.tools is None:
+                    scan.tools = tools
+                if isinstance(messages, list):
+                    scan.calls_tools = scan.calls_tools or any(
+                        isinstance(message, dict) and "tool_calls" in message for message in messages)
+            if scan.num_rows >= _SCAN_ROWS:
+                break
+    return scan
 
 
 def check_run(config: ProcessDataConfig, paths: OutputPaths):
     """Whole-run problems, before any heavy work: raise ValueError with one clear line.
 
     Returns:
-        The loaded tokenizer.
+        ``(tokenizer, source, scan)``: the loaded tokenizer, the input and what its first rows show.
     """
-    input_file = Path(config.input_file)
-    if not input_file.is_file():
-        raise ValueError(f"input file {input_file} does not exist")
-    if not any(line.strip() for line in _first_lines(input_file)):
-        raise ValueError(f"input file {input_file} is empty")
+    source = open_input(config.input_file, split=config.split, subset=config.subset)
+    scan = _scan(source, config)
+    if not scan.num_rows:
+        raise ValueError(f"input file {config.input_file} is empty")
+    if not scan.formats and scan.unknown:
+        raise ValueError(f"no row of an accepted format in the first {scan.num_rows} rows of {config.input_file} "
+                         f"({scan.unknown[0]}); accepted: {ACCEPTED}; --columns maps other column names")
     if not config.overwrite:
         for path in paths.all():
             if path.exists() and path.stat().st_size > 0:
@@ -312,25 +397,15 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
         except OSError as err:
             raise ValueError(f"cannot read --chat-template {config.chat_template}: {err}") from None
     if not tokenizer.chat_template:
-        with open(input_file, "rb") as f:
-            for line_no, line in enumerate(f, 1):
-                try:
-                    messages, _ = parse_row(line)
-                except SampleError:
-                    continue
-                if messages[0]["role"] != "pretrain":
-                    raise ValueError(f"tokenizer {config.model_name_or_path!r} has no chat template, but "
-                                     f"{input_file}:{line_no} is a conversation")
-    return tokenizer
-
-
-def _first_lines(path: Path):
-    """Lines up to the first non-blank one, for the empty-input check."""
-    with open(path, "rb") as f:
-        for line in f:
-            yield line
-            if line.strip():
-                return
+        with contextlib.closing(source.chunks(config.chunk_size)) as chunks:
+            for chunk in chunks:
+                for number, item in zip(chunk.numbers, convert_rows(chunk.rows, config)):
+                    messages = None if isinstance(item, SampleError) else item[1].fields["messages"]
+                    if (isinstance(messages, list) and messages and isinstance(messages[0], dict)
+                            and messages[0].get("role") != "pretrain"):
+                        raise ValueError(f"tokenizer {config.model_name_or_path!r} has no chat template, but "
+                                         f"{chunk.file}:{number} is a conversation")
+    return tokenizer, source, scan
 
 
 def process_data(config: ProcessDataConfig) -> dict[str, Any]:
@@ -343,23 +418,25 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
         The summary (also written to the summary JSON).
 
     Raises:
-        ValueError: a whole-run problem, or with ``strict`` the first unusable line as ``file:line: reason``.
+        ValueError: a whole-run problem, or with ``strict`` the first unusable row as ``file:line: reason``.
     """
     start = time.perf_counter()
     paths = OutputPaths.from_config(config)
-    tokenizer = check_run(config, paths)
-    probe_tools = _rows_tools(Path(config.input_file))
-    encoder = make_encoder(config, tokenizer, end_of_turn=config.end_of_turn_token, probe_tools=probe_tools)
-    num_lines = _count_lines(Path(config.input_file))
-    num_proc = min(config.num_proc, max(1, -(-num_lines // config.chunk_size)))
+    tokenizer, source, scan = check_run(config, paths)
+    encoder = make_encoder(config, tokenizer, end_of_turn=config.end_of_turn_token, probe_tools=scan.probe_tools)
+    num_rows = source.num_rows()
+    num_proc = min(config.num_proc, max(1, -(-num_rows // config.chunk_size))) if num_rows else config.num_proc
     logger.info("tokenizer %s (%s, %d tokens, eos %r), chat template from %s, end of turn %s (%s)",
                 config.model_name_or_path, type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token,
                 config.chat_template or "the tokenizer", " or ".join(map(repr, encoder.end_of_turn_tokens)),
                 "--end-of-turn-token" if config.end_of_turn_token else
-                "probed " + ("with the rows' tools" if probe_tools else "without tools") + ", with and without "
+                "probed " + ("with the rows' tools" if scan.probe_tools else "without tools") + ", with and without "
                 "a system prompt")
-    logger.info("%d lines from %s, %d worker process(es)%s", num_lines, config.input_file, num_proc,
+    logger.info("input %s: %s rows, %d worker process(es)%s", source.describe(),
+                "unknown number of" if num_rows is None else num_rows, num_proc,
                 "" if num_proc == config.num_proc else f" (--num-proc {config.num_proc}: fewer chunks than that)")
+    logger.info("row format %s in the first %d rows: %s", "detected" if config.input_format == "auto" else
+                f"--input-format {config.input_format}", scan.num_rows, _counts(scan.formats) or "none recognised")
 
     paths.data.parent.mkdir(parents=True, exist_ok=True)
     if config.overwrite:
@@ -370,11 +447,10 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     try:
         # closing(): on --strict's early exit the worker pool is shut down at once, not at garbage collection.
         with open(tmp[paths.data], "wb") as data_f, open(tmp[paths.rejected], "wb") as rejected_f, \
-                contextlib.closing(_run_chunks(config, encoder, num_proc, num_lines)) as chunks:
+                contextlib.closing(_run_chunks(config, encoder, source, num_proc, num_rows)) as chunks:
             for chunk in chunks:
                 if config.strict and chunk.first_rejection is not None:
-                    line_no, reason = chunk.first_rejection
-                    raise ValueError(f"{config.input_file}:{line_no}: {reason}")
+                    raise ValueError(chunk.first_rejection)
                 data_f.write(chunk.data)
                 rejected_f.write(chunk.rejected)
                 totals.add(chunk)
@@ -385,14 +461,14 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
             tmp_path.unlink(missing_ok=True)
 
     elapsed = time.perf_counter() - start
-    summary = _summary(config, tokenizer, encoder, paths, totals, num_lines, elapsed)
+    summary = _summary(config, tokenizer, encoder, paths, totals, source, elapsed)
     tmp_summary = paths.summary.with_name(f".{paths.summary.name}.tmp-{os.getpid()}")
     tmp_summary.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp_summary, paths.summary)
     _log_summary(summary)
     _print_samples(config, tokenizer, paths.data, totals)
     if not summary["num_written"]:
-        raise ValueError(f"no sample written from {num_lines} line(s); rejected: "
+        raise ValueError(f"no sample written from {totals.num_rows} row(s); rejected: "
                          + ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items())
                          + f" (see {paths.rejected})")
     _log_audit(summary["audit"], config)
@@ -402,45 +478,29 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     return summary
 
 
-_PROBE_SCAN_LINES = 1000  # lines read for the rows' tools before the end-of-turn probe
-_PROBE_TOOL = [{"type": "function", "function": {"name": "probe_tool", "description": "A tool.", "parameters": {
-    "type": "object", "properties": {"q": {"type": "string"}}}}}]
+def _counts(counter: Counter) -> str:
+    return ", ".join(f"{key} {count}" for key, count in counter.most_common())
 
 
-def _rows_tools(path: Path) -> list[dict] | None:
-    """The first ``tools`` of the file's first lines (a stand-in schema when rows call tools without
-    one), so the end-of-turn probe renders the way the rows will be rendered."""
-    calls_tools = False
-    with open(path, "rb") as f:
-        for _, line in zip(range(_PROBE_SCAN_LINES), f):
-            try:
-                messages, tools, _ = parse_chat_row(line)
-            except SampleError:
-                continue
-            if tools:
-                return tools
-            calls_tools = calls_tools or any("tool_calls" in message for message in messages)
-    return _PROBE_TOOL if calls_tools else None
-
-
-def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, num_proc: int, num_lines: int):
+def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, source: Input, num_proc: int, num_rows: int | None):
     """Yield ChunkResults in input order, with a progress bar and a bounded number of chunks in flight."""
     from tqdm import tqdm
 
-    chunks = _read_chunks(Path(config.input_file), config.chunk_size)
-    with tqdm(total=num_lines, unit="line", desc="tokenizing", mininterval=1.0, file=sys.stderr) as progress:
+    chunks = source.chunks(config.chunk_size)
+    with tqdm(total=num_rows, unit="row", desc="tokenizing", mininterval=1.0, file=sys.stderr) as progress, \
+            contextlib.closing(chunks):
         if num_proc == 1:
-            for first_line, lines in chunks:
-                yield encode_chunk(encoder, first_line, lines)
-                progress.update(len(lines))
+            for chunk in chunks:
+                yield encode_chunk(encoder, chunk, config=config)
+                progress.update(len(chunk.rows))
             return
         # fork: workers inherit the imported modules instead of importing transformers again.
         context = multiprocessing.get_context("fork")
         with context.Pool(num_proc, initializer=_init_worker,
                           initargs=(config, encoder.chat_template, encoder.end_of_turn_tokens)) as pool:
             in_flight: deque = deque()
-            for first_line, lines in chunks:
-                in_flight.append((len(lines), pool.apply_async(_process_chunk, (first_line, lines))))
+            for chunk in chunks:
+                in_flight.append((len(chunk.rows), pool.apply_async(_process_chunk, (chunk,))))
                 # Back-pressure: at most 2 chunks per worker are read ahead, so memory stays flat.
                 if len(in_flight) >= 2 * num_proc:
                     num, result = in_flight.popleft()
@@ -460,8 +520,11 @@ class _Totals:
         self.num_loss = array.array("q")
         self.row_offsets = array.array("q", [0])
         self.reasons: Counter = Counter()
+        self.formats: Counter = Counter()
+        self.num_rows = 0
         self.num_pretrain = 0
         self.audit = ChunkAudit()
+        self.input_errors = ChunkAudit()
 
     def add(self, chunk: ChunkResult) -> None:
         self.lengths.extend(chunk.lengths)
@@ -469,8 +532,11 @@ class _Totals:
         for size in chunk.row_bytes:
             self.row_offsets.append(self.row_offsets[-1] + size)
         self.reasons.update(chunk.reasons)
+        self.formats.update(chunk.formats)
+        self.num_rows += len(chunk.lengths) + sum(chunk.reasons.values())
         self.num_pretrain += chunk.num_pretrain
         self.audit.merge(chunk.audit)
+        self.input_errors.merge(chunk.input_errors)
 
 
 def _stats(values: array.array) -> dict[str, float]:
@@ -484,19 +550,27 @@ def _stats(values: array.array) -> dict[str, float]:
             "p99": float(p99), "max": int(arr.max()), "sum": int(arr.sum())}
 
 
-def _summary(config, tokenizer, encoder, paths, totals, num_lines, elapsed) -> dict[str, Any]:
+def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed) -> dict[str, Any]:
     import tokenizers
     import transformers
 
     num_written = len(totals.lengths)
     template = encoder.chat_template or ""
+    errors = totals.input_errors
     return {
-        "num_lines": num_lines,
+        "num_lines": totals.num_rows,
         "num_written": num_written,
         "num_chat": num_written - totals.num_pretrain,
         "num_pretrain": totals.num_pretrain,
         "num_rejected": sum(totals.reasons.values()),
         "rejected_by_reason": dict(sorted(totals.reasons.items())),
+        "input": source.describe(),
+        "rows_by_format": dict(totals.formats.most_common()),
+        "input_errors": {
+            "num_rows": sum(errors.reasons.values()),
+            "by_reason": dict(sorted(errors.reasons.items())),
+            "examples": {reason: errors.examples[reason] for reason in sorted(errors.examples)},
+        },
         "num_tokens": int(sum(totals.lengths)),
         "num_loss_counted_tokens": int(sum(totals.num_loss)),
         "len": _stats(totals.lengths),
@@ -516,31 +590,33 @@ def _summary(config, tokenizer, encoder, paths, totals, num_lines, elapsed) -> d
             "mask_reasoning": config.mask_reasoning,
             "masking": encoder.masking_method,
         },
-        "audit": _audit(config, totals, num_lines),
+        "audit": _audit(config, totals),
         "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
         "config": dataclasses.asdict(config),
         "elapsed_s": round(elapsed, 3),
-        "lines_per_s": round(num_lines / elapsed, 1) if elapsed > 0 else None,
+        "lines_per_s": round(totals.num_rows / elapsed, 1) if elapsed > 0 else None,
     }
 
 
-def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int) -> dict[str, Any]:
+def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = None) -> dict[str, Any]:
     """The label audit: what is learned, per dataset, and which rule is broken.
 
-    Rules: every reply's end-of-turn is learned (else the model never learns to stop), and at most
-    ``max_rejected_fraction`` of the chat rows is rejected (blank lines and pretrain rows aside).
+    It judges the masking only, never the input: its rows are the conversations the chat template
+    was given (input errors and pretrain rows aside). Rules: every reply's end-of-turn is learned
+    (else the model never learns to stop), and at most ``max_rejected_fraction`` of those rows is
+    rejected by the template or the masking (a finding: ``SampleError.audit``). ``num_lines`` is unused
+    (kept for callers of the older signature).
     """
     audit = totals.audit
-    num_blank = totals.reasons.get("blank_line", 0)
-    num_rejected = sum(totals.reasons.values()) - num_blank
-    num_chat_in = num_lines - num_blank - totals.num_pretrain
+    num_rejected = sum(audit.reasons.values())
+    num_chat_in = len(totals.lengths) - totals.num_pretrain + num_rejected
     rejected_fraction = num_rejected / num_chat_in if num_chat_in else 0.0
     broken = []
     if audit.num_replies_end_learned < audit.num_replies:
         broken.append(f"{audit.num_replies - audit.num_replies_end_learned} of {audit.num_replies} replies have no "
                       "learned end-of-turn (see --end-of-turn-token)")
     if rejected_fraction > config.max_rejected_fraction:
-        broken.append(f"{num_rejected} of {num_chat_in} chat rows rejected ({rejected_fraction:.1%} > "
+        broken.append(f"{num_rejected} of {num_chat_in} conversations could not be masked ({rejected_fraction:.1%} > "
                       f"--max-rejected-fraction {config.max_rejected_fraction:g})")
     return {
         "num_chat_rows_in": num_chat_in,
@@ -549,12 +625,11 @@ def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int) -> dict[s
         if audit.num_chat_tokens else 0.0,
         "num_replies": audit.num_replies,
         "num_replies_end_of_turn_learned": audit.num_replies_end_learned,
-        "num_rows_zero_learned": totals.reasons.get("no_loss_tokens", 0),
+        "num_rows_zero_learned": audit.reasons.get("no_loss_tokens", 0),
         "num_rejected": num_rejected,
         "rejected_fraction": round(rejected_fraction, 4),
         "max_rejected_fraction": config.max_rejected_fraction,
-        "rejected_by_reason": {reason: count for reason, count in sorted(totals.reasons.items())
-                               if reason != "blank_line"},
+        "rejected_by_reason": dict(sorted(audit.reasons.items())),
         "rows_by_rule": dict(sorted(audit.rules.items())),
         "examples": {reason: audit.examples[reason] for reason in sorted(audit.examples)},
         "broken_rules": broken,
@@ -564,31 +639,42 @@ def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int) -> dict[s
 
 def _log_audit(audit: dict[str, Any], config: ProcessDataConfig) -> None:
     logger.info("label audit: %.1f%% of chat tokens learned; %d of %d replies end with a learned end-of-turn; "
-                "%d chat rows with zero learned tokens; %d of %d chat rows rejected (%.2f%%, max %.2f%%)%s",
+                "%d conversations with replies but zero learned tokens; %d of %d conversations could not be masked "
+                "(%.2f%%, max %.2f%%)%s",
                 100 * audit["learned_token_fraction"], audit["num_replies_end_of_turn_learned"], audit["num_replies"],
                 audit["num_rows_zero_learned"], audit["num_rejected"], audit["num_chat_rows_in"],
                 100 * audit["rejected_fraction"], 100 * audit["max_rejected_fraction"],
                 "" if audit["rows_by_rule"].get("incremental", 0) == 0 else
                 f"; {audit['rows_by_rule']['incremental']} rows located by the incremental fallback "
                 "(the template rewrites replies)")
-    for reason, examples in audit["examples"].items():
-        for example in examples:
-            logger.info("audit example %s, line %d: %s\n%s", reason, example["line"], example["detail"], example["text"])
+    _log_examples("audit example", audit["examples"])
     for rule in audit["broken_rules"]:
         (logger.warning if config.allow_audit_failures else logger.error)("label audit: %s", rule)
 
 
+def _log_examples(what: str, examples: dict[str, list[dict]]) -> None:
+    for reason, kept in examples.items():
+        for example in kept:
+            where = f"line {example['line']}" if "line" in example else f"row {example['row']}"
+            logger.info("%s %s, %s: %s\n%s", what, reason, where, example["detail"], example["text"])
+
+
 def _log_summary(summary: dict[str, Any]) -> None:
-    logger.info("wrote %d samples (%d chat, %d pretrain, %d tokens, %d loss-counted) to %s in %.1fs (%.0f lines/s)",
+    logger.info("wrote %d samples (%d chat, %d pretrain, %d tokens, %d loss-counted) to %s in %.1fs (%.0f rows/s)",
                 summary["num_written"], summary["num_chat"], summary["num_pretrain"], summary["num_tokens"],
                 summary["num_loss_counted_tokens"], summary["outputs"]["data"], summary["elapsed_s"],
                 summary["lines_per_s"] or 0)
+    logger.info("rows by format: %s", ", ".join(f"{fmt} {count}" for fmt, count in summary["rows_by_format"].items())
+                or "none recognised")
     if summary["len"]:
         logger.info("len: p50 %.0f, p90 %.0f, p99 %.0f, max %d", summary["len"]["p50"], summary["len"]["p90"],
                     summary["len"]["p99"], summary["len"]["max"])
-    if summary["num_rejected"]:
-        logger.warning("rejected %d line(s), listed in %s: %s", summary["num_rejected"], summary["outputs"]["rejected"],
-                       ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items()))
+    errors = summary["input_errors"]
+    if errors["num_rows"]:
+        _log_examples("input error example", errors["examples"])
+        logger.warning("skipped %d bad input row(s), listed in %s: %s", errors["num_rows"],
+                       summary["outputs"]["rejected"],
+                       ", ".join(f"{reason} {count}" for reason, count in errors["by_reason"].items()))
 
 
 def render_labels(tokenizer, input_ids: list[int], labels: list[int], mask_string: str) -> str:

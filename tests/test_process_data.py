@@ -700,23 +700,43 @@ def test_audit_reports_what_is_learned(tiny_models, tokenizers, tmp_path):
     assert audit["rows_by_rule"] == {"sentinel": 2} and audit["passed"] and not audit["broken_rules"]
 
 
-def test_audit_fails_on_too_many_rejected_rows_unless_allowed(tiny_models, tmp_path):
-    rows = [GOOD] * 3 + [{"messages": [{"role": "user", "content": "no reply"}]}] * 4 + ["nope"]
+def test_audit_fails_on_too_many_rows_the_template_cannot_mask_unless_allowed(tiny_models, tmp_path):
+    """The audit counts the conversations the template refused, not bad input (which is skipped)."""
+    not_alternating = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                    {"role": "assistant", "content": "c"}]}
+    user_only = {"messages": [{"role": "user", "content": "no reply"}]}
+    rows = [GOOD] * 3 + [not_alternating] * 4 + [user_only, "nope"]
     input_file = write_jsonl(tmp_path / "in.jsonl", rows)
-    argv = ["--input-file", str(input_file), "--model-name-or-path", str(tiny_models["chatml"]), "--num-proc", "1"]
+    argv = ["--input-file", str(input_file), "--model-name-or-path", str(tiny_models["mistral"]), "--num-proc", "1"]
     with pytest.raises(SystemExit) as err:
         main([*argv, "--output-dir", str(tmp_path / "a")])
-    assert "label audit failed: 5 of 8 chat rows rejected (62.5% > --max-rejected-fraction 0.01)" in str(err.value)
+    assert ("label audit failed: 4 of 7 conversations could not be masked (57.1% > --max-rejected-fraction 0.01)"
+            in str(err.value))
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     audit = summary["audit"]
-    assert not audit["passed"] and audit["num_rows_zero_learned"] == 4
-    assert audit["rejected_by_reason"] == {"invalid_json": 1, "no_loss_tokens": 4}
-    assert [e["line"] for e in audit["examples"]["no_loss_tokens"]] == [4, 5, 6]  # three per reason
-    assert "no reply" in audit["examples"]["no_loss_tokens"][0]["text"]
-    assert audit["examples"]["invalid_json"] == [{"line": 8, "detail": "Expecting value: line 1 column 1 (char 0)",
-                                                  "text": "nope"}]
+    assert not audit["passed"] and audit["num_rows_zero_learned"] == 0
+    assert audit["rejected_by_reason"] == {"template_error": 4}
+    assert [e["line"] for e in audit["examples"]["template_error"]] == [4, 5, 6]  # three per reason
+    assert "alternate" in audit["examples"]["template_error"][0]["detail"]
+    assert summary["input_errors"]["by_reason"] == {"invalid_json": 1, "no_loss_tokens": 1}
+    assert summary["input_errors"]["examples"]["invalid_json"] == [
+        {"line": 9, "detail": "Expecting value: line 1 column 1 (char 0)", "text": "nope"}]
+    assert summary["rejected_by_reason"] == {"invalid_json": 1, "no_loss_tokens": 1, "template_error": 4}
     assert main([*argv, "--output-dir", str(tmp_path / "b"), "--allow-audit-failures"])["audit"]["broken_rules"]
-    assert main([*argv, "--output-dir", str(tmp_path / "c"), "--max-rejected-fraction", "0.7"])["audit"]["passed"]
+    assert main([*argv, "--output-dir", str(tmp_path / "c"), "--max-rejected-fraction", "0.6"])["audit"]["passed"]
+
+
+def test_bad_input_rows_never_fail_the_run(tiny_models, tmp_path):
+    """Issue 39: a few broken lines (bad JSON, a missing field) are skipped, counted and listed; exit 0."""
+    user_only = {"messages": [{"role": "user", "content": "no reply"}]}
+    rows = [GOOD] * 3 + [user_only] * 4 + ["nope", {"id": 9}]
+    input_file = write_jsonl(tmp_path / "in.jsonl", rows)
+    summary = main(["--input-file", str(input_file), "--model-name-or-path", str(tiny_models["chatml"]),
+                    "--num-proc", "1", "--output-dir", str(tmp_path / "out")])
+    assert summary["audit"]["passed"] and summary["audit"]["num_chat_rows_in"] == 3
+    assert summary["input_errors"]["num_rows"] == 6
+    assert summary["input_errors"]["by_reason"] == {"invalid_json": 1, "missing_messages": 1, "no_loss_tokens": 4}
+    assert [row["line"] for row in read_jsonl(tmp_path / "out" / "rejected.jsonl")] == [4, 5, 6, 7, 8, 9]
 
 
 def test_audit_rule_on_replies_without_a_learned_end(tiny_models):

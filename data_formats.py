@@ -1,0 +1,210 @@
+"""Input row formats: find a row's format from its keys and convert it to the ``messages`` format.
+
+Pure functions, a row dict in, a ``ChatRow`` out (``chat_masking`` then validates and encodes
+it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has an example of each):
+
+    format             a row has                       becomes
+    messages           messages                        itself (other fields copied, as always)
+    sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt -> assistant,
+                                                       function_call -> an assistant tool call,
+                                                       observation / tool -> tool
+    prompt_completion  prompt, completion              lists of messages: prompt + completion through the
+                                                       template, only the completion's replies learned;
+                                                       strings: no template, prompt masked, completion + EOS
+    text               text                            a pretrain row (every token learned)
+    alpaca             instruction, output             [system], user (instruction + newline + input),
+                       (input, system optional)        assistant (output)
+
+A row with ``messages`` is read as today whatever else it carries. Otherwise exactly one of the
+other shapes must match: no match is ``missing_messages``, two (an alpaca row with a ``text``
+column) is ``ambiguous_format``; ``--input-format`` picks one. ``--columns`` renames columns first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from chat_masking import ChatRow, SampleError, load_row
+
+FORMATS = ("messages", "sharegpt", "prompt_completion", "text", "alpaca")
+INPUT_FORMATS = ("auto",) + FORMATS
+# The keys that make each format (all must be there); "messages" wins over every other shape.
+SHAPES = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
+          "text": ("text",), "alpaca": ("instruction", "output")}
+# The column names --columns may map to.
+COLUMNS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output", "system",
+           "tools")
+ACCEPTED = "; ".join(f"{name} ({' + '.join(keys)})" for name, keys in SHAPES.items())
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
+
+
+def parse_columns(text: str | None) -> dict[str, str]:
+    """``"prompt=question,completion=answer"`` -> ``{"question": "prompt", "answer": "completion"}``
+    (input column -> accepted name). ``ValueError`` names the first bad pair."""
+    mapping: dict[str, str] = {}
+    for pair in (text or "").split(","):
+        if not pair.strip():
+            continue
+        name, sep, column = (part.strip() for part in pair.partition("="))
+        if not sep or not column or name not in COLUMNS:
+            raise ValueError(f"--columns {pair!r}: expected NAME=COLUMN with NAME one of {', '.join(COLUMNS)}")
+        mapping[column] = name
+    return mapping
+
+
+def detect_format(row: dict[str, Any]) -> str:
+    """The row's format by its keys; ``SampleError`` for none or several (module docstring)."""
+    if "messages" in row:
+        return "messages"
+    found = [name for name, keys in SHAPES.items() if all(key in row for key in keys)]
+    if len(found) == 1:
+        return found[0]
+    keys = ", ".join(map(repr, row)) or "none"
+    if not found:
+        raise SampleError("missing_messages", f"no 'messages' field nor another accepted format: the row has keys "
+                                              f"{keys}; accepted: {ACCEPTED}")
+    raise SampleError("ambiguous_format", f"the row has the keys of {' and '.join(found)} ({keys}); "
+                                          "--input-format picks one")
+
+
+def row_format(row: dict[str, Any], input_format: str = "auto") -> str:
+    """The format the row is read as: detected (``"auto"``) or forced, its keys checked."""
+    fmt = detect_format(row) if input_format == "auto" else input_format
+    missing = [key for key in SHAPES[fmt] if key not in row]
+    if missing:
+        raise SampleError("missing_messages" if fmt == "messages" else "missing_field",
+                          f"no {' nor '.join(map(repr, missing))} field (--input-format {fmt}); the row has keys "
+                          f"{', '.join(map(repr, row)) or 'none'}")
+    return fmt
+
+
+def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | None = None
+             ) -> tuple[str, ChatRow]:
+    """Convert one input row.
+
+    Args:
+        raw: a JSON line (``bytes``) or a parsed row (a table row, a JSON array element).
+        input_format: ``"auto"`` (detect per row) or one of ``FORMATS``.
+        columns: input column -> accepted name (``parse_columns``), applied first.
+
+    Returns:
+        ``(format, chat_row)``.
+
+    Raises:
+        SampleError: the row is not an object of an accepted format, or not a valid row of its format.
+    """
+    row = load_row(raw) if isinstance(raw, bytes) else raw
+    if not isinstance(row, dict):
+        raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
+    if columns:
+        row = {columns.get(key, key): value for key, value in row.items()}
+    fmt = row_format(row, input_format)
+    try:
+        return fmt, _convert(fmt, row)
+    except SampleError as err:
+        err.row_format = fmt
+        raise
+
+
+def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
+    if fmt == "messages":
+        return ChatRow(row)
+    rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
+    if fmt == "text":
+        return ChatRow({"messages": [{"role": "pretrain", "content": row["text"]}], **rest})
+    if fmt == "alpaca":
+        return ChatRow(_alpaca(row, rest))
+    if fmt == "sharegpt":
+        return ChatRow(_sharegpt(row, rest))
+    return _prompt_completion(row["prompt"], row["completion"], rest)
+
+
+def _string_or_none(row: dict[str, Any], key: str) -> str | None:
+    value = row.get(key)
+    if value is not None and not isinstance(value, str):
+        raise SampleError("non_string_content", f"'{key}' is a {type(value).__name__}")
+    return value
+
+
+def _alpaca(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+    """One user turn (instruction, then input on the next line, as LLaMA-Factory joins them), one reply."""
+    instruction, extra_input = _string_or_none(row, "instruction"), _string_or_none(row, "input")
+    output, system = _string_or_none(row, "output"), _string_or_none(rest, "system")
+    if instruction is None or output is None:
+        raise SampleError("missing_content", f"'{'instruction' if instruction is None else 'output'}' is null")
+    rest.pop("input", None)
+    rest.pop("system", None)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": "user", "content": "\n".join(part for part in (instruction, extra_input) if part)},
+                 {"role": "assistant", "content": output}]
+    return {"messages": messages, **rest}
+
+
+def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+    turns = row["conversations"]
+    if not isinstance(turns, list):
+        raise SampleError("messages_not_a_list", f"'conversations' is a {type(turns).__name__}")
+    if not turns:
+        raise SampleError("empty_messages", "'conversations' is empty")
+    system = _string_or_none(rest, "system")
+    rest.pop("system", None)
+    messages = [{"role": "system", "content": system}] if system else []
+    for index, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise SampleError("message_not_an_object", f"turn {index} is a {type(turn).__name__}")
+        if "from" not in turn and "role" in turn:  # a 'conversations' column in the messages format
+            messages.append(turn)
+            continue
+        role = SHAREGPT_ROLES.get(turn.get("from"))
+        if role is None:
+            raise SampleError("unknown_role", f"turn {index} has from {turn.get('from')!r}; allowed: "
+                                              f"{', '.join(SHAREGPT_ROLES)}")
+        if turn["from"] == "function_call":
+            messages.append({"role": "assistant", "content": "", "tool_calls": _tool_calls(index, turn.get("value"))})
+        else:
+            messages.append({"role": role, "content": turn.get("value")})
+    if isinstance(rest.get("tools"), str):  # LLaMA-Factory keeps the schemas as one JSON string
+        rest["tools"] = _json_field(rest["tools"], "invalid_tools", "'tools'")
+    if isinstance(rest.get("tools"), list):
+        rest["tools"] = [tool if not isinstance(tool, dict) or "function" in tool else
+                         {"type": "function", "function": tool} for tool in rest["tools"]]
+    return {"messages": messages, **rest}
+
+
+def _json_field(value: str, reason: str, what: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError as err:
+        raise SampleError(reason, f"{what} is not JSON: {err}") from None
+
+
+def _tool_calls(index: int, value: Any) -> list[dict]:
+    """A ShareGPT ``function_call`` turn's value (``{"name", "arguments"}`` or a list, maybe as a JSON
+    string) as OpenAI ``tool_calls``."""
+    calls = _json_field(value, "invalid_tool_calls", f"turn {index} (function_call)") if isinstance(value, str) \
+        else value
+    calls = calls if isinstance(calls, list) else [calls]
+    if not all(isinstance(call, dict) and "name" in call for call in calls):
+        raise SampleError("invalid_tool_calls", f"turn {index} (function_call): expected "
+                                                "{\"name\": ..., \"arguments\": ...}")
+    return [{"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
+            for call in calls]
+
+
+def _prompt_completion(prompt: Any, completion: Any, rest: dict[str, Any]) -> ChatRow:
+    """TRL's prompt/completion: conversational (lists of messages) or plain strings."""
+    if isinstance(prompt, list) and isinstance(completion, list):
+        if not completion:
+            raise SampleError("empty_messages", "'completion' is empty")
+        return ChatRow({"messages": prompt + completion, **rest}, num_prompt_messages=len(prompt))
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion.strip():
+            raise SampleError("empty_completion", "the completion is empty")
+        return ChatRow({"messages": [{"role": "pretrain", "content": prompt + completion}], **rest},
+                       num_prompt_chars=len(prompt))
+    raise SampleError("invalid_prompt_completion", f"'prompt' is a {type(prompt).__name__} and 'completion' a "
+                                                   f"{type(completion).__name__}: both strings or both lists of "
+                                                   "messages")

@@ -1,0 +1,254 @@
+"""Row formats (data_formats.py) through process_data.py: the same conversations written as
+``messages`` and as ShareGPT, TRL prompt/completion and text, and alpaca rows give byte-identical
+``input_ids`` and ``labels`` under real chat templates; bad rows of each kind are counted, listed
+and skipped (exit 0), ``--strict`` stops at the first; a file of no accepted format is refused.
+
+    .venv/bin/python -m pytest -q tests/test_data_formats.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from chat_masking import SampleError
+from data_formats import parse_columns, read_row
+from process_data import ProcessDataConfig, main, process_data
+from tests.test_process_data import read_jsonl, write_jsonl
+from utils import IGNORE_INDEX
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATES = ROOT / "fixtures" / "chat_templates"
+# Real templates of released models, each on the tiny tokenizer that holds its special tokens.
+REAL = {"qwen2.5": ("tools", TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+        "llama-3.1": ("llama3", TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja")}
+
+# The schemas of the public datasets' cards: ShareGPT as LLaMA-Factory documents it (glaive-style tool rows
+# with `tools` as a JSON string), TRL's conversational prompt/completion, tatsu-lab/alpaca without `text`.
+TOOL = {"name": "get_weather", "description": "Weather now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+MESSAGES_ROWS = [
+    {"id": "a", "messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Capital of France?"},
+                             {"role": "assistant", "content": "Paris."}]},
+    {"id": "b", "messages": [{"role": "user", "content": "What is two plus two?"},
+                             {"role": "assistant", "content": "Four."},
+                             {"role": "user", "content": "And three plus three?"},
+                             {"role": "assistant", "content": "Six."}]},
+]
+TOOL_ROW = {"id": "t", "tools": [{"type": "function", "function": TOOL}],
+            "messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]},
+                         {"role": "tool", "content": "sunny, 21 C"},
+                         {"role": "assistant", "content": "It is sunny."}]}
+SHAREGPT_ROWS = [
+    {"id": "a", "system": "Be brief.", "conversations": [{"from": "human", "value": "Capital of France?"},
+                                                          {"from": "gpt", "value": "Paris."}]},
+    {"id": "b", "conversations": [{"from": "human", "value": "What is two plus two?"}, {"from": "gpt", "value": "Four."},
+                                  {"from": "human", "value": "And three plus three?"}, {"from": "gpt", "value": "Six."}]},
+]
+SHAREGPT_TOOL_ROW = {"id": "t", "conversations": [{"from": "human", "value": "Weather in Paris?"},
+                                                  {"from": "function_call", "value": json.dumps(CALL)},
+                                                  {"from": "observation", "value": "sunny, 21 C"},
+                                                  {"from": "gpt", "value": "It is sunny."}],
+                     "tools": json.dumps([TOOL])}
+PROMPT_COMPLETION_ROWS = [
+    {"id": "a", "prompt": MESSAGES_ROWS[0]["messages"][:2], "completion": MESSAGES_ROWS[0]["messages"][2:]},
+    {"id": "b", "prompt": [{"role": "user", "content": "What is two plus two?"}],
+     "completion": [{"role": "assistant", "content": "Four."}]},
+]
+PROMPT_COMPLETION_MESSAGES = [MESSAGES_ROWS[0], {"id": "b", "messages": PROMPT_COMPLETION_ROWS[1]["prompt"]
+                                                 + PROMPT_COMPLETION_ROWS[1]["completion"]}]
+ALPACA_ROWS = [
+    {"instruction": "Give three tips for staying healthy.", "input": "",
+     "output": "1. Eat well.\n2. Move daily.\n3. Sleep enough."},
+    {"instruction": "Add the two numbers.", "input": "2 and 3", "output": "5", "system": "Be brief."},
+]
+ALPACA_MESSAGES = [
+    {"messages": [{"role": "user", "content": ALPACA_ROWS[0]["instruction"]},
+                  {"role": "assistant", "content": ALPACA_ROWS[0]["output"]}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add the two numbers.\n2 and 3"},
+                  {"role": "assistant", "content": "5"}]},
+]
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Gradient descent minimizes the loss, one step at a time."]
+
+
+def tokenize(tmp_path: Path, name: str, rows: list, model: Path, **overrides) -> tuple[list[dict], list[dict], dict]:
+    input_file = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    out = tmp_path / f"out-{name}"
+    summary = process_data(ProcessDataConfig(input_file=str(input_file), model_name_or_path=str(model),
+                                             output_dir=str(out), num_proc=1, num_printed_samples=0, **overrides))
+    return read_jsonl(out / "data.jsonl"), read_jsonl(out / "rejected.jsonl"), summary
+
+
+def tokens(rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+    return [(row["input_ids"], row["labels"]) for row in rows]
+
+
+@pytest.fixture(params=sorted(REAL))
+def real(request, tiny_models):
+    """(tiny model folder, --chat-template of a released model)."""
+    tiny, template = REAL[request.param]
+    return tiny_models[tiny], str(template)
+
+
+# ----------------------------------------------------------------------------
+# The same conversations in every format: identical tokens
+
+
+@pytest.mark.parametrize("fmt", ["sharegpt", "prompt_completion", "alpaca", "text"])
+def test_format_gives_the_tokens_of_its_messages_rows(tmp_path, real, fmt):
+    model, template = real
+    rows, messages = {
+        "sharegpt": (SHAREGPT_ROWS, MESSAGES_ROWS),
+        "prompt_completion": (PROMPT_COMPLETION_ROWS, PROMPT_COMPLETION_MESSAGES),
+        "alpaca": (ALPACA_ROWS, ALPACA_MESSAGES),
+        "text": ([{"text": text} for text in TEXTS],
+                 [{"messages": [{"role": "pretrain", "content": text}]} for text in TEXTS]),
+    }[fmt]
+    expected, _, _ = tokenize(tmp_path, "messages", messages, model, chat_template=template)
+    data, rejected, summary = tokenize(tmp_path, fmt, rows, model, chat_template=template)
+    assert not rejected and tokens(data) == tokens(expected)
+    assert [{k: v for k, v in row.items() if k not in ("input_ids", "labels")} for row in data] == \
+        [{k: v for k, v in row.items() if k not in ("input_ids", "labels")} for row in expected]
+    assert summary["rows_by_format"] == {fmt: len(rows)}
+
+
+def test_sharegpt_tool_call_and_observation_are_the_messages_tool_turns(tmp_path, tiny_models):
+    model, template = tiny_models["tools"], str(REAL["qwen2.5"][1])
+    expected, _, _ = tokenize(tmp_path, "messages", [TOOL_ROW], model, chat_template=template)
+    data, rejected, summary = tokenize(tmp_path, "sharegpt", [SHAREGPT_TOOL_ROW], model, chat_template=template)
+    assert not rejected and tokens(data) == tokens(expected)
+    assert summary["audit"]["num_replies"] == 2  # the tool call and the answer, both learned
+
+
+def test_conversational_prompt_turns_are_never_learned(tmp_path, tiny_models, tokenizers_by_name):
+    """A multi-turn prompt: its assistant turn is masked, only the completion's reply is learned."""
+    model = tiny_models["chatml"]
+    turns = MESSAGES_ROWS[1]["messages"]
+    data, rejected, _ = tokenize(tmp_path, "pc", [{"prompt": turns[:3], "completion": turns[3:]}], model)
+    full, _, _ = tokenize(tmp_path, "messages", [{"messages": turns}], model)
+    assert not rejected and data[0]["input_ids"] == full[0]["input_ids"]
+    tok = tokenizers_by_name["chatml"]
+    assert tok.decode([label for label in data[0]["labels"] if label != IGNORE_INDEX]) == "Six.<|im_end|>"
+    assert tok.decode([label for label in full[0]["labels"] if label != IGNORE_INDEX]) == \
+        "Four.<|im_end|>Six.<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tokenizers_by_name(tiny_models):
+    from transformers import AutoTokenizer
+
+    return {name: AutoTokenizer.from_pretrained(tiny_models[name]) for name in ("chatml", "llama3")}
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3"])
+def test_string_prompt_completion_is_the_tokenizers_encoding_with_the_prompt_masked(tmp_path, tiny_models,
+                                                                                    tokenizers_by_name, name):
+    """No template: encode(prompt + completion) + EOS; a token is the prompt's when its first character is."""
+    rows = [{"prompt": "The capital of France is", "completion": " Paris."},
+            {"prompt": "Q: What is 2+2?\nA:", "completion": " 4"},
+            {"prompt": "", "completion": "Only a completion."}]
+    data, rejected, summary = tokenize(tmp_path, "plain", rows, tiny_models[name])
+    tok = tokenizers_by_name[name]
+    assert not rejected and summary["rows_by_format"] == {"prompt_completion": 3}
+    for row, out in zip(rows, data):
+        encoding = tok(row["prompt"] + row["completion"], add_special_tokens=False, return_offsets_mapping=True)
+        ids = encoding["input_ids"] + [tok.eos_token_id]
+        starts = [start for start, _ in encoding["offset_mapping"]] + [len(row["prompt"] + row["completion"])]
+        labels = [IGNORE_INDEX if start < len(row["prompt"]) else token for token, start in zip(ids, starts)]
+        assert out["input_ids"] == ids and out["labels"] == labels
+        assert tok.decode([t for t in out["labels"] if t != IGNORE_INDEX]) == row["completion"] + tok.eos_token
+
+
+# ----------------------------------------------------------------------------
+# Rows in, messages out (pure)
+
+
+def test_read_row_converts_each_format():
+    assert read_row(json.dumps(ALPACA_ROWS[1]).encode()) == ("alpaca", read_row(ALPACA_MESSAGES[1])[1])
+    fmt, row = read_row({"prompt": "P ", "completion": "C", "source": "x"})
+    assert fmt == "prompt_completion" and row.num_prompt_chars == 2
+    assert row.fields == {"messages": [{"role": "pretrain", "content": "P C"}], "source": "x"}
+    fmt, row = read_row(PROMPT_COMPLETION_ROWS[0])
+    assert row.num_prompt_messages == 2 and row.fields["messages"] == MESSAGES_ROWS[0]["messages"]
+    fmt, row = read_row(SHAREGPT_TOOL_ROW)
+    assert (fmt, row.fields) == ("sharegpt", TOOL_ROW)
+    # A 'conversations' column holding role/content messages; 'tool' as ShareGPT datasets name results.
+    fmt, row = read_row({"conversations": [{"role": "user", "content": "x"}, {"from": "tool", "value": "y"}]})
+    assert row.fields["messages"] == [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]
+    # 'messages' wins whatever else the row carries (as before): ultrachat's 'prompt', a 'text' column.
+    assert read_row({"messages": [], "prompt": "p", "text": "t"})[0] == "messages"
+
+
+def test_columns_and_a_forced_format():
+    columns = parse_columns("prompt=question, completion=answer")
+    assert columns == {"question": "prompt", "answer": "completion"}
+    assert read_row({"question": "Q ", "answer": "A"}, columns=columns)[0] == "prompt_completion"
+    both = {"instruction": "a", "input": "", "output": "b", "text": "### Instruction: a ### Response: b"}
+    assert read_row(both, input_format="alpaca")[1].fields["text"] == both["text"]  # kept as a field
+    assert read_row(both, input_format="text")[1].fields["messages"][0]["content"] == both["text"]
+    with pytest.raises(SampleError, match="missing_field: no 'output' field"):
+        read_row({"instruction": "a"}, input_format="alpaca")
+    with pytest.raises(ValueError, match="NAME=COLUMN"):
+        parse_columns("labels=x")
+
+
+BAD_ROWS = [
+    ('{"instruction": "a", ', "invalid_json"),
+    ({"id": 1, "question": "x", "answer": "y"}, "missing_messages"),
+    ({"instruction": "a", "output": "b", "text": "c"}, "ambiguous_format"),
+    ({"prompt": "a", "completion": "b", "messages": []}, "empty_messages"),
+    ({"conversations": []}, "empty_messages"),
+    ({"prompt": [{"role": "user", "content": "a"}], "completion": []}, "empty_messages"),
+    ({"instruction": "a", "input": "", "output": 3}, "non_string_content"),
+    ({"text": 5}, "non_string_content"),
+    ({"conversations": [{"from": "human", "value": ["x"]}, {"from": "gpt", "value": "y"}]}, "non_string_content"),
+    ({"conversations": [{"from": "bard", "value": "x"}]}, "unknown_role"),
+    ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{"}]},
+     "invalid_tool_calls"),
+    ({"prompt": "a", "completion": 3}, "invalid_prompt_completion"),
+    ({"prompt": "a", "completion": "  "}, "empty_completion"),
+    ({"instruction": None, "output": "b"}, "missing_content"),
+]
+
+
+def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_models):
+    rows = [ALPACA_ROWS[0]] + [row for row, _ in BAD_ROWS] + [SHAREGPT_ROWS[0], {"text": "plain"}]
+    input_file = write_jsonl(tmp_path / "in.jsonl", rows)
+    argv = ["--input-file", str(input_file), "--model-name-or-path", str(tiny_models["chatml"]), "--num-proc", "1"]
+    summary = main([*argv, "--output-dir", str(tmp_path / "out")])  # returns: exit 0
+    rejected = read_jsonl(tmp_path / "out" / "rejected.jsonl")
+    assert [(r["line"], r["reason"]) for r in rejected] == [(i + 2, reason) for i, (_, reason) in enumerate(BAD_ROWS)]
+    assert "'id', 'question', 'answer'" in rejected[1]["detail"] and "alpaca (instruction + output)" in \
+        rejected[1]["detail"]
+    assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == len(BAD_ROWS)
+    # Rows by the format found, bad ones too; bad JSON, no shape and two shapes have none.
+    assert summary["rows_by_format"] == {"sharegpt": 5, "alpaca": 3, "prompt_completion": 3, "text": 2,
+                                         "messages": 1}
+    assert summary["audit"]["passed"] and summary["audit"]["num_rejected"] == 0
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--output-dir", str(tmp_path / "strict"), "--strict"])
+    assert str(err.value).startswith(f"process_data.py: error: {input_file}:2: invalid_json: ")
+    assert "\n" not in str(err.value)
+
+
+def test_a_file_of_no_accepted_format_is_refused_in_one_line(tmp_path, tiny_models):
+    input_file = write_jsonl(tmp_path / "in.jsonl", [{"question": "q", "answer": "a"}] * 3)
+    argv = ["--input-file", str(input_file), "--model-name-or-path", str(tiny_models["chatml"]), "--num-proc", "1"]
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--output-dir", str(tmp_path / "out")])
+    message = str(err.value)
+    assert "no row of an accepted format in the first 3 rows" in message and "'question', 'answer'" in message
+    assert "--columns" in message and "\n" not in message and not (tmp_path / "out").exists()
+    summary = main([*argv, "--output-dir", str(tmp_path / "mapped"), "--columns", "prompt=question,completion=answer"])
+    assert summary["num_written"] == 3 and summary["rows_by_format"] == {"prompt_completion": 3}
+    # alpaca with its 'text' column (tatsu-lab/alpaca's card): two shapes, refused with the flag that chooses
+    write_jsonl(input_file, [dict(ALPACA_ROWS[0], text="Below is an instruction...")] * 2)
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--output-dir", str(tmp_path / "both")])
+    assert "text and alpaca" in str(err.value) and "--input-format" in str(err.value)
+    assert main([*argv, "--output-dir", str(tmp_path / "forced"), "--input-format", "alpaca"])["num_written"] == 2

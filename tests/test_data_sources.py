@@ -1,0 +1,212 @@
+"""File kinds (data_sources.py) through process_data.py: the same rows as JSON lines, a ``.json``
+array, gzip, parquet, arrow (file and stream), csv, a ``save_to_disk`` folder, a folder and a glob
+of shards, and a hub id through ``datasets.load_dataset`` give a byte-identical ``data.jsonl``;
+table rows are numbered by row in ``rejected.jsonl`` and ``--strict``; readers stream.
+
+    .venv/bin/python -m pytest -q tests/test_data_sources.py
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from data_sources import open_input
+from process_data import ProcessDataConfig, main, process_data
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = [{"id": i, "messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                               {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(10)]
+ALPACA = [{"instruction": f"Double {i}.", "input": "" if i % 2 else f"{i}", "output": f"{2 * i}"} for i in range(7)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_table(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(rows)
+    if path.suffix == ".parquet":
+        pq.write_table(table, path, row_group_size=4)
+    elif path.suffix == ".csv":
+        pacsv.write_csv(table, path)
+    else:
+        new = pa.ipc.new_file if path.stem.endswith("file") else pa.ipc.new_stream
+        with new(str(path), table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=3):
+                writer.write_batch(batch)
+    return path
+
+
+def write_kind(tmp_path: Path, kind: str, rows: list[dict]) -> str:
+    """``rows`` written as ``kind``; returns the ``--input-file`` value."""
+    import datasets
+
+    if kind == "jsonl":
+        return str(write_jsonl(tmp_path / "in.jsonl", rows))
+    if kind == "json_lines":
+        return str(write_jsonl(tmp_path / "in.json", rows))
+    if kind == "json_array":
+        path = tmp_path / "in.json"
+        path.write_text(json.dumps(rows, indent=2))
+        return str(path)
+    if kind == "jsonl_gz":
+        path = tmp_path / "in.jsonl.gz"
+        path.write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows).encode()))
+        return str(path)
+    if kind in ("parquet", "csv"):
+        return str(write_table(tmp_path / f"in.{kind}", rows))
+    if kind in ("arrow_file", "arrow_stream"):
+        return str(write_table(tmp_path / f"in_{kind}.arrow", rows))
+    if kind == "save_to_disk":
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+        return str(tmp_path / "saved")
+    if kind == "save_to_disk_dict":
+        dataset = datasets.Dataset.from_list(rows)
+        datasets.DatasetDict({"train": dataset.select([0]), "validation": dataset}).save_to_disk(str(tmp_path / "dd"))
+        return str(tmp_path / "dd")
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    if kind == "folder":  # shards of three kinds, read in name order
+        write_table(folder / "part-0.parquet", rows[:4])
+        write_jsonl(folder / "part-1.jsonl", rows[4:5])
+        write_table(folder / "part-2_stream.arrow", rows[5:])
+        (folder / "README.md").write_text("not an input file\n")
+        return str(folder)
+    assert kind == "glob"
+    for n, start in enumerate(range(0, len(rows), 3)):
+        write_jsonl(folder / f"train-{n:05d}.jsonl", rows[start:start + 3])
+    write_jsonl(folder / "test-00000.jsonl", [{"text": "not matched"}])
+    return str(folder / "train-*.jsonl")
+
+
+def tokenize(tmp_path: Path, name: str, input_file: str, model: Path, **overrides) -> tuple[bytes, dict]:
+    out = tmp_path / f"out-{name}"
+    settings = {"num_proc": 1, "num_printed_samples": 0, "chunk_size": 3, **overrides}
+    summary = process_data(ProcessDataConfig(input_file=input_file, model_name_or_path=str(model),
+                                             output_dir=str(out), **settings))
+    return (out / "data.jsonl").read_bytes(), summary
+
+
+KINDS = ["json_lines", "json_array", "jsonl_gz", "parquet", "arrow_file", "arrow_stream", "save_to_disk",
+         "save_to_disk_dict", "folder", "glob"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_file_kind_gives_the_bytes_of_json_lines(tmp_path, tiny_models, kind):
+    model = tiny_models["qwen25"]
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ROWS), model)
+    split = {"split": "validation"} if kind == "save_to_disk_dict" else {}
+    data, summary = tokenize(tmp_path, kind, write_kind(tmp_path, kind, ROWS), model, **split)
+    assert data == expected
+    assert summary["num_lines"] == len(ROWS) and summary["rows_by_format"] == {"messages": len(ROWS)}
+
+
+def test_csv_of_alpaca_rows_reads_every_column_as_text(tmp_path, tiny_models):
+    """pyarrow would guess '0' and '' to be a number and null: csv columns are strings."""
+    model = tiny_models["llama3"]
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ALPACA), model)
+    data, summary = tokenize(tmp_path, "csv", write_kind(tmp_path, "csv", ALPACA), model, num_proc=2)
+    assert data == expected and summary["rows_by_format"] == {"alpaca": len(ALPACA)}
+
+
+def test_table_rows_are_numbered_by_row_and_shards_by_file(tmp_path, tiny_models):
+    rows = [{"text": "First document."}, {"text": None}, {"text": "Third document."}]
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_table(folder / "a.parquet", rows)
+    write_jsonl(folder / "b.jsonl", [{"text": "Fourth."}, {"id": 5}])
+    argv = ["--model-name-or-path", str(tiny_models["chatml"]), "--num-proc", "1"]
+    summary = main(["--input-file", str(folder), "--output-dir", str(tmp_path / "out"), *argv])
+    rejected = [json.loads(line) for line in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["file"], r.get("row"), r.get("line"), r["reason"]) for r in rejected] == [
+        (str(folder / "a.parquet"), 2, None, "missing_content"), (str(folder / "b.jsonl"), None, 2, "missing_messages")]
+    assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == 2
+    single = write_table(tmp_path / "one.parquet", rows)
+    with pytest.raises(SystemExit) as err:
+        main(["--input-file", str(single), "--output-dir", str(tmp_path / "strict"), "--strict", *argv])
+    assert str(err.value) == f"process_data.py: error: {single}: row 2: missing_content: message 0 (pretrain) has no content"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("absent/data.jsonl", "input file absent/data.jsonl does not exist"),
+    ("empty_folder", "holds no .jsonl"),
+    ("shards/*.parquet", "matches no file"),
+])
+def test_inputs_that_name_nothing_are_refused_in_one_line(tmp_path, monkeypatch, spec, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty_folder").mkdir()
+    with pytest.raises(ValueError, match=message):
+        open_input(spec)
+
+
+def test_hub_id_is_loaded_through_load_dataset_with_split_and_subset(tmp_path, tiny_models, monkeypatch):
+    """The hub is the boundary: load_dataset is recorded and served from a local parquet file by the
+    real ``datasets.load_dataset`` (streaming, as for the hub)."""
+    import datasets
+
+    model = tiny_models["qwen25"]
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ROWS), model)
+    local = write_table(tmp_path / "hub.parquet", ROWS)
+    real_load_dataset, calls = datasets.load_dataset, []
+
+    def hub(path, name=None, **kwargs):
+        calls.append((path, name, kwargs))
+        return real_load_dataset("parquet", data_files=str(local), split="train", streaming=kwargs["streaming"])
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    monkeypatch.chdir(tmp_path)  # "org/chat-data" is no local path here
+    data, summary = tokenize(tmp_path, "hub", "org/chat-data", model, split="validation", subset="en")
+    assert data == expected
+    assert calls and all(call == ("org/chat-data", "en", {"split": "validation", "streaming": True}) for call in calls)
+    assert summary["input"] == "hub dataset org/chat-data (split validation, subset en)"
+
+
+def test_unreachable_hub_is_refused_in_one_line(tmp_path, tiny_models):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "process_data.py"), "--input-file", "no-such-org/no-such-data",
+                             "--output-dir", str(tmp_path / "out"), "--model-name-or-path", str(tiny_models["chatml"]),
+                             "--num-proc", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("process_data.py: error: input no-such-org/no-such-data is no local path and loading it "
+                           "as a hub dataset failed: ") and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["json_array", "jsonl_gz"])
+def test_readers_stream(tmp_path, kind):
+    """Memory stays flat: reading a 12 MB input in chunks peaks far below its size."""
+    text = "x" * 200
+    rows = [{"id": i, "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text}]}
+            for i in range(25_000)]
+    spec = write_kind(tmp_path, kind, rows)
+    del rows
+    num_rows = 0
+    tracemalloc.start()
+    try:
+        for chunk in open_input(spec).chunks(64):
+            assert len(chunk.rows) <= 64
+            num_rows += len(chunk.rows)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert num_rows == 25_000 and peak < 6_000_000, peak
+
+
+def test_json_array_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[\n  {"text": "a"},\n  {"text": "b"\n  {"text": "c"}\n]\n')
+    with pytest.raises(ValueError, match=r"bad.json:3: invalid JSON in the array"):
+        list(open_input(str(path)).chunks(10))
