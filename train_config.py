@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from lora import ALL_LINEAR, LoraSettings
 from osft import UPCAST_DTYPES, OSFTSettings, num_frozen_directions
@@ -24,6 +24,12 @@ def _token_budget(text: str) -> int | str:
 @dataclass(kw_only=True)
 class TrainConfig:
     """Every parameter of a training run; the CLI is generated from these fields."""
+
+    recorded_keys: ClassVar[tuple[str, ...]] = (
+        "world_size", "device", "attn_implementation_resolved", "context_parallel_inner",
+        "max_tokens_per_gpu_resolved", "torch_version", "transformers_version")
+    """What ``training_params.json`` records beside the fields: what the run resolved, not settings. A
+    config file may hold them (a run's record replays it, on any machine) and they are skipped."""
 
     data_path: str = config_field("test.jsonl", section="Data", help="tokenized jsonl or process_data.py folder; or a mix: "
                                                      "`a:0.7,b:0.3` or a .yaml/.json mix file")
