@@ -118,6 +118,12 @@ class TrainConfig:
                                                          "project (pip install wandb)")
     tensorboard_dir: str | None = config_field(None, help="also log every metrics line to TensorBoard in this "
                                                           "folder (pip install tensorboard)")
+    mlflow_tracking_uri: str | None = config_field(
+        None, help="also log every metrics line to MLflow at this URI: http://host:5000, sqlite:///mlflow.db, ... "
+                   "(pip install mlflow-skinny)")
+    mlflow_experiment: str | None = config_field(
+        None, help="MLflow experiment name (turns MLflow on too, at MLFLOW_TRACKING_URI or MLflow's default store)")
+    mlflow_run_name: str | None = config_field(None, help="MLflow run name (default: one MLflow makes up)")
 
     lora_rank: int = config_field(0, section="LoRA and QLoRA", help="LoRA rank r: train low-rank adapters on a frozen base model "
                                           "(0 = full fine-tuning)")
@@ -198,6 +204,8 @@ class TrainConfig:
         if self.max_bad_steps < 1:
             errors.append("--max-bad-steps must be at least 1")
         errors += _policy_errors(self)
+        if self.mlflow_run_name is not None and self.mlflow_tracking_uri is None and self.mlflow_experiment is None:
+            errors.append("--mlflow-run-name needs --mlflow-tracking-uri or --mlflow-experiment (MLflow is off)")
         if self.lora_rank < 0:
             errors.append(f"--lora-rank must be positive (or 0 for full fine-tuning), got {self.lora_rank}")
         if self.lora_alpha is not None and self.lora_alpha <= 0:
