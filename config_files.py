@@ -26,7 +26,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 ConfigT = TypeVar("ConfigT")
 
@@ -94,12 +94,13 @@ def _read_pairs(path: Path) -> list[tuple[Any, Any, int | None]]:
     text = path.read_text()
     if path.suffix.lower() == ".json":
         try:
-            pairs = json.loads(text, object_pairs_hook=lambda items: items)
+            pairs = json.loads(text, object_pairs_hook=_JsonPairs)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
-        if not isinstance(pairs, list) or any(not isinstance(p, tuple) for p in pairs):
+        if not isinstance(pairs, _JsonPairs):
             raise ValueError(f"{path}: expected one JSON object of settings")
-        return [(key, _json_value(value), _json_line(text, key)) for key, value in pairs]
+        return [(key, dict(value) if isinstance(value, _JsonPairs) else value, _json_line(text, key))
+                for key, value in pairs]
     import yaml
 
     loader = _yaml_loader()(text)
@@ -119,9 +120,8 @@ def _read_pairs(path: Path) -> list[tuple[Any, Any, int | None]]:
         loader.dispose()
 
 
-def _json_value(value: Any) -> Any:
-    """A nested object (pairs, from the hook) back to a dict: no field takes one, the type check refuses it."""
-    return dict(value) if isinstance(value, list) and value and all(isinstance(v, tuple) for v in value) else value
+class _JsonPairs(list):
+    """A JSON object as its ``(key, value)`` pairs, in order, duplicates kept (``json.loads``'s pairs hook)."""
 
 
 def _json_line(text: str, key: str) -> int | None:
@@ -171,7 +171,7 @@ def read_config_file(config_cls: type, path: str | Path) -> dict[str, Any]:
             raise ValueError(f"{where}: {key!r} is given twice (first on line {lines[name]})")
         field = fields[name]
         checked = check_value(value, hints[name], choices=field.metadata.get("choices"),
-                              parsed_from_text="parse" in field.metadata)
+                              parse=field.metadata.get("parse"))
         if checked is _WRONG:
             options = typing.get_args(unwrap_optional(hints[name])[0]) or field.metadata.get("choices") or ()
             hint = did_you_mean(value, [str(option) for option in options]) if isinstance(value, str) else ""
@@ -199,14 +199,17 @@ def config_from_file(config_cls: type[ConfigT], path: str | Path) -> ConfigT:
 _WRONG = object()
 
 
-def check_value(value: Any, hint: Any, *, choices: Any = None, parsed_from_text: bool = False) -> Any:
+def check_value(value: Any, hint: Any, *, choices: Any = None, parse: Callable[[str], Any] | None = None) -> Any:
     """``value`` as a field of type ``hint`` holds it, or ``_WRONG``.
 
-    A field whose CLI value goes through a ``parse=`` function also takes that text (the flag's own
-    spelling, e.g. ``max_tokens_per_gpu: auto``); it is converted as the flag's value is.
+    A field whose flag value goes through a ``parse=`` function (``config_field``) also takes that
+    text, converted as the flag's is (``max_tokens_per_gpu: "4096"``).
     """
-    if parsed_from_text and isinstance(value, str):
-        return value
+    if parse is not None and isinstance(value, str):
+        try:
+            return parse(value)
+        except ValueError:
+            return _WRONG
     tp, optional = unwrap_optional(hint)
     if value is None:
         return None if optional else _WRONG

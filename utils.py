@@ -166,13 +166,15 @@ def parse_config(config_cls: type[ConfigT], argv: list[str] | None = None, *, de
 
 
 def _config_path(argv: list[str]) -> str | None:
-    """The value of ``--config`` in ``argv`` (read before the other flags, which override it)."""
+    """The value of ``--config`` in ``argv``, the last one given as argparse takes it (read before the
+    other flags, which override the file)."""
+    path = None
     for i, word in enumerate(argv):
         if word == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if word.startswith("--config="):
-            return word.split("=", 1)[1]
-    return None
+            path = argv[i + 1]
+        elif word.startswith("--config="):
+            path = word.split("=", 1)[1]
+    return path
 
 
 def comma_list(text: str) -> list[str]:

@@ -68,6 +68,9 @@ def test_the_python_api_reads_the_same_files(tmp_path):
     path = _write(tmp_path / "run.yaml", "output_dir: out\nmin_samples_per_checkpoint: 8\nlora_rank: 4\n")
     config = config_from_file(TrainConfig, path)
     assert config == TrainConfig(output_dir="out", min_samples_per_checkpoint=8, lora_rank=4)
+    # A flag's own text for a field parsed from text: converted here as on the command line.
+    text = "output_dir: out\nmin_samples_per_checkpoint: 8\nmax_tokens_per_gpu: '4096'\n"
+    assert config_from_file(TrainConfig, _write(tmp_path / "run.yaml", text)).max_tokens_per_gpu == 4096
     with pytest.raises(ValueError, match=r"run\.yaml: no min_samples_per_checkpoint \(required\)"):
         config_from_file(TrainConfig, _write(tmp_path / "run.yaml", "output_dir: out\n"))
 
@@ -82,6 +85,8 @@ def test_the_python_api_reads_the_same_files(tmp_path):
     ("output_dir: o\nadam_betas: 0.9\n", "run.yaml:2: adam_betas must be a list of 2 numbers, got 0.9"),
     ("output_dir: o\nlr_scheduler: cosin\n", "run.yaml:2: lr_scheduler must be one of 'linear', "),
     ("output_dir: o\nmax_steps: ten\n", "run.yaml:2: max_steps must be an integer (or null), got 'ten'"),
+    ("output_dir: o\nmax_tokens_per_gpu: lots\n",
+     "run.yaml:2: max_tokens_per_gpu must be an integer or one of 'auto', got 'lots'"),
     ("output_dir: o\noutput-dir: p\n", "run.yaml:2: 'output-dir' is given twice (first on line 1)"),
     ("- output_dir\n", "run.yaml:1: expected a mapping of settings"),
     ("output_dir: [o\n", "run.yaml:2: not valid YAML"),
@@ -94,6 +99,8 @@ def test_a_bad_key_or_value_is_refused_in_one_line(tmp_path, capsys, text, expec
 def test_json_refusals_name_the_line(tmp_path, capsys):
     path = _write(tmp_path / "run.json", '{\n  "output_dir": "o",\n  "seed": "x"\n}\n')
     assert "run.json:3: seed must be an integer, got 'x'" in _refusal(capsys, TrainConfig, ["--config", path])
+    path = _write(tmp_path / "run.json", '[{"output_dir": "o"}]')
+    assert "run.json: expected one JSON object of settings" in _refusal(capsys, TrainConfig, ["--config", path])
     path = _write(tmp_path / "run.json", '{"output_dir": "o",}')
     assert "run.json:1: not valid JSON" in _refusal(capsys, TrainConfig, ["--config", path])
     assert "--config nowhere.yaml: No such file" in _refusal(capsys, TrainConfig, ["--config", "nowhere.yaml"])
