@@ -126,7 +126,7 @@ class MLflowTracker:
                 mlflow.set_experiment(experiment)
             mlflow.start_run(run_name=run_name)
             mlflow.log_params(run_config)  # MLflow stores every value as its text
-        except self.errors as err:
+        except (*self.errors, OSError) as err:  # OSError: a folder store that cannot be written
             if mlflow.active_run() is not None:
                 mlflow.end_run(status="FAILED")
             raise TrackerInitError(f"MLflow at {mlflow.get_tracking_uri()} could not start a run ({err})") from err
