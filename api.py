@@ -9,6 +9,10 @@
                              model_name_or_path="Qwen/Qwen2.5-1.5B-Instruct",
                              min_samples_per_checkpoint=1000, max_steps=10))
 
+A config file (YAML or JSON, what ``--config`` reads: ``examples/``, a run's ``training_params.json``)
+gives the same object: ``config_from_file(TrainConfig, "examples/lora.yaml")``, and
+``dataclasses.replace(config, output_dir=...)`` changes a field of it.
+
 ``run_training`` turns the ``TrainConfig`` (the same dataclass the CLI is
 generated from) back into ``train.py`` flags, so the Python API and the CLI
 cannot drift apart, and runs torchrun in a child process with this Python.
@@ -24,12 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from config_files import config_from_file
 from process_data import ProcessDataConfig, process_data
 from train_config import TrainConfig
 from utils import collect_errors, config_field, logger
 
-__all__ = ["ProcessDataConfig", "TorchrunArgs", "TrainConfig", "config_to_argv", "process_data", "run_training",
-           "torchrun_command"]
+__all__ = ["ProcessDataConfig", "TorchrunArgs", "TrainConfig", "config_from_file", "config_to_argv", "process_data",
+           "run_training", "torchrun_command"]
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 

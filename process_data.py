@@ -7,6 +7,7 @@
 
 CPU only, no torchrun: tokenization runs in ``--num-proc`` worker processes.
 ``--output-file data/chat_tkns.jsonl`` (the older form) writes one file instead.
+``--config FILE`` reads these flags' values from a YAML or JSON file (``config_files.py``).
 
 Input rows: ``messages``, a list of ``{"role", "content"}`` (roles system,
 user, assistant, tool; assistant turns may carry ``tool_calls`` and

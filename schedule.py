@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from train_state import TrainState
-from train_config import TrainConfig
+from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from utils import logger
 
 
@@ -63,10 +64,38 @@ def check_scheduler(config: TrainConfig, total_steps: int | None, *, is_main: bo
     else:
         stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.learning_rate)
         try:
-            build_scheduler(config, stand_in, total_steps)
+            scheduler = build_scheduler(config, stand_in, total_steps)
         except (TypeError, ValueError) as err:
             error = f"--lr-scheduler {config.lr_scheduler}: {err}"
+        else:
+            for warning in schedule_warnings(config, total_steps, scheduler.lr_lambdas[0]) if is_main else ():
+                logger.warning(warning)
     if error is not None:
         if is_main:
             logger.error(error)
         raise SystemExit(1)
+
+
+def schedule_warnings(config: TrainConfig, total_steps: int | None, multiplier: Callable[[int], float]) -> list[str]:
+    """What the schedule will not do over this run, known before its first step: a warmup at least the run's
+    length never reaches ``--learning-rate``, and a decaying schedule whose last step still uses half its
+    range or more never gets near its end (too few steps after the warmup). At most one line.
+
+    Args:
+        config: the run's parameters.
+        total_steps: the run's optimizer steps, or None for infinite sampling (then nothing is known).
+        multiplier: the schedule's factor on ``--learning-rate`` at each scheduler step (``LambdaLR``'s
+            ``lr_lambdas[0]``); optimizer step k uses the factor at k - 1.
+    """
+    if total_steps is None:
+        return []
+    last, end = multiplier(total_steps - 1), multiplier(total_steps)
+    if config.num_warmup_steps >= total_steps:
+        return [f"--num-warmup-steps {config.num_warmup_steps} is at least the run's {total_steps} steps: the "
+                f"learning rate never reaches --learning-rate {config.learning_rate} (the last step uses "
+                f"{last:.0%} of it); lower --num-warmup-steps or train longer"]
+    if config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL and last - end >= 0.5 * (1 - end):
+        return [f"--lr-scheduler {config.lr_scheduler} will not reach its end: the last of the run's {total_steps} "
+                f"steps uses {last:.0%} of --learning-rate where the schedule ends at {end:.0%}, too few steps "
+                "decay; lower --num-warmup-steps or train longer"]
+    return []

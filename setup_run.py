@@ -52,7 +52,7 @@ from selfcheck import check_data_fits_model, check_objective
 from setup_model_fsdp import ModelSetup, find_decoder_blocks, meta_model, setup_model, shard_group_size
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_state import TrainState
-from trackers import NullTracker, Tracker, TrackerInitError, make_tracker
+from trackers import NullTracker, Tracker, make_tracker
 from utils import DistInfo, fail_together, log_rank_0, logger, seed_everything
 
 if TYPE_CHECKING:
@@ -315,18 +315,13 @@ def _resume_policy(config: TrainConfig, run_params: dict, model_fingerprint: dic
 
 def _start_tracker(config: TrainConfig, dist_info: DistInfo, candidates: list[Path]) -> tuple[Tracker, str | None]:
     """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb run);
-    returns ``(tracker, None)``: a tracker that cannot start (its package missing, no credentials)
-    is one warning and the run goes on without it, as trackers only mirror the metrics JSONL."""
-    if not dist_info.is_main or (config.wandb_project is None and config.tensorboard_dir is None):
+    returns ``(tracker, None)``: each tracker that cannot start (its package missing, no credentials)
+    is one warning (``make_tracker``) and the run goes on without it."""
+    if not dist_info.is_main:
         return NullTracker(), None
-    found = resume_policy.newest_trainer_state(candidates)
+    found = resume_policy.newest_trainer_state(candidates) if config.wandb_project is not None else None
     run_id = found[1].get("wandb_run_id") if found else None
-    try:
-        return make_tracker(wandb_project=config.wandb_project, tensorboard_dir=config.tensorboard_dir,
-                            run_config=dataclasses.asdict(config), rank=dist_info.rank, wandb_run_id=run_id), None
-    except (ImportError, TrackerInitError) as err:
-        logger.warning("%s; the run goes on without tracking (the metrics are in training_metrics_0.jsonl)", err)
-        return NullTracker(), None
+    return make_tracker(config, rank=dist_info.rank, wandb_run_id=run_id), None
 
 
 def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None) -> None:

@@ -7,19 +7,24 @@ every numeric field under the same name, at ``step``:
     torchrun --nproc-per-node=2 train.py ... --wandb-project my-sft
     torchrun --nproc-per-node=2 train.py ... --tensorboard-dir ./output/tb
     tensorboard --logdir ./output/tb
+    torchrun --nproc-per-node=2 train.py ... --mlflow-tracking-uri http://mlflow:5000 --mlflow-experiment sft
 
-Both packages are optional (``pip install wandb`` / ``pip install tensorboard``)
-and imported only when asked for; a missing one raises an ``ImportError`` that
-names the package (``setup_run`` turns it into one warning: a tracker never stops
-a run). A tracker that fails while logging (network, full disk) warns once and is
-turned off (``FailSoftTracker``). Only rank 0 logs: every other rank gets the null tracker.
+The packages are optional (``pip install wandb`` / ``tensorboard`` / ``mlflow-skinny``) and
+imported only when asked for. Each tracker asked for is started on its own: one that cannot
+start (its package missing or broken, no credentials, a store that refuses) is one warning line
+and the run goes on with the others, as trackers only mirror the metrics JSONL. One that fails
+later while logging (network, full disk) warns once and is turned off (``FailSoftTracker``), the
+others going on. Only rank 0 logs: every other rank gets the null tracker.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import numbers
+from typing import Any, Callable
 
+from train_config import TrainConfig
 from utils import logger
 
 
@@ -83,7 +88,10 @@ class TensorBoardTracker:
         except ImportError as err:
             raise ImportError("--tensorboard-dir needs the optional package tensorboard: "
                               "pip install tensorboard") from err
-        self._writer = SummaryWriter(log_dir=log_dir)
+        try:
+            self._writer = SummaryWriter(log_dir=log_dir)
+        except OSError as err:
+            raise TrackerInitError(f"--tensorboard-dir {log_dir}: cannot write event files there ({err})") from err
         # Markdown code block so TensorBoard's text tab keeps the indentation.
         self._writer.add_text("run_config", "```\n" + json.dumps(run_config, indent=2, default=str) + "\n```")
 
@@ -97,10 +105,43 @@ class TensorBoardTracker:
         self._writer.close()
 
 
+class MLflowTracker:
+    """An MLflow run: the run config as its parameters, each numeric JSONL field as a metric at ``step``."""
+
+    wandb_run_id = None
+
+    def __init__(self, *, tracking_uri: str | None, experiment: str | None, run_name: str | None,
+                 run_config: dict) -> None:
+        try:
+            import mlflow
+        except ImportError as err:
+            raise ImportError("--mlflow-tracking-uri/--mlflow-experiment need the optional package mlflow: "
+                              "pip install mlflow-skinny") from err
+        self._mlflow = mlflow
+        self.errors = (mlflow.exceptions.MlflowException,)  # what MLflow raises when its store or server fails
+        try:
+            if tracking_uri is not None:  # else MLFLOW_TRACKING_URI, or MLflow's default store
+                mlflow.set_tracking_uri(tracking_uri)
+            if experiment is not None:  # else MLFLOW_EXPERIMENT_NAME, or MLflow's default experiment
+                mlflow.set_experiment(experiment)
+            mlflow.start_run(run_name=run_name)
+            mlflow.log_params(run_config)  # MLflow stores every value as its text
+        except (*self.errors, OSError) as err:  # OSError: a folder store that cannot be written
+            if mlflow.active_run() is not None:
+                mlflow.end_run(status="FAILED")
+            raise TrackerInitError(f"MLflow at {mlflow.get_tracking_uri()} could not start a run ({err})") from err
+
+    def log(self, record: dict) -> None:
+        self._mlflow.log_metrics(_numeric_fields(record), step=int(record["step"]))
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
 class FailSoftTracker:
-    """A tracker whose failure while logging or closing warns once and turns it off: the run goes on, as
-    the metrics JSONL holds every value anyway. Catches ``OSError`` (TensorBoard's event files on a
-    full disk) and the tracker's own ``errors`` (wandb's)."""
+    """A tracker whose failure while logging or closing warns once and turns it off: the run and the other
+    trackers go on, as the metrics JSONL holds every value anyway. Catches ``OSError`` (TensorBoard's event
+    files on a full disk) and the tracker's own ``errors`` (wandb's, MLflow's)."""
 
     def __init__(self, tracker) -> None:
         self._tracker = tracker
@@ -113,7 +154,7 @@ class FailSoftTracker:
         try:
             getattr(self._tracker, what)(*args)
         except self._errors as err:
-            logger.warning("tracker %s failed in %s (%s: %s): tracking is off for the rest of the run; the "
+            logger.warning("tracker %s failed in %s (%s: %s): it is off for the rest of the run; the "
                            "metrics are in training_metrics_0.jsonl", type(self._tracker).__name__, what,
                            type(err).__name__, err)
             self._tracker = None
@@ -126,12 +167,11 @@ class FailSoftTracker:
 
 
 class TrackerGroup:
-    """Several trackers behind one ``log``/``close``."""
+    """Several trackers behind one ``log``/``close``; each fails on its own (``FailSoftTracker``)."""
 
-    def __init__(self, trackers: list) -> None:
+    def __init__(self, trackers: list[FailSoftTracker]) -> None:
         self.trackers = trackers
-        self.errors = tuple(error for tracker in trackers for error in getattr(tracker, "errors", ()))
-        self.wandb_run_id = next((t.wandb_run_id for t in trackers if getattr(t, "wandb_run_id", None)), None)
+        self.wandb_run_id = next((t.wandb_run_id for t in trackers if t.wandb_run_id), None)
 
     def log(self, record: dict) -> None:
         for tracker in self.trackers:
@@ -142,37 +182,41 @@ class TrackerGroup:
             tracker.close()
 
 
-Tracker = NullTracker | WandbTracker | TensorBoardTracker | TrackerGroup
+Tracker = NullTracker | TrackerGroup
 """Anything with ``log(record)``, ``close()`` and ``wandb_run_id``."""
 
 
-def make_tracker(*, wandb_project: str | None, tensorboard_dir: str | None, run_config: dict, rank: int,
-                 wandb_run_id: str | None = None) -> Tracker:
-    """The tracker(s) a run asked for, or the null tracker.
+def make_tracker(config: TrainConfig, *, rank: int, wandb_run_id: str | None = None) -> Tracker:
+    """The trackers a run asked for that could start, or the null tracker.
+
+    Each is started on its own; one that cannot start is one warning and the others go on.
 
     Args:
-        wandb_project: Weights & Biases project name, or None for no wandb run.
-        tensorboard_dir: folder for TensorBoard event files, or None.
-        run_config: the run's parameters (``training_params.json``), stored with the run.
+        config: the run's parameters: which trackers (``--wandb-project``, ``--tensorboard-dir``,
+            ``--mlflow-*``), and what is stored with the run (``training_params.json``'s fields).
         rank: global rank; only rank 0 tracks.
         wandb_run_id: continue this wandb run (a resumed training run's), or None for a new one.
 
     Returns:
-        An object with ``log(record)`` and ``close()`` (``FailSoftTracker``: a failure while logging warns once).
-
-    Raises:
-        ImportError: a requested tracker's package is not installed (the message names it).
-        TrackerInitError: wandb could not start a run (credentials, network).
+        An object with ``log(record)`` and ``close()``.
     """
-    if rank != 0 or (wandb_project is None and tensorboard_dir is None):
+    if rank != 0:
         return NullTracker()
+    run_config = dataclasses.asdict(config)
+    starters: list[Callable[[], Any]] = []
+    if config.wandb_project is not None:
+        starters.append(lambda: WandbTracker(project=config.wandb_project, run_config=run_config, run_id=wandb_run_id))
+    if config.tensorboard_dir is not None:
+        starters.append(lambda: TensorBoardTracker(log_dir=config.tensorboard_dir, run_config=run_config))
+    if config.mlflow_tracking_uri is not None or config.mlflow_experiment is not None:
+        starters.append(lambda: MLflowTracker(tracking_uri=config.mlflow_tracking_uri,
+                                              experiment=config.mlflow_experiment,
+                                              run_name=config.mlflow_run_name, run_config=run_config))
     trackers = []
-    if wandb_project is not None:
-        trackers.append(WandbTracker(project=wandb_project, run_config=run_config, run_id=wandb_run_id))
-    if tensorboard_dir is not None:
+    for start in starters:
         try:
-            trackers.append(TensorBoardTracker(log_dir=tensorboard_dir, run_config=run_config))
-        except ImportError:
-            TrackerGroup(trackers).close()  # don't leave a wandb run open behind the error
-            raise
-    return FailSoftTracker(trackers[0] if len(trackers) == 1 else TrackerGroup(trackers))
+            trackers.append(FailSoftTracker(start()))
+        except (ImportError, TrackerInitError) as err:
+            logger.warning("%s; the run goes on without this tracker (the metrics are in training_metrics_0.jsonl)",
+                           err)
+    return TrackerGroup(trackers) if trackers else NullTracker()

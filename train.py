@@ -9,6 +9,11 @@ Single node (8 GPUs):
         --max-tokens-per-gpu 128000 --batch-size 128 --use-liger-kernels \\
         --seed 8888 --learning-rate 6e-6
 
+The same settings from a config file (YAML or JSON; ``examples/`` holds ready ones, and a
+run's own ``training_params.json`` replays it), flags after it overriding it:
+
+    torchrun --nnodes=1 --nproc-per-node=8 train.py --config examples/full_8gpu.yaml --seed 8888
+
 CPU (two gloo processes, the tiny model ``python tiny_model.py`` builds):
 
     torchrun --nproc-per-node=2 train.py --output-dir /tmp/out --data-path /tmp/data \\

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from finetune_method import FineTuningMethod
 from lora import ALL_LINEAR, LoRA, LoraSettings
@@ -26,6 +26,12 @@ def _token_budget(text: str) -> int | str:
 @dataclass(kw_only=True)
 class TrainConfig:
     """Every parameter of a training run; the CLI is generated from these fields."""
+
+    recorded_keys: ClassVar[tuple[str, ...]] = (
+        "world_size", "device", "attn_implementation_resolved", "context_parallel_inner",
+        "max_tokens_per_gpu_resolved", "torch_version", "transformers_version")
+    """What ``training_params.json`` records beside the fields: what the run resolved, not settings. A
+    config file may hold them (a run's record replays it, on any machine) and they are skipped."""
 
     data_path: str = config_field("test.jsonl", section="Data", help="tokenized jsonl or process_data.py folder; or a mix: "
                                                      "`a:0.7,b:0.3` or a .yaml/.json mix file")
@@ -114,6 +120,12 @@ class TrainConfig:
                                                          "project (pip install wandb)")
     tensorboard_dir: str | None = config_field(None, help="also log every metrics line to TensorBoard in this "
                                                           "folder (pip install tensorboard)")
+    mlflow_tracking_uri: str | None = config_field(
+        None, help="also log every metrics line to MLflow at this URI: http://host:5000, sqlite:///mlflow.db, ... "
+                   "(pip install mlflow-skinny)")
+    mlflow_experiment: str | None = config_field(
+        None, help="MLflow experiment name (turns MLflow on too, at MLFLOW_TRACKING_URI or MLflow's default store)")
+    mlflow_run_name: str | None = config_field(None, help="MLflow run name (default: one MLflow makes up)")
 
     lora_rank: int = config_field(0, section="LoRA and QLoRA", help="LoRA rank r: train low-rank adapters on a frozen base model "
                                           "(0 = full fine-tuning)")
@@ -194,6 +206,8 @@ class TrainConfig:
         if self.max_bad_steps < 1:
             errors.append("--max-bad-steps must be at least 1")
         errors += _policy_errors(self)
+        if self.mlflow_run_name is not None and self.mlflow_tracking_uri is None and self.mlflow_experiment is None:
+            errors.append("--mlflow-run-name needs --mlflow-tracking-uri or --mlflow-experiment (MLflow is off)")
         if self.lora_rank < 0:
             errors.append(f"--lora-rank must be positive (or 0 for full fine-tuning), got {self.lora_rank}")
         if self.lora_alpha is not None and self.lora_alpha <= 0:

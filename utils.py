@@ -17,12 +17,13 @@ import os
 import random
 import socket
 import sys
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import numpy as np
+
+from config_files import nearest_name, read_config_file, unwrap_optional
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (the Hugging Face / PyTorch convention)."""
@@ -53,13 +54,20 @@ def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its output on rank 0 only and a refusal in one line.
+
+    Under torchrun every rank parses the same argv: without this, ``--help`` or a typo printed the
+    53-line usage once per rank. ``RANK`` is set by torchrun before any process group exists.
+    A refusal is ``prog: error: ...`` alone: the usage block would bury that line.
+    """
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            super()._print_message(message, file)
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_arg_parser(config_cls: type, *, description: str | None = None) -> argparse.ArgumentParser:
@@ -68,9 +76,14 @@ def build_arg_parser(config_cls: type, *, description: str | None = None) -> arg
     Field ``foo_bar`` becomes ``--foo-bar``; booleans get ``--foo``/``--no-foo``;
     ``Literal`` types become choices; tuples become ``nargs``. Fields without a
     default are required. Sections (``config_field(section=...)``) become
-    argparse groups, printed in field order.
+    argparse groups, printed in field order. ``--config FILE`` comes first
+    (``config_files.py``). Flags are never abbreviated: ``--lr`` must not
+    silently mean ``--lr-scheduler``.
     """
-    parser = argparse.ArgumentParser(description=description)
+    parser = _Parser(description=description, allow_abbrev=False)
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML or JSON file of these flags' values (names with dashes or underscores); "
+                             "flags given here override it")
     group: argparse.ArgumentParser | argparse._ArgumentGroup = parser
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
@@ -79,7 +92,7 @@ def build_arg_parser(config_cls: type, *, description: str | None = None) -> arg
         if "section" in field.metadata:
             group = parser.add_argument_group(field.metadata["section"])
         flag = "--" + field.name.replace("_", "-")
-        tp, _ = _unwrap_optional(hints[field.name])
+        tp, _ = unwrap_optional(hints[field.name])
         kwargs: dict[str, Any] = {"help": field.metadata.get("help", ""), "dest": field.name}
         if field.default is not dataclasses.MISSING:
             kwargs["default"] = field.default
@@ -119,19 +132,49 @@ def flag_help(text: str, default: Any) -> str:
 
 
 def parse_config(config_cls: type[ConfigT], argv: list[str] | None = None, *, description: str | None = None) -> ConfigT:
-    """Parse ``argv`` into ``config_cls``; a ``ValueError`` from validation exits with usage."""
+    """Parse ``argv`` into ``config_cls``: its flags, over a ``--config`` file's values, over the defaults.
+
+    An unknown flag (with the nearest known one), a bad config file or a ``ValueError`` from
+    validation exits with code 2 and one ``prog: error: ...`` line, printed by rank 0.
+    """
     parser = build_arg_parser(config_cls, description=description)
-    namespace = parser.parse_args(argv)
-    values = vars(namespace)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Checked before argparse, whose "required" error would come first and whose message has no suggestion.
+    known = [flag[2:] for flag in parser._option_string_actions if flag.startswith("--")]
+    unknown = [word.split("=", 1)[0] for word in argv
+               if word.startswith("--") and word != "--" and word.split("=", 1)[0] not in parser._option_string_actions]
+    if unknown:
+        parser.error(" ".join(f"unknown flag {flag}" + (f"; did you mean --{name}?" if name else "")
+                              for flag in unknown for name in [nearest_name(flag[2:], known)]))
+    try:
+        file_values = read_config_file(config_cls, path) if (path := _config_path(argv)) else {}
+    except ValueError as err:
+        parser.error(str(err))
+    for action in parser._actions:
+        if action.dest in file_values:  # a flag given in argv still overrides this default
+            action.default, action.required = file_values[action.dest], False
+    values = vars(parser.parse_args(argv))
+    del values["config"]
     hints = typing.get_type_hints(config_cls)
     for name, value in values.items():
-        if isinstance(value, list) and typing.get_origin(_unwrap_optional(hints[name])[0]) is tuple:
+        if isinstance(value, list) and typing.get_origin(unwrap_optional(hints[name])[0]) is tuple:
             values[name] = tuple(value)
     try:
         return config_cls(**values)
     except ValueError as err:
         parser.error(str(err))
-        raise  # unreachable: parser.error exits
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """The value of ``--config`` in ``argv``, the last one given as argparse takes it (read before the
+    other flags, which override the file)."""
+    path = None
+    for i, word in enumerate(argv):
+        if word == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif word.startswith("--config="):
+            path = word.split("=", 1)[1]
+    return path
 
 
 def comma_list(text: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The demo's pieces at test size: Python API launch, plots, trackers, SLURM script, demo data, inspect_data.
+"""The demo's pieces at test size: Python API launch, plots, SLURM script, demo data, inspect_data.
 
     .venv/bin/python -m pytest -q tests/test_demo_pieces.py
 
@@ -14,7 +14,6 @@ import math
 import runpy
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -127,68 +126,6 @@ def test_smoothing_is_a_bias_corrected_ema():
     assert out[1] == pytest.approx((0.25 * 4 + 0.5 * 2) / 0.75)
     assert out[2] == out[1]  # a missing value holds the average
     np.testing.assert_allclose(smooth(np.ones(5), 0.9), np.ones(5))
-
-
-# ----------------------------------------------------------------------------
-# trackers
-
-
-def _record() -> dict:
-    from batch_metrics import StepCounts, step_record
-
-    counts = StepCounts(loss_sum=30.0, backward_loss_sum=20.0, batch_num_loss_counted_tokens=10,
-                        num_loss_counted_tokens=10, num_samples=4, num_total_tokens=40, num_dropped_samples=0,
-                        num_minibatches=2)
-    return step_record(step=3, lr=1e-4, grad_norm=0.5, counts=counts, world_size=2, time_per_batch=0.1,
-                       total_samples_accumulated=12, samples_seen=12, epoch=0, peak_memory_usage_gb=1.5)
-
-
-def test_tracker_is_null_unless_requested_on_rank_0(monkeypatch):
-    from trackers import NullTracker, make_tracker
-
-    monkeypatch.setitem(sys.modules, "wandb", None)  # rank 1 must not even import it
-    assert isinstance(make_tracker(wandb_project=None, tensorboard_dir=None, run_config={}, rank=0), NullTracker)
-    tracker = make_tracker(wandb_project="p", tensorboard_dir="/tmp/tb", run_config={}, rank=1)
-    assert isinstance(tracker, NullTracker)
-    tracker.log(_record())
-    tracker.close()
-
-
-@pytest.mark.parametrize("which", ["wandb", "tensorboard"])
-def test_missing_tracker_package_names_it(monkeypatch, tmp_path, which):
-    from trackers import make_tracker
-
-    monkeypatch.setitem(sys.modules, which, None)
-    if which == "tensorboard":
-        monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
-    kwargs = {"wandb_project": "p" if which == "wandb" else None,
-              "tensorboard_dir": str(tmp_path) if which == "tensorboard" else None}
-    with pytest.raises(ImportError, match=f"pip install {which}"):
-        make_tracker(**kwargs, run_config={}, rank=0)
-
-
-def test_wandb_tracker_mirrors_the_jsonl_record(monkeypatch):
-    """wandb is a network boundary: a stand-in module records what the tracker sends."""
-    from trackers import make_tracker
-
-    calls = []
-    run = types.SimpleNamespace(id="run1", log=lambda data, step: calls.append(("log", data, step)),
-                                finish=lambda: calls.append(("finish",)))
-    fake = types.ModuleType("wandb")
-    fake.init = lambda project, config, id, resume: calls.append(("init", project, config, id, resume)) or run
-    fake.errors = types.SimpleNamespace(Error=type("Error", (Exception,), {}))  # as wandb.errors.Error
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-
-    record = _record()
-    tracker = make_tracker(wandb_project="demo", tensorboard_dir=None, run_config={"lr": 1e-4}, rank=0)
-    tracker.log(record)
-    tracker.close()
-    assert calls[0] == ("init", "demo", {"lr": 1e-4}, None, None)
-    assert tracker.wandb_run_id == "run1"
-    _, logged, step = calls[1]
-    assert step == record["step"]
-    assert logged == {k: float(v) for k, v in record.items() if k != "step"}
-    assert calls[2] == ("finish",)
 
 
 # ----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ these runs put a stand-in ``wandb`` package on PYTHONPATH: the boundary, not
 the trainer, is replaced. It records every ``wandb.init`` call to a file and
 can refuse to start as wandb does without credentials, or fail on ``log`` as it does
 when its service goes away. A tracker package whose import fails is a ``wandb`` /
-``tensorboard`` package on PYTHONPATH that raises ``ImportError`` (a broken install).
+``tensorboard`` / ``mlflow`` package on PYTHONPATH that raises ``ImportError`` (a broken install).
 """
 
 from __future__ import annotations
@@ -115,27 +115,29 @@ def test_a_tracker_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path
     text = result.stdout + result.stderr
     assert result.returncode == 0, text[-4000:]
     [warning] = _warnings(text, "wandb.init failed (api_key not configured")
-    assert "the run goes on without tracking" in warning
+    assert "the run goes on without this tracker" in warning
     assert len((tmp_path / "out" / "training_metrics_0.jsonl").read_text().splitlines()) == 1
 
 
-def test_a_tracker_package_that_fails_to_import_is_one_warning(tmp_path, chatml_model):
-    """Both trackers asked for, both packages broken: one warning (wandb's import fails first); training goes on."""
+def test_each_tracker_package_that_fails_to_import_is_one_warning(tmp_path, chatml_model):
+    """Three trackers asked for, their packages broken: one warning each (each is tried on its own); training goes on."""
     import os
 
     site = tmp_path / "site"
-    for package in ("wandb", "tensorboard"):
+    for package in ("wandb", "tensorboard", "mlflow"):
         (site / package).mkdir(parents=True)
         (site / package / "__init__.py").write_text(BROKEN)
     vocab = model_vocab_size(chatml_model)
     data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=20, vocab_size=vocab, seed=2)
     env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = tmp_path / "out"
-    result = torchrun(_args(chatml_model, data, out, 1) + ["--tensorboard-dir", str(tmp_path / "tb")], env=env)
+    result = torchrun(_args(chatml_model, data, out, 1) + ["--tensorboard-dir", str(tmp_path / "tb"),
+                                                           "--mlflow-experiment", "e"], env=env)
     text = result.stdout + result.stderr
     assert result.returncode == 0, text[-4000:]
-    [warning] = _warnings(text, "needs the optional package wandb")
-    assert "the run goes on without tracking" in warning
+    for package in ("wandb", "tensorboard", "mlflow"):
+        [warning] = _warnings(text, f"the optional package {package}")
+        assert "the run goes on without this tracker" in warning
     assert len((out / "training_metrics_0.jsonl").read_text().splitlines()) == 1
 
 
@@ -151,5 +153,5 @@ def test_a_tracker_that_fails_while_logging_warns_once_and_is_turned_off(tmp_pat
     text = result.stdout + result.stderr
     assert result.returncode == 0, text[-4000:]
     [warning] = _warnings(text, "tracker WandbTracker failed in log (CommError: Network error")
-    assert "tracking is off for the rest of the run" in warning
+    assert "it is off for the rest of the run" in warning
     assert len((out / "training_metrics_0.jsonl").read_text().splitlines()) == 2

@@ -1,0 +1,78 @@
+"""Schedule sanity: a warmup at least the run's length, or a decay the run is too short for, is one warning at start-up.
+
+    .venv/bin/python -m pytest -q tests/test_schedule.py
+
+The schedules are transformers' own (built on a stand-in optimizer, as ``check_scheduler`` does at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+
+import pytest
+import torch
+
+from fixtures.e2e import ROOT
+from schedule import build_scheduler, check_scheduler, schedule_warnings, total_steps
+from train_config import TrainConfig
+from utils import parse_config
+
+
+def _warnings(config: TrainConfig, steps: int | None) -> list[str]:
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.learning_rate)
+    return schedule_warnings(config, steps, build_scheduler(config, stand_in, steps).lr_lambdas[0])
+
+
+def _config(**settings) -> TrainConfig:
+    return TrainConfig(output_dir="o", min_samples_per_checkpoint=1, **settings)
+
+
+@pytest.mark.parametrize(("scheduler", "warmup", "steps"), [
+    ("constant_with_warmup", 10, 4), ("constant_with_warmup", 4, 4), ("cosine", 12, 12), ("linear", 5, 3),
+    ("inverse_sqrt", 8, 8)])
+def test_a_warmup_at_least_the_run_never_reaches_the_peak(scheduler, warmup, steps):
+    [warning] = _warnings(_config(lr_scheduler=scheduler, num_warmup_steps=warmup, max_steps=steps), steps)
+    last = (steps - 1) / warmup  # every warmup is linear from 0: step k uses (k - 1) / warmup
+    assert warning == (f"--num-warmup-steps {warmup} is at least the run's {steps} steps: the learning rate never "
+                       f"reaches --learning-rate 5e-06 (the last step uses {last:.0%} of it); lower "
+                       "--num-warmup-steps or train longer")
+
+
+@pytest.mark.parametrize(("scheduler", "warmup", "steps", "last", "end"), [
+    ("cosine", 10, 12, "50%", "0%"), ("linear", 0, 2, "50%", "0%"), ("cosine_with_min_lr", 5, 7, "55%", "10%"),
+    ("polynomial", 0, 2, "51%", "2%")])
+def test_a_decay_too_short_to_reach_its_end_is_one_warning(scheduler, warmup, steps, last, end):
+    [warning] = _warnings(_config(lr_scheduler=scheduler, num_warmup_steps=warmup, max_steps=steps), steps)
+    assert warning.startswith(f"--lr-scheduler {scheduler} will not reach its end: the last of the run's {steps} "
+                              f"steps uses {last} of --learning-rate where the schedule ends at {end}")
+
+
+@pytest.mark.parametrize(("scheduler", "warmup", "steps"), [
+    ("constant_with_warmup", 3, 4), ("constant", 0, 1), ("cosine", 10, 13), ("linear", 0, 3), ("linear", 100, 1000),
+    ("warmup_stable_decay", 2, 100), ("cosine_with_min_lr", 20, 500)])
+def test_a_schedule_that_runs_its_course_is_silent(scheduler, warmup, steps):
+    assert _warnings(_config(lr_scheduler=scheduler, num_warmup_steps=warmup, max_steps=steps), steps) == []
+
+
+def test_infinite_sampling_has_nothing_to_check():
+    assert _warnings(_config(num_warmup_steps=10_000), None) == []
+
+
+def test_check_scheduler_logs_the_warning_on_rank_0_only(caplog):
+    config = _config(num_warmup_steps=10, max_steps=4)
+    with caplog.at_level(logging.WARNING):
+        check_scheduler(config, 4, is_main=False)
+        assert caplog.records == []
+        check_scheduler(config, 4, is_main=True)
+    [record] = caplog.records
+    assert "--num-warmup-steps 10 is at least the run's 4 steps" in record.getMessage()
+
+
+def test_the_readme_quick_start_trains_past_its_warmup():
+    """It once ran 4 steps under the default 10-step warmup: the learning rate never reached its peak."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"^torchrun --nproc-per-node=2 train\.py .*?[^\\]$", readme, re.M | re.S)[0]
+    config = parse_config(TrainConfig, shlex.split(command.replace("\\\n", " "))[3:])
+    assert config.max_steps == 4 and _warnings(config, total_steps(config, num_dataset_samples=412)) == []
