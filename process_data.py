@@ -47,6 +47,7 @@ from __future__ import annotations
 import array
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import multiprocessing
@@ -62,6 +63,7 @@ from typing import Any
 from chat_masking import ChatEncoder, ChatRow, SampleError
 from data_formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row
 from data_sources import Chunk, Input, open_input
+from leftovers import remove_dead_leftovers, temporary_name
 from utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
 
 
@@ -443,7 +445,10 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     if config.overwrite:
         # The summary marks a complete dataset: drop the old one before touching anything else.
         paths.summary.unlink(missing_ok=True)
-    tmp = {path: path.with_name(f".{path.name}.tmp-{os.getpid()}") for path in (paths.data, paths.rejected)}
+    remove_dead_leftovers(paths.all())
+    # Every file is written under a temporary name and renamed once all three are complete (the summary
+    # last: it marks a complete dataset), so a full disk or a kill leaves no partial output.
+    tmp = {path: temporary_name(path) for path in paths.all()}
     totals = _Totals()
     try:
         # closing(): on --strict's early exit the worker pool is shut down at once, not at garbage collection.
@@ -455,17 +460,18 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
                 data_f.write(chunk.data)
                 rejected_f.write(chunk.rejected)
                 totals.add(chunk)
-        for path, tmp_path in tmp.items():
-            os.replace(tmp_path, path)
+        summary = _summary(config, tokenizer, encoder, paths, totals, source, time.perf_counter() - start)
+        tmp[paths.summary].write_text(json.dumps(summary, indent=2) + "\n")
+        for path in paths.all():
+            os.replace(tmp[path], path)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise ValueError(_disk_full(err, paths, tmp, totals.num_rows, num_rows)) from None
     finally:
         for tmp_path in tmp.values():
             tmp_path.unlink(missing_ok=True)
 
-    elapsed = time.perf_counter() - start
-    summary = _summary(config, tokenizer, encoder, paths, totals, source, elapsed)
-    tmp_summary = paths.summary.with_name(f".{paths.summary.name}.tmp-{os.getpid()}")
-    tmp_summary.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp_summary, paths.summary)
     _log_summary(summary)
     _print_samples(config, tokenizer, paths.data, totals)
     if not summary["num_written"]:
@@ -477,6 +483,16 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
         raise ValueError(f"label audit failed: {'; '.join(summary['audit']['broken_rules'])} (details in "
                          f"{paths.summary} under 'audit'; --allow-audit-failures keeps the dataset anyway)")
     return summary
+
+
+def _disk_full(err: OSError, paths: OutputPaths, tmp: dict[Path, Path], num_read: int, num_rows: int | None) -> str:
+    """One line for a write that met a full disk (or quota): where, how much was written, what is kept."""
+    written = sum(path.stat().st_size for path in tmp.values() if path.exists())
+    folder = paths.data.parent
+    of = f" of {num_rows}" if num_rows is not None else ""
+    return (f"{os.strerror(err.errno).lower()} for the output in {folder}: {written / 1e6:.1f} MB written from "
+            f"the first {num_read}{of} input rows before it filled; nothing was kept (the partial files are "
+            "removed): free space there or choose another output, then rerun the same command")
 
 
 def _counts(counter: Counter) -> str:
