@@ -182,6 +182,52 @@ def load_tokenized_dataset(data_path: str, *, cache_dir: str | None = None) -> T
     return TokenizedDataset(str(path), dataset.data.table, dataset)
 
 
+def datasets_cache_dir(fallback: Path) -> tuple[str | None, str | None]:
+    """Where ``load_tokenized_dataset`` may write its arrow file: the ``datasets`` cache, else ``fallback``.
+
+    The ``datasets`` cache (``HF_DATASETS_CACHE``, by default ``~/.cache/huggingface/datasets``)
+    is used where it can be written. A read-only home (a container's, a cluster's) moves the cache
+    to ``fallback`` (the run's output folder), with a note saying so; a ``HF_DATASETS_CACHE`` the
+    user set is never overridden.
+
+    Returns:
+        ``(cache_dir, note)``: ``cache_dir`` None for the ``datasets`` default; ``note`` a line to
+        log when the fallback is used, else None.
+
+    Raises:
+        ValueError: one line naming ``HF_DATASETS_CACHE`` when nothing usable can be written.
+    """
+    import os
+
+    import datasets.config
+
+    default = Path(datasets.config.HF_DATASETS_CACHE)
+    problem = _cannot_write(default)
+    if problem is None:
+        return None, None
+    if os.environ.get("HF_DATASETS_CACHE"):
+        raise ValueError(f"HF_DATASETS_CACHE={default} cannot be written ({problem}): point it at a writable "
+                         "folder (the tokenized data is converted to an arrow file there)")
+    fallback_problem = _cannot_write(fallback)
+    if fallback_problem is not None:
+        raise ValueError(f"the datasets cache {default} ({problem}) and {fallback} ({fallback_problem}) cannot be "
+                         "written: set HF_DATASETS_CACHE to a writable folder")
+    return str(fallback), (f"the datasets cache {default} is not writable ({problem}): the arrow file of the "
+                           f"data goes to {fallback} instead (HF_DATASETS_CACHE chooses another folder)")
+
+
+def _cannot_write(folder: Path) -> str | None:
+    """Why a file cannot be created in ``folder`` (made if missing), or None: the check is a real write."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as err:
+        return err.strerror or str(err)
+
+
 def _has_content(path: Path) -> bool:
     """Whether the file holds anything but whitespace (reads only up to the first such byte)."""
     with path.open("rb") as f:

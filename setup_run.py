@@ -346,14 +346,25 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
     dataset, error = None, None
     if dist_info.is_main:
         try:
-            dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
+            load, note = _tokenized_loader(config)
+            if note:
+                logger.warning(note)
+            dataset = data_mix.load_data(path, load)
             error = _budget_error(config, dataset, path)
         except ValueError as err:
             error = str(err)
+        except OSError as err:  # a full or failing disk under the cache: one line on every rank, not gloo's
+            error = f"loading {path} failed: {err}"
     fail_together(error)
     if not dist_info.is_main:
-        dataset = data_mix.load_data(path, sampler.load_tokenized_dataset)
+        dataset = data_mix.load_data(path, _tokenized_loader(config)[0])
     return dataset
+
+
+def _tokenized_loader(config: TrainConfig):
+    """``load_tokenized_dataset`` with its arrow cache where this rank can write, and the note saying so."""
+    cache_dir, note = sampler.datasets_cache_dir(Path(config.output_dir) / ".cache" / "datasets")
+    return functools.partial(sampler.load_tokenized_dataset, cache_dir=cache_dir), note
 
 
 def _budget_error(config: TrainConfig, dataset, path: str) -> str | None:

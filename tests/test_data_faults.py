@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.e2e import ROOT
+from fixtures.e2e import ROOT, assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from leftovers import process_start, remove_dead_leftovers
-from tests.test_faults import small_disk  # noqa: F401  (the tmpfs fixture)
+from tests.test_faults import _no_worker_traceback, small_disk  # noqa: F401  (small_disk: the tmpfs fixture)
 
 CONVERSATION = [{"role": "system", "content": "Answer in full sentences. " * 4},
                 {"role": "user", "content": "Describe the weather in a long paragraph, please."},
@@ -132,3 +132,67 @@ def test_a_reused_pid_or_another_host_is_no_proof_of_a_dead_or_live_writer(tmp_p
     assert {p.name for p in tmp_path.iterdir()} == {names[key] for key in ("mine", "other_host", "unrelated")}
     assert f"pid {me} on other-host" in caplog.text
 
+
+# ----------------------------------------------------------------------------
+# Training with a read-only home directory
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """``make(name)``: an empty folder, bind-mounted read-only over itself (root cannot write it either)."""
+    mounted = []
+
+    def make(name: str) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        if os.geteuid() != 0:
+            pytest.skip("a read-only folder that root cannot write is a read-only mount, and mounting needs root")
+        for cmd in (["mount", "--bind", str(point), str(point)], ["mount", "-o", "remount,bind,ro", str(point)]):
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                if mounted or cmd[1] != "--bind":
+                    subprocess.run(["umount", str(point)], check=False)
+                pytest.skip(f"cannot bind-mount a read-only folder here (no CAP_SYS_ADMIN?): {result.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield make
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def _train_args(model: Path, data: Path, out: Path) -> list[str]:
+    return ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),
+            "--batch-size", "8", "--max-tokens-per-gpu", "96", "--max-steps", "2", "--num-data-workers", "0",
+            "--min-samples-per-checkpoint", "1000"]
+
+
+def test_training_with_a_read_only_home_caches_the_data_under_the_output(read_only_dir, chatml_model, tmp_path,
+                                                                         monkeypatch):
+    """No HF_DATASETS_CACHE and a home nobody can write: the converted data goes under the output folder."""
+    home = read_only_dir("home")
+    for name in ("HF_DATASETS_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    data = write_tokenized_jsonl(tmp_path / "data" / "train.jsonl", num_samples=24,
+                                 vocab_size=model_vocab_size(chatml_model), seed=3)
+    out = tmp_path / "out"
+    result = torchrun(_train_args(chatml_model, data, out), env={"HOME": str(home)})
+    assert_ok(result)
+    assert f"is not writable" in result.stderr and str(out / ".cache" / "datasets") in result.stderr, \
+        result.stderr[-4000:]
+    assert len(read_metrics(out)) == 2
+    assert not list(home.iterdir())
+
+
+def test_training_with_a_read_only_datasets_cache_stops_every_rank_in_one_line(read_only_dir, chatml_model,
+                                                                                tmp_path):
+    """A HF_DATASETS_CACHE the user set is never overridden: a read-only one is named, on every rank, no traceback."""
+    cache = read_only_dir("cache")
+    data = write_tokenized_jsonl(tmp_path / "data" / "train.jsonl", num_samples=24,
+                                 vocab_size=model_vocab_size(chatml_model), seed=3)
+    result = torchrun(_train_args(chatml_model, data, tmp_path / "out"), env={"HF_DATASETS_CACHE": str(cache)})
+    assert result.returncode != 0
+    _no_worker_traceback(result.stderr)
+    assert (f"[rank0] ERROR HF_DATASETS_CACHE={cache} cannot be written (Read-only file system): point it at a "
+            "writable folder") in result.stderr, result.stderr[-4000:]
+    assert "Connection closed by peer" not in result.stderr
