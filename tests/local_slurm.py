@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fixtures.e2e import _free_port
 
-CREDENTIAL_LIFETIME_S = 10  # AuthInfo=cred_expire: a requeued job's hold is this + 1 s (5 is SLURM's minimum)
+CREDENTIAL_LIFETIME_S = 10  # AuthInfo=cred_expire (SLURM's minimum is 5): the requeue hold scales with it
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo")
 
 
@@ -64,10 +64,11 @@ class LocalSlurm:
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "AuthType=auth/munge",
-            # A requeued job is held for the job credential's lifetime (+1 s) before it may start again: the
-            # node refuses a relaunch whose credential is not newer, to the second, than the requeue's kill
-            # ("Job credential revoked"). SLURM's default lifetime is 120 s; 10 s keeps the test short and
-            # the hold SLURM's own, never lifted by hand (StartTime=now raced that check).
+            # SLURM holds a requeued job for a time set by the job credential's lifetime before it may start
+            # again, because the node refuses a relaunch whose credential is not newer, to the second, than
+            # the revocation of the old one ("Job credential revoked"). The default lifetime, 120 s, holds
+            # for ~2 min; 10 s holds for ~30 s here (measured), SLURM's own hold, never lifted by hand
+            # (scontrol update StartTime=now raced that check).
             f"AuthInfo=socket={self.munge_socket},cred_expire={CREDENTIAL_LIFETIME_S}",
             "CredType=cred/munge",
             "SlurmUser=root",

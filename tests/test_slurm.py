@@ -15,10 +15,11 @@ faults while it trains with a data-loader worker per rank:
 Each attempt must write a preemption checkpoint, the next must resume from it,
 and the finished run must equal an uninterrupted torchrun of the same flags.
 
-Between attempts SLURM holds the requeued job for the job credential's lifetime
-(``local_slurm.CREDENTIAL_LIFETIME_S``, 10 s here, 120 s by default), as on any
-cluster; the test never lifts that hold by hand: a relaunch within the second of the
-requeue's kill is refused by the node ("Job credential revoked", issue 41).
+Between attempts SLURM holds the requeued job, as on any cluster, for a time set by
+the job credential's lifetime (``local_slurm.CREDENTIAL_LIFETIME_S``: 10 s here, ~30 s
+held; 120 s by default, ~2 min held). The test never lifts that hold by hand: a
+relaunch racing the revocation of the old credential is refused by the node ("Job
+credential revoked", issue 41).
 """
 
 from __future__ import annotations
