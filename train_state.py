@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from utils import EXIT_FAILED, EXIT_INTERRUPTED, exit_process, logger, note_exit_line
+from utils import EXIT_FAILED, exit_process, logger
 
 
 @dataclass
@@ -31,9 +31,9 @@ class PreemptionFlag:
     of the step; so does the launcher's death.
 
     * Ctrl-C reaches torchrun, which passes SIGINT to every rank; a second Ctrl-C makes torchrun send
-      SIGTERM. So after a SIGINT any further signal stops this rank at once, unsaved. After SIGTERM or
-      SIGUSR1 a repeat is the same request delivered twice (SLURM signals torchrun and the ranks, and
-      torchrun forwards): the save goes on.
+      SIGTERM. So after a SIGINT either signal kills this rank at once, unsaved (torchrun's report then
+      names the signal). After SIGTERM or SIGUSR1 a repeat is the same request delivered twice (SLURM
+      signals torchrun and the ranks, and torchrun forwards): the save goes on.
     * Under torchrun, a rank whose launcher is gone (killed with SIGKILL: it could pass on no signal) is
       an orphan that would train on, holding the output folder's lock and the devices. A thread notices
       within ``poll_s`` seconds that the parent changed and asks for the same save-and-stop.
@@ -47,7 +47,7 @@ class PreemptionFlag:
 
     def __init__(self, lost_ranks: Callable[[], list[str]] = list, *, poll_s: float = 1.0) -> None:
         self.requested = False
-        self._first_signal: int | None = None
+        self._signalled = False
         self._lost_ranks = lost_ranks
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         self._stop_watching = threading.Event()
@@ -70,14 +70,13 @@ class PreemptionFlag:
                          "out-of-memory killer): exiting; rerun the same command to resume from the newest full "
                          "state", name, ", ".join(lost))
             exit_process(EXIT_FAILED)
-        if self._first_signal == signal.SIGINT:
-            line = (f"received {name} after SIGINT (a second Ctrl-C): stopping now, without saving; rerun the same "
-                    "command to resume from the newest full state")
-            logger.warning(line)
-            note_exit_line(line)
-            exit_process(EXIT_INTERRUPTED)
-        if self._first_signal is None:
-            self._first_signal = signum
+        if signum == signal.SIGINT and not self._signalled:
+            # A second Ctrl-C (torchrun passes it on as SIGTERM) must stop at once, even inside a collective
+            # waiting for a peer, where no Python handler runs: the signals' default action does that.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+        if not self._signalled:
+            self._signalled = True
             logger.warning("received %s: will checkpoint and exit after this step%s", name,
                            " (Ctrl-C again to stop at once, unsaved)" if signum == signal.SIGINT else "")
         self.requested = True

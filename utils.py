@@ -476,7 +476,7 @@ EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2       # argparse's status for bad flags
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped by a signal with the state saved; rerunning resumes
-EXIT_INTERRUPTED = 130  # the shell's status for SIGINT: a second Ctrl-C, stopped without saving
+EXIT_INTERRUPTED = 130  # the shell's status for SIGINT: Ctrl-C before the loop, where there is nothing to save
 """The exit statuses of ``train.py`` (docs/training.md, "Exit statuses")."""
 
 
