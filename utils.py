@@ -204,10 +204,12 @@ def setup_logging(level: str = "INFO", *, rank: int = 0) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", "%H:%M:%S"))
     logger.handlers[:] = [handler, _exit_line]
-    # torchao (imported by transformers and peft whenever it is installed, QLoRA or not) tries to load its
-    # CUDA-only kernels and warns on every rank when torch is a CPU build or another CUDA build; its NF4
-    # type that QLoRA uses is plain PyTorch and needs none of them. Nothing a user can act on.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    # torchao, imported by transformers (its quantizers) and peft whenever it is installed, QLoRA or not,
+    # warns on every rank: it cannot load its CUDA-only kernels into a CPU build of torch, and torch 2.13
+    # deprecates the pytree registration torchao 0.18 (the newest release) does at import. The NF4 type
+    # QLoRA uses is plain PyTorch and needs neither. Nothing a user can act on; errors still show.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     logger.setLevel(numeric if rank == 0 else max(numeric, logging.WARNING))
     logger.propagate = False
 

@@ -16,6 +16,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -104,6 +106,8 @@ def test_ctrl_c_saves_and_stops_in_one_line_then_the_rerun_finishes(tmp_path, ch
     assert Path(match.group(2)).is_dir() and Path(match.group(2)).parent == out / "full_state"
     assert code == 1, "torchrun ends with 1 after a signal of its own, whatever its ranks return"
     assert "KeyboardInterrupt" not in output and _frames_of_ours(output) == [], output[-6000:]
+    # torchao, imported by transformers whenever installed, warns of nothing a user can act on (utils.setup_logging).
+    assert "Failed to load" not in output and "_pytree" not in output, output[-6000:]
 
     resumed = torchrun(_args(chatml_model, data_path, out), timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -149,3 +153,38 @@ def test_ranks_whose_launcher_was_killed_save_and_stop_freeing_the_lock(tmp_path
     status = _status(out)
     assert status["status"] == "preempted", (status, output[-4000:])
     assert Path(status["message"].split("state saved in ", 1)[1].split(";")[0]).is_dir()
+
+
+@pytest.mark.parametrize("kind", ["missing_relative", "missing_absolute", "missing_deep", "file", "no_config",
+                                  "model_folder", "hub_id"])
+def test_model_path_refusals_are_one_line(tmp_path, chatml_model, kind, monkeypatch):
+    from setup_run import model_path_error
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"")
+    value, expected = {
+        "missing_relative": ("./modles/qwen", "--model-name-or-path ./modles/qwen: no such folder"),
+        "missing_absolute": (str(tmp_path / "qwen"), f"--model-name-or-path {tmp_path / 'qwen'}: no such folder"),
+        "missing_deep": ("models/qwen/7b", "--model-name-or-path models/qwen/7b: no such folder"),
+        "file": ("weights.bin", "--model-name-or-path weights.bin: a file, not a model folder"),
+        "no_config": ("empty", "--model-name-or-path empty: no config.json in this folder (not a Hugging Face "
+                               "model folder)"),
+        "model_folder": (str(chatml_model), None),
+        "hub_id": ("Qwen/Qwen2.5-1.5B-Instruct", None),  # only loading can tell
+    }[kind]
+    assert model_path_error(value) == expected
+
+
+def test_a_hub_id_that_cannot_be_reached_is_one_line(tmp_path, data_path):
+    """``python train.py`` offline (``HF_HUB_OFFLINE=1``, an empty cache), as on a node without internet."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--model-name-or-path", "nobody/no-such-model", "--data-path",
+         str(data_path), "--output-dir", str(tmp_path / "out"), "--min-samples-per-checkpoint", "8"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "CUDA_VISIBLE_DEVICES": ""})
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    [line] = [line for line in output.splitlines() if "ERROR" in line]
+    assert "ERROR --model-name-or-path nobody/no-such-model: cannot load a model config (" in line, output[-3000:]
+    assert "Traceback" not in output
