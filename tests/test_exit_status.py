@@ -78,6 +78,24 @@ def test_a_missing_local_model_path_is_one_line_and_torchruns_root_cause(tmp_pat
     assert _status(out)["status"] == "failed" and _status(out)["message"] == line
 
 
+@pytest.mark.parametrize("refusal", ["bad_flag", "missing_data", "budget_too_small"])
+def test_a_refusal_is_one_line_and_torchruns_root_cause(tmp_path, chatml_model, data_path, refusal):
+    out = tmp_path / "out"
+    args, line = {
+        "bad_flag": (_args(chatml_model, data_path, out, "--lr", "1e-4"),
+                     "train.py: error: unknown flag --lr; did you mean --learning-rate?"),
+        "missing_data": (_args(chatml_model, tmp_path / "nothing.jsonl", out),
+                         f"--data-path {tmp_path / 'nothing.jsonl'}: no such file or folder"),
+        "budget_too_small": (_args(chatml_model, data_path, out, "--max-tokens-per-gpu", "3"),
+                             f"--max-tokens-per-gpu 3 is below every sample of {data_path} (shortest: 4 tokens)"),
+    }[refusal]
+    result = torchrun(args, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and line in output, output[-4000:]
+    assert _frames_of_ours(output) == [], output[-6000:]
+    assert _root_cause(output) == f"  traceback : {line}", output[-3000:]
+
+
 def test_an_internal_error_keeps_its_traceback(tmp_path, chatml_model, data_path):
     result = torchrun(_args(chatml_model, data_path, tmp_path / "out"), timeout=240,
                       env={"MINI_TRAINER_TEST_RAISE": "2:0"})
