@@ -102,7 +102,7 @@ def stop_preempted(run: Run) -> NoReturn:
     folder = Path(config.output_dir) / kind / f"samples_{state.samples_seen}"
     line = f"preempted at step {state.step}, state saved in {folder}; run the same command to resume"
     log_rank_0(line, level=logging.WARNING)
-    note_exit_line(line)
+    note_exit_line(line, override=True)
     raise SystemExit(EXIT_PREEMPTED)
 
 

@@ -60,6 +60,9 @@ def train(config: TrainConfig) -> Path | None:
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else EXIT_FAILED
         raise
+    except KeyboardInterrupt:  # Ctrl-C before the loop (main says so)
+        code = EXIT_INTERRUPTED
+        raise
     finally:
         # A run refused for the lock another run holds leaves that run's status alone.
         if dist_info.is_main and output_lock.release(config.output_dir):

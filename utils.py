@@ -229,10 +229,11 @@ class _ExitLine(logging.Handler):
 _exit_line = _ExitLine()
 
 
-def note_exit_line(line: str) -> None:
+def note_exit_line(line: str, *, override: bool = False) -> None:
     """Make ``line`` what this process's exit reports, unless an earlier error line already is
-    (a rank that did not log the line itself: ``fail_together`` logs on rank 0 only)."""
-    if _exit_line.line is None:
+    (a rank that did not log the line itself: ``fail_together`` logs on rank 0 only); ``override``:
+    in any case (a preemption whose save is done ends the run, whatever was logged before)."""
+    if _exit_line.line is None or override:
         _exit_line.line = line
 
 
