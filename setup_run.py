@@ -244,13 +244,20 @@ def _load_model_config(config: TrainConfig) -> PretrainedConfig:
     from transformers import AutoConfig
 
     model_config, error = None, model_path_error(config.model_name_or_path)
-    if error is None:
-        try:
+    # An unreachable hub is retried 5 times with a warning each, on every rank: they would bury the one line
+    # below. Only for this small first file; the weights' downloads keep their retry warnings.
+    hub_http = logging.getLogger("huggingface_hub.utils._http")
+    hub_http_level = hub_http.level
+    hub_http.setLevel(logging.ERROR)
+    try:
+        if error is None:
             model_config = AutoConfig.from_pretrained(config.model_name_or_path,
                                                       trust_remote_code=config.trust_remote_code)
-        except (OSError, ValueError) as err:  # a hub id not reachable, not found or not a model; a broken config
-            reason = " ".join(str(err).split())  # transformers' messages span lines: one line here
-            error = f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({reason})"
+    except (OSError, ValueError) as err:  # a hub id not reachable, not found or not a model; a broken config
+        reason = " ".join(str(err).split())  # transformers' messages span lines: one line here
+        error = f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({reason})"
+    finally:
+        hub_http.setLevel(hub_http_level)
     fail_together(error)
     return model_config
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.e2e import ROOT, model_vocab_size, torchrun, write_tokenized_jsonl
+from fixtures.e2e import ROOT, _free_port, model_vocab_size, torchrun, write_tokenized_jsonl
 from tests.test_faults import _args, _children, _Launch
 
 SECONDS_TO_EXIT = 30
@@ -194,15 +194,18 @@ def test_model_path_refusals_are_one_line(tmp_path, chatml_model, kind, monkeypa
     assert model_path_error(value) == expected
 
 
-def test_a_hub_id_that_cannot_be_reached_is_one_line(tmp_path, data_path):
-    """``python train.py`` offline (``HF_HUB_OFFLINE=1``, an empty cache), as on a node without internet."""
+@pytest.mark.parametrize("hub", ["refused", "offline"])
+def test_a_hub_id_that_cannot_be_reached_is_one_line(tmp_path, data_path, hub):
+    """``python train.py`` with the hub's address refusing connections (retried for ~25 s, silently), or
+    offline (``HF_HUB_OFFLINE=1``) with an empty cache, as on a node without internet."""
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"} if hub == "refused" else {"HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--model-name-or-path", "nobody/no-such-model", "--data-path",
          str(data_path), "--output-dir", str(tmp_path / "out"), "--min-samples-per-checkpoint", "8"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "CUDA_VISIBLE_DEVICES": ""})
+        env={**os.environ, **env, "HF_HOME": str(tmp_path / "hf"), "CUDA_VISIBLE_DEVICES": ""})
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]
     [line] = [line for line in output.splitlines() if "ERROR" in line]
     assert "ERROR --model-name-or-path nobody/no-such-model: cannot load a model config (" in line, output[-3000:]
-    assert "Traceback" not in output
+    assert "Traceback" not in output and "Retrying" not in output, output[-3000:]
