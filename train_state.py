@@ -36,7 +36,8 @@ class PreemptionFlag:
       signals torchrun and the ranks, and torchrun forwards): the save goes on.
     * Under torchrun, a rank whose launcher is gone (killed with SIGKILL: it could pass on no signal) is
       an orphan that would train on, holding the output folder's lock and the devices. A thread notices
-      within ``poll_s`` seconds that the parent changed and asks for the same save-and-stop.
+      within ``poll_s`` seconds that the parent changed and asks for the same save-and-stop; a rank that
+      has not stopped ``orphan_grace_s`` later (a step and a full-state save take less) exits unsaved.
     * Unless a peer rank is already dead: then no checkpoint can be written (it is a collective), and
       the signal is torchrun ending the job after that rank died. This rank then exits at once,
       naming the lost rank, rather than waiting in a collective until torchrun kills it 30 s later
@@ -45,7 +46,8 @@ class PreemptionFlag:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self, lost_ranks: Callable[[], list[str]] = list, *, poll_s: float = 1.0) -> None:
+    def __init__(self, lost_ranks: Callable[[], list[str]] = list, *, poll_s: float = 1.0,
+                 orphan_grace_s: float = 300.0) -> None:
         self.requested = False
         self._signalled = False
         self._lost_ranks = lost_ranks
@@ -53,7 +55,7 @@ class PreemptionFlag:
         self._stop_watching = threading.Event()
         if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun: our parent is the launcher
             parent = os.getppid()
-            threading.Thread(target=self._watch_launcher, args=(parent, poll_s), daemon=True,
+            threading.Thread(target=self._watch_launcher, args=(parent, poll_s, orphan_grace_s), daemon=True,
                              name="launcher-watch").start()
 
     def __enter__(self) -> PreemptionFlag:
@@ -81,12 +83,19 @@ class PreemptionFlag:
                            " (Ctrl-C again to stop at once, unsaved)" if signum == signal.SIGINT else "")
         self.requested = True
 
-    def _watch_launcher(self, parent: int, poll_s: float) -> None:
+    def _watch_launcher(self, parent: int, poll_s: float, orphan_grace_s: float) -> None:
         while not self._stop_watching.wait(poll_s):
             if os.getppid() != parent:
                 logger.warning("the launcher (torchrun, pid %d) is gone: will checkpoint and exit after this step",
                                parent)
                 self.requested = True
+                # Still here after the grace: the main thread waits in a collective for a peer that is gone
+                # too (no Python runs there, and gloo may wait for the whole collective timeout).
+                if not self._stop_watching.wait(orphan_grace_s):
+                    logger.error("the launcher (torchrun, pid %d) is gone and this rank did not stop within %.0f s "
+                                 "(waiting for a peer that is gone): exiting unsaved; rerun the same command to "
+                                 "resume from the newest full state", parent, orphan_grace_s)
+                    exit_process(EXIT_FAILED)
                 return
 
     def restore(self) -> None:

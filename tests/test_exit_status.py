@@ -209,3 +209,24 @@ def test_a_hub_id_that_cannot_be_reached_is_one_line(tmp_path, data_path, hub):
     [line] = [line for line in output.splitlines() if "ERROR" in line]
     assert "ERROR --model-name-or-path nobody/no-such-model: cannot load a model config (" in line, output[-3000:]
     assert "Traceback" not in output and "Retrying" not in output, output[-3000:]
+
+
+def test_an_orphan_stuck_where_no_python_runs_exits_after_its_grace():
+    """A rank whose launcher died while it waits in a collective for a peer that died too: the main thread runs
+    no Python there (here: a blocking read), so only the watching thread can end it, unsaved, after its grace."""
+    rank = ("import os; os.environ['TORCHELASTIC_RUN_ID'] = 'x'\n"
+            "from train_state import PreemptionFlag\n"
+            "flag = PreemptionFlag(poll_s=0.1, orphan_grace_s=1.0)\n"
+            "r, w = os.pipe(); print('ready', flush=True); os.read(r, 1)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                                 f"p = subprocess.Popen([sys.executable, '-c', {rank!r}]); print(p.pid, flush=True); "
+                                 f"time.sleep(600)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    rank_pid = int(launcher.stdout.readline())
+    try:
+        assert launcher.stdout.readline().strip() == "ready"  # the rank's own line: its flag is up
+        launcher.kill()  # SIGKILL of the launcher alone
+        launcher.wait()
+        _wait_gone([rank_pid], 15)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank_pid, signal.SIGKILL)
