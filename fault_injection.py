@@ -13,6 +13,8 @@ through these environment variables (values are matched exactly):
 | ``MINI_TRAINER_TEST_NAN``              | ``STEP:RANK`` | that rank's loss (and logged cross-entropy) is NaN       |
 | ``MINI_TRAINER_TEST_SIGTERM``          | ``STEP:RANK`` | that rank SIGTERMs itself after the step's update        |
 | ``MINI_TRAINER_TEST_STEP_SLEEP``       | ``SECONDS``   | every update is followed by a sleep (time to signal)     |
+| ``MINI_TRAINER_TEST_RAISE``            | ``STEP:RANK`` | that rank raises an unexpected error after the step's    |
+|                                        |               | update (a bug: its traceback must stay visible)          |
 | ``MINI_TRAINER_TEST_PROBE_FAIL``       | ``TOKENS:R``  | rank R (``*``: all) fails mid-backward in the auto-budget |
 |                                        |               | trial of TOKENS tokens, as a GPU allocation failure does |
 | ``MINI_TRAINER_TEST_DROP_LOGIT_SCALE`` | ``1``         | the trainer forgets the model's logit scale, so the      |
@@ -40,6 +42,7 @@ FAIL_EXPORT = "MINI_TRAINER_TEST_FAIL_EXPORT"
 NAN = "MINI_TRAINER_TEST_NAN"
 SIGTERM = "MINI_TRAINER_TEST_SIGTERM"
 STEP_SLEEP = "MINI_TRAINER_TEST_STEP_SLEEP"
+RAISE = "MINI_TRAINER_TEST_RAISE"
 PROBE_FAIL = "MINI_TRAINER_TEST_PROBE_FAIL"
 DROP_LOGIT_SCALE = "MINI_TRAINER_TEST_DROP_LOGIT_SCALE"
 
@@ -62,7 +65,7 @@ def drops_logit_scale() -> bool:
 
 
 def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state, rank: int) -> None:
-    """Hook the step faults (``NAN``, ``SIGTERM``, ``STEP_SLEEP``) into the model and optimizer, when asked.
+    """Hook the step faults (``NAN``, ``SIGTERM``, ``STEP_SLEEP``, ``RAISE``) into the model and optimizer, when asked.
 
     Args:
         model: the training module (``loss.CausalLMWithLoss``): its loss output and ``last_ce_sum``.
@@ -76,10 +79,12 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state, ran
             return loss
 
         model.register_forward_hook(poison, with_kwargs=True)
-    if SIGTERM in os.environ or STEP_SLEEP in os.environ:
+    if SIGTERM in os.environ or STEP_SLEEP in os.environ or RAISE in os.environ:
         def after_update(optimizer, args, kwargs):
             if os.environ.get(SIGTERM) == f"{state.step + 1}:{rank}":
                 os.kill(os.getpid(), signal.SIGTERM)
+            if os.environ.get(RAISE) == f"{state.step + 1}:{rank}":
+                raise AssertionError(f"internal invariant broken (fault injected by {RAISE})")
             if STEP_SLEEP in os.environ:
                 time.sleep(float(os.environ[STEP_SLEEP]))
 

@@ -55,15 +55,18 @@ def acquire(output_dir: str | Path) -> str | None:
     return f"--output-dir {output_dir}: its lock {path} keeps changing (another run is starting there)"
 
 
-def release(output_dir: str | Path) -> None:
-    """Remove the lock if this process holds it (a refused run leaves the holder's lock alone)."""
+def release(output_dir: str | Path) -> bool:
+    """Remove the lock if this process holds it (a refused run leaves the holder's lock alone);
+    returns whether it did."""
     path = Path(output_dir) / LOCK_NAME
     try:
         holder = _parse(path.read_text())
     except OSError:
-        return
+        return False
     if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
         path.unlink(missing_ok=True)
+        return True
+    return False
 
 
 def _create(path: Path) -> bool:

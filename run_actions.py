@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import checkpoint_policy
 import validation
@@ -15,7 +17,7 @@ from hf_export import save_hf_checkpoint
 from full_state import save_full_state
 from sampler import StepBatch
 from setup_run import Run
-from utils import log_rank_0
+from utils import EXIT_PREEMPTED, log_rank_0, note_exit_line
 
 
 def validation_due(run: Run, batch: StepBatch, *, done: str | None, preempted: bool) -> bool:
@@ -91,6 +93,17 @@ def save(run: Run, *, hf_export: bool, full_state: bool = True) -> Path | None:
         log_rank_0("saved full training state %s in %.2fs (%.1f MB)", saved, time.perf_counter() - began,
                    _folder_mb(saved))
     return exported
+
+
+def stop_preempted(run: Run) -> NoReturn:
+    """End a run whose preemption save is done: one line telling what to do, and the preempted status."""
+    config, state = run.config, run.state
+    kind = "full_state" if config.full_state else "hf_format"  # with --no-full-state an export is all there is
+    folder = Path(config.output_dir) / kind / f"samples_{state.samples_seen}"
+    line = f"preempted at step {state.step}, state saved in {folder}; run the same command to resume"
+    log_rank_0(line, level=logging.WARNING)
+    note_exit_line(line, override=True)
+    raise SystemExit(EXIT_PREEMPTED)
 
 
 def _folder_mb(path: Path) -> float:

@@ -578,10 +578,11 @@ def _identity(item: StepBatch) -> StepBatch:
 def _worker_init(worker_id: int) -> None:
     # Collation is numpy plus small copies: extra intra-op threads only contend.
     torch.set_num_threads(1)
-    # SLURM and torchrun signal the whole process group at preemption. A worker
-    # that died of SIGTERM would make the main process raise before it could write
-    # its preemption checkpoint; the main process decides, and shuts workers down.
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    # SLURM and torchrun signal the whole process group at preemption (torchrun passes
+    # Ctrl-C on as SIGINT). A worker that died of SIGTERM would make the main process
+    # raise before it could write its preemption checkpoint; the main process decides,
+    # and shuts workers down.
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
 
 

@@ -53,7 +53,7 @@ from setup_model_fsdp import ModelSetup, find_decoder_blocks, meta_model, setup_
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_state import TrainState
 from trackers import NullTracker, Tracker, make_tracker
-from utils import DistInfo, fail_together, log_rank_0, logger, seed_everything
+from utils import DistInfo, fail_together, log_rank_0, logger, seed_everything, write_run_status
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
@@ -97,6 +97,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     seed_everything(config.seed)
     method = config.fine_tuning_method()
     fail_together(_preflight(config) if dist_info.is_main else None)
+    if dist_info.is_main:  # the folder is this run's now: the status of the run before it is gone
+        write_run_status(config.output_dir, None)
     model_config = _load_model_config(config)
     fail_together(_model_preflight(config, model_config, method) if dist_info.is_main else None)
     if dist_info.is_main:
@@ -241,13 +243,43 @@ def _load_model_config(config: TrainConfig) -> PretrainedConfig:
     everything that needs it; a config that does not load stops every rank with one line."""
     from transformers import AutoConfig
 
-    model_config, error = None, None
+    model_config, error = None, model_path_error(config.model_name_or_path)
+    # An unreachable hub is retried 5 times with a warning each, on every rank: they would bury the one line
+    # below. Only for this small first file; the weights' downloads keep their retry warnings.
+    hub_http = logging.getLogger("huggingface_hub.utils._http")
+    hub_http_level = hub_http.level
+    hub_http.setLevel(logging.ERROR)
     try:
-        model_config = AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError) as err:
-        error = f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({err})"
+        if error is None:
+            model_config = AutoConfig.from_pretrained(config.model_name_or_path,
+                                                      trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:  # a hub id not reachable, not found or not a model; a broken config
+        reason = " ".join(str(err).split())  # transformers' messages span lines: one line here
+        error = f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({reason})"
+    finally:
+        hub_http.setLevel(hub_http_level)
     fail_together(error)
     return model_config
+
+
+def model_path_error(name_or_path: str) -> str | None:
+    """A local model folder that is not there or holds no ``config.json``, in one line; None for a folder that
+    does, and for a hub id (``name`` or ``namespace/name``), which only loading can check.
+
+    A value is taken for a path when it exists or when it cannot be a hub id: it starts with ``/``, ``.`` or
+    ``~`` or has more than one ``/``. Otherwise transformers answers a typo with "Repo id must be in the form
+    'repo_name' or 'namespace/repo_name'".
+    """
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        if name_or_path.startswith(("/", ".", "~")) or name_or_path.strip("/").count("/") > 1:
+            return f"--model-name-or-path {name_or_path}: no such folder"
+        return None
+    if not path.is_dir():
+        return f"--model-name-or-path {name_or_path}: a file, not a model folder"
+    if not (path / "config.json").is_file():
+        return f"--model-name-or-path {name_or_path}: no config.json in this folder (not a Hugging Face model folder)"
+    return None
 
 
 def _model_preflight(config: TrainConfig, model_config: PretrainedConfig, method: FineTuningMethod) -> str | None:

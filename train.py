@@ -30,18 +30,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import output_lock
 import resume_policy
 from train_state import PreemptionFlag
-from run_actions import checkpoints_due, save, validate, validation_due
+from run_actions import checkpoints_due, save, stop_preempted, validate, validation_due
 from schedule import stop_reason
 from setup_run import batch_loader, close_run, setup_run
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_step import log_step, reduce_step, report_skipped_step, train_step
-from utils import (DistInfo, cleanup, exit_process, init_distributed, log_rank_0, lost_ranks,
-                   parse_config, setup_logging, stop_in_one_line)
+from utils import (EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, DistInfo, cleanup, exit_line, exit_process,
+                   init_distributed, log_rank_0, logger, lost_ranks, parse_config, setup_logging, stop_in_one_line,
+                   write_run_status)
 
 __all__ = ["TrainConfig", "main", "train"]
 
@@ -50,11 +52,21 @@ def train(config: TrainConfig) -> Path | None:
     """Run training as one rank of a torchrun job (or alone). Returns the last HF checkpoint."""
     dist_info = init_distributed(cpu_offload=config.cpu_offload)
     setup_logging(config.logging_level, rank=dist_info.rank)
+    code = EXIT_FAILED  # unless it returns or exits with a status of its own
     try:
-        return _train(config, dist_info)
+        last_checkpoint = _train(config, dist_info)
+        code = EXIT_FINISHED
+        return last_checkpoint
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else EXIT_FAILED
+        raise
+    except KeyboardInterrupt:  # Ctrl-C before the loop (main says so)
+        code = EXIT_INTERRUPTED
+        raise
     finally:
-        if dist_info.is_main:
-            output_lock.release(config.output_dir)
+        # A run refused for the lock another run holds leaves that run's status alone.
+        if dist_info.is_main and output_lock.release(config.output_dir):
+            write_run_status(config.output_dir, code, exit_line())
         cleanup()
 
 
@@ -92,6 +104,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
                 break
     progress.close()
     close_run(run)
+    if preempted:
+        stop_preempted(run)
     return last_checkpoint
 
 
@@ -101,8 +115,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # Exit statuses: utils.EXIT_*, documented in docs/training.md. A handled refusal or failure has logged
+    # its one line and leaves it in torchrun's error file (exit_process); `record` writes an unexpected
+    # exception's traceback there, and Python still prints it.
     try:
-        main()
-    except SystemExit as stop:  # a refusal or failure, already logged in one line; --help; usage errors
-        exit_process(0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1)
+        record(main)()
+    except SystemExit as stop:  # a refusal, failure or preemption, already logged in one line; --help; usage
+        exit_process(0 if stop.code is None else stop.code if isinstance(stop.code, int) else EXIT_FAILED)
+    except KeyboardInterrupt:  # Ctrl-C before the loop, where nothing is trained yet (the loop saves on it)
+        logger.warning("interrupted (SIGINT) before training began: stopping; nothing to save")
+        exit_process(EXIT_INTERRUPTED)
     exit_process()

@@ -67,7 +67,8 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        note_exit_line(f"{self.prog}: error: {message}")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def build_arg_parser(config_cls: type, *, description: str | None = None) -> argparse.ArgumentParser:
@@ -193,15 +194,47 @@ def collect_errors(errors: list[str]) -> None:
 
 
 def setup_logging(level: str = "INFO", *, rank: int = 0) -> None:
-    """Configure the toolkit's logger; ranks other than 0 only show warnings and above."""
+    """Configure the toolkit's logger; ranks other than 0 only show warnings and above.
+
+    The first ERROR line is also kept (``_ExitLine``): it is the line torchrun's failure report shows.
+    """
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown logging level {level!r}")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", "%H:%M:%S"))
-    logger.handlers[:] = [handler]
+    logger.handlers[:] = [handler, _exit_line]
+    # torchao, imported by transformers (its quantizers) and peft whenever it is installed, QLoRA or not,
+    # warns on every rank: it cannot load its CUDA-only kernels into a CPU build of torch, and torch 2.13
+    # deprecates the pytree registration torchao 0.18 (the newest release) does at import. The NF4 type
+    # QLoRA uses is plain PyTorch and needs neither. Nothing a user can act on; errors still show.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     logger.setLevel(numeric if rank == 0 else max(numeric, logging.WARNING))
     logger.propagate = False
+
+
+class _ExitLine(logging.Handler):
+    """Keeps the first ERROR line this process logs: the one line a failure ends with."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.line: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.line is None:
+            self.line = record.getMessage()
+
+
+_exit_line = _ExitLine()
+
+
+def note_exit_line(line: str, *, override: bool = False) -> None:
+    """Make ``line`` what this process's exit reports, unless an earlier error line already is
+    (a rank that did not log the line itself: ``fail_together`` logs on rank 0 only); ``override``:
+    in any case (a preemption whose save is done ends the run, whatever was logged before)."""
+    if _exit_line.line is None or override:
+        _exit_line.line = line
 
 
 def log_rank_0(msg: str, *args: Any, level: int = logging.INFO) -> None:
@@ -386,7 +419,8 @@ def fail_together(error: str | None) -> None:
     error = first_error(error)
     if error is not None:
         log_rank_0(error, level=logging.ERROR)
-        raise SystemExit(1)
+        note_exit_line(error)
+        raise SystemExit(EXIT_FAILED)
 
 
 @contextlib.contextmanager
@@ -441,8 +475,20 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
+EXIT_FINISHED = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2       # argparse's status for bad flags
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped by a signal with the state saved; rerunning resumes
+EXIT_INTERRUPTED = 130  # the shell's status for SIGINT: Ctrl-C before the loop, where there is nothing to save
+"""The exit statuses of ``train.py`` (docs/training.md, "Exit statuses")."""
+
+
 def exit_process(code: int = 0) -> None:
     """End this process now with ``code``, streams flushed, skipping the interpreter's teardown.
+
+    A non-zero ``code`` leaves this process's one line (the first ERROR it logged, or what
+    ``note_exit_line`` set) in torchrun's error file, so torchrun's failure report names that
+    line as the root cause rather than "<N/A>".
 
     Both ways out of a command-line run take it: a run that finished, and a job already broken (a rank
     died). After ``destroy_process_group`` the gloo/NCCL groups stay referenced from torch's native DTensor
@@ -451,10 +497,56 @@ def exit_process(code: int = 0) -> None:
     ("terminate called without an active exception") after it had saved and logged everything.
     Every file is closed by then; the streams are flushed here.
     """
+    if code and _exit_line.line is not None:
+        write_error_file(_exit_line.line)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+RUN_STATUS_FILE = "run_status.json"
+_STATUS_NAMES = {EXIT_FINISHED: "finished", EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
+
+
+def write_run_status(output_dir: str | os.PathLike, code: int | None, line: str | None = None) -> None:
+    """``<output-dir>/run_status.json``: how the run that holds the folder ended (``code`` None: it is running),
+    for scripts that launch it through torchrun, whose own status is 0 or 1 only. Rank 0 writes it;
+    a report, so a failed write is one warning."""
+    import json
+    import time
+
+    status = "running" if code is None else _STATUS_NAMES.get(code, "failed")
+    record = {"status": status, "exit_code": code, "message": line, "time": time.time()}
+    path = os.path.join(output_dir, RUN_STATUS_FILE)
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(json.dumps(record) + "\n")
+        os.replace(path + ".tmp", path)
+    except OSError as err:
+        logger.warning("%s not written (%s)", path, err.strerror or err)
+
+
+def exit_line() -> str | None:
+    """The line this process's failure ends with (the first ERROR it logged), if any."""
+    return _exit_line.line
+
+
+def write_error_file(line: str) -> None:
+    """Write ``line`` where torchrun reads a rank's failure (``TORCHELASTIC_ERROR_FILE``, set for each rank),
+    in the layout of torch's own ``ErrorHandler`` without its ``py_callstack``: the report then shows the
+    line itself. Nothing without torchrun."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    except OSError as err:  # the report falls back to "<N/A>"; the line is in the log already
+        logger.warning("could not write torchrun's error file %s (%s)", path, err.strerror or err)
 
 
 def _free_port() -> int:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 import io
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -164,3 +166,14 @@ def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(met
                    and any(re.search(pattern, token, re.IGNORECASE) for token in _code_tokens(path)))
     assert not named, (f"{named} name {method}: ask the run's FineTuningMethod instead (docs/code-layout.md, "
                        "'How to add a fine-tuning method')")
+
+
+def test_optional_packages_are_imported_only_by_their_feature():
+    """Importing the trainer (every root module a plain full fine-tuning run imports) loads none of peft,
+    torchao, liger, or a tracker's package: each is imported where its feature is switched on."""
+    optional = ("peft", "torchao", "liger_kernel", "wandb", "mlflow", "tensorboard", "torch.utils.tensorboard")
+    code = ("import sys, train, setup_run, setup_model_fsdp, run_actions, train_step, trackers, lora, qlora, osft; "
+            f"print(sorted(m for m in {optional!r} if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]", result.stdout

@@ -127,9 +127,19 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, chatml_model, data
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
 
 
-def test_sigterm_checkpoints_and_exits_zero_then_continues(tmp_path, chatml_model, data_path, uninterrupted):
+def _assert_preempted(result, out: Path, step: int) -> None:
+    """Each rank exits 75 (preempted, state saved), which torchrun reports as a failure whose root cause is our
+    line; run_status.json says so for scripts (docs/training.md, "Exit statuses")."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "exitcode  : 75" in output, output[-4000:]
+    assert f"preempted at step {step}, state saved in {out / 'full_state'}" in output.split("Root Cause", 1)[1]
+    assert json.loads((out / "run_status.json").read_text())["status"] == "preempted"
+
+
+def test_sigterm_checkpoints_and_exits_preempted_then_continues(tmp_path, chatml_model, data_path, uninterrupted):
     out = tmp_path / "run_d"
-    assert_ok(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": "3:1"}))
+    _assert_preempted(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": "3:1"}),
+                      out, 3)
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     [preempted] = complete_checkpoints(out / "full_state")
     assert preempted.name == f"samples_{3 * BATCH}"
@@ -175,7 +185,8 @@ def test_group_sigterm_with_data_workers_checkpoints_and_resumes_exactly(tmp_pat
 
 def test_preempted_on_the_last_step_still_exports(tmp_path, chatml_model, data_path, uninterrupted):
     out = tmp_path / "run_last"
-    assert_ok(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": f"{STEPS}:0"}))
+    _assert_preempted(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": f"{STEPS}:0"}),
+                      out, STEPS)
     assert _checkpoint_names(out) == _checkpoint_names(uninterrupted)
     rerun = torchrun(_args(chatml_model, data_path, out))
     assert_ok(rerun)
