@@ -266,15 +266,16 @@ def probe_recomputation(model: torch.nn.Module, dataset, *, model_inputs: Callab
                                           fits=lambda step, tokens: trial_fits(step, tokens, agree=agree))
 
 
-def probe_token_budget(model: torch.nn.Module, dataset, *, model_inputs: Callable, dist_info: DistInfo) -> int:
+def probe_token_budget(model: torch.nn.Module, dataset, *, model_inputs: Callable, dist_info: DistInfo,
+                       state_bytes_per_param: float = 8.0) -> int:
     """``--max-tokens-per-gpu auto`` for the trainer: trial steps on packed rows of the longest samples.
 
     Every rank builds the same trial rows, so collectives and allocations match
     and the ranks agree on each verdict. ``model_inputs(minibatch)`` turns a
     collated minibatch into the model's forward kwargs.
     """
-    # AdamW's two fp32 moments do not exist yet during the probe: hold their memory aside.
+    # The optimizer's states (AdamW's two fp32 moments: 8 bytes) do not exist yet during the probe: held aside.
     try_step = make_trial_step(model, dataset, model_inputs=model_inputs)
     agree = probe_agreement(dist_info) if dist_info.device.type == "cuda" else None  # CPU does not probe
     return probe_max_tokens_per_gpu(try_step, device_type=dist_info.device.type,
-                                    reserve_bytes=_optimizer_state_bytes(model, 8.0), agree=agree)
+                                    reserve_bytes=_optimizer_state_bytes(model, state_bytes_per_param), agree=agree)

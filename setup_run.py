@@ -41,6 +41,7 @@ import schedule
 import validation
 from attention import attention_needs, explicit_attention_refusal, model_inputs
 from autotune import probe_recomputation, probe_token_budget
+from optimizers import STATE_BYTES_PER_PARAM, build_optimizer
 from batch_metrics import MetricsWriter, truncate_metrics
 from finetune_method import FineTuningMethod
 from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
@@ -142,11 +143,12 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     max_tokens = config.max_tokens_per_gpu
     if max_tokens == "auto":
         max_tokens = probe_token_budget(
-            model, dataset, dist_info=dist_info,
+            model, dataset, dist_info=dist_info, state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device))
     elif config.activation_checkpointing == "auto" and resolved.recomputation != "none":
         resolved = dataclasses.replace(resolved, recomputation=probe_recomputation(
             model, dataset, dist_info=dist_info, num_tokens=max_tokens,
+            state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device)))
     val_plan = None
     if val_dataset is not None:
@@ -158,8 +160,9 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
-    optimizer = torch.optim.AdamW(method.param_groups(model, weight_decay=config.weight_decay),
-                                  lr=config.learning_rate, betas=config.adam_betas)
+    optimizer = build_optimizer(config.optimizer, method.param_groups(model, weight_decay=config.weight_decay),
+                                lr=config.learning_rate, betas=config.adam_betas,
+                                device=next(model.parameters()).device)  # the host with --cpu-offload
     scheduler = schedule.build_scheduler(config, optimizer, total_steps)
     began = time.perf_counter()
     state = resume_train_state(model, optimizer, scheduler, candidates=candidates, resume=config.resume,

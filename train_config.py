@@ -84,6 +84,8 @@ class TrainConfig:
     weight_decay: float = config_field(0.0, help="AdamW weight decay; biases and norm weights are exempt, as in "
                                                  "transformers' Trainer, TRL and axolotl")
     adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
+    optimizer: Literal["adamw", "adamw_8bit"] = config_field(
+        "adamw", help="adamw (fused on GPU) or adamw_8bit (torchao: 8-bit moments, ~2 bytes of state per parameter)")
     max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
     lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
                                      help="transformers.get_scheduler name; decaying schedules need a stop condition")
