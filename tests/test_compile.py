@@ -119,7 +119,7 @@ torch.manual_seed(0)
 gen = torch.Generator().manual_seed(1)
 samples = []
 for n in (9, 17, 5):
-    ids = torch.randint(0, 500, (n,), generator=gen)
+    ids = torch.randint(0, int(sys.argv[2]), (n,), generator=gen)
     labels = ids.clone(); labels[:3] = -100
     samples.append((ids.numpy(), labels.numpy()))
 minibatch = collate_minibatch(samples)
@@ -154,7 +154,8 @@ def test_compile_with_liger_keeps_the_fused_loss_and_equals_eager(chatml_model):
 
     pytest.importorskip("liger_kernel")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", COMPILE_LIGER_SCRIPT, str(chatml_model)], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-c", COMPILE_LIGER_SCRIPT, str(chatml_model),
+                             str(model_vocab_size(chatml_model))], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULTS")]
