@@ -16,17 +16,24 @@ from bench.bench_step_cost import StepCostConfig, measure
 from fixtures.sync_count import SyncCounter
 
 
+def _trainer_reads(budget: dict) -> list[str]:
+    """The trainer's own reads; sdpa's mask code in transformers reads packed position ids once per minibatch
+    (the varlen backends a GPU run uses get sample boundaries instead and read nothing)."""
+    return [site for site in budget["sync_sites"] if " via " not in site]
+
+
 def test_a_gpu_step_reads_the_device_once_after_the_update():
     results = measure(StepCostConfig(optimizer_path="gpu", token_budgets="128", num_steps=1))
     [budget] = results["budgets"]
-    assert budget["syncs_per_step"] == 1, budget["sync_sites"]
-    assert budget["sync_sites"][0].startswith("train_step.py:") and budget["sync_sites"][0].endswith("tolist")
+    [site] = _trainer_reads(budget)
+    assert site.startswith("train_step.py:") and site.endswith("tolist"), budget["sync_sites"]
+    assert all("masking_utils" in site for site in budget["sync_sites"] if " via " in site), budget["sync_sites"]
 
 
 def test_an_optimizer_that_cannot_skip_on_the_device_reads_the_norm_first():
     results = measure(StepCostConfig(optimizer_path="as-built", token_budgets="128", num_steps=1))
     [budget] = results["budgets"]
-    assert [site.split()[-1] for site in budget["sync_sites"]] == ["__bool__", "tolist"], budget["sync_sites"]
+    assert [site.split()[-1] for site in _trainer_reads(budget)] == ["__bool__", "tolist"], budget["sync_sites"]
 
 
 def test_the_counter_counts_device_reads_and_data_dependent_shapes_only():
