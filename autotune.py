@@ -243,7 +243,8 @@ def _held_aside(num_bytes: int, device_type: str) -> Iterator[None]:
         yield
     finally:
         del reserve
-        torch.accelerator.empty_cache()
+        if device_type != "cpu":  # no accelerator to hand blocks back to
+            torch.accelerator.empty_cache()
 
 
 def _optimizer_state_bytes(model: torch.nn.Module, state_bytes_per_param: float) -> int:

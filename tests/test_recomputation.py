@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import socket
 from collections import Counter
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import recomputation
 from attention import model_inputs
+from autotune import probe_recomputation
 from fixtures.e2e import model_vocab_size
 from sampler import collate_minibatch
 from setup_model_fsdp import setup_model
@@ -99,8 +101,8 @@ def test_auto_without_a_gpu_is_full(chatml_model, dist_info, caplog):
                                   sharding_strategy="FULL_SHARD", cpu_offload=False, activation_checkpointing="auto",
                                   use_liger_kernels=False, local_world_size=1)
     assert resolved.recomputation == "full"
-    chosen = recomputation.resolve_auto(model.model, lambda num_tokens: None, num_tokens=64, device_type="cpu",
-                                        fits=lambda step, num_tokens: True)
+    lengths = SimpleNamespace(lengths=np.array([5, 9]))  # what the trial step reads of a dataset before a trial
+    chosen = probe_recomputation(model, lengths, model_inputs=None, dist_info=dist_info, num_tokens=64)
     assert chosen == "full"
     assert "--activation-checkpointing auto needs a GPU" in caplog.text
 
