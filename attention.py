@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils import log_rank_0
+from utils import IGNORE_INDEX, log_rank_0
 
 TORCH_VARLEN = "torch_varlen"
 REFERENCE_VARLEN = "reference_varlen"
@@ -116,12 +116,31 @@ def attention_inputs(minibatch, attn_implementation: str, device: torch.device) 
             "max_length_q": max_seqlen, "max_length_k": max_seqlen}
 
 
+def learned_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Indices of the positions of ``labels`` ([T]) that have a target, never empty (``loss.py``'s head runs
+    on these alone).
+
+    A row without any learned position (a dummy minibatch, an all-prompt row)
+    keeps its first position, whose label is ``IGNORE_INDEX``: the head still
+    runs on one row and adds 0, so backward reaches every block and every
+    rank joins FSDP's gradient reductions, as before.
+    """
+    positions = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)  # [N]; on a device, a CPU-GPU sync point
+    return positions if positions.numel() else positions.new_zeros(1)
+
+
 def model_inputs(minibatch, attn_implementation: str, device: torch.device) -> dict:
-    """The forward's keyword arguments for one packed minibatch, on ``device``."""
+    """The forward's keyword arguments for one packed (host) minibatch, on ``device``: copies from pinned memory
+    that do not wait, and what depends on the data's values (sample boundaries, learned positions) found on
+    the host first, so the forward never waits to read them back."""
+    positions = learned_positions(minibatch.labels.flatten())
+    if device.type != "cpu":
+        positions = positions.pin_memory()
     return {
         "input_ids": minibatch.input_ids.to(device, non_blocking=True),
         "position_ids": minibatch.position_ids.to(device, non_blocking=True),
         "labels": minibatch.labels.to(device, non_blocking=True),
+        "learned_positions": positions.to(device, non_blocking=True),
         # Explicit cu_seqlens for flash/varlen backends: computed once per minibatch, shared by every layer.
         **attention_inputs(minibatch, attn_implementation, device),
     }

@@ -18,9 +18,10 @@ memory to probe: the documented default is returned with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import numpy as np
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import fault_injection
+import recomputation
 from utils import DistInfo, log_rank_0, positive_env_number
 
 DEFAULT_MAX_TOKENS_PER_GPU = 10000
@@ -223,12 +225,8 @@ def probe_max_tokens_per_gpu(try_step: Callable[[int], None], *, device_type: st
         log_rank_0("max-tokens probe: %d tokens %s", num_tokens, "fit" if ok else "do not fit")
         return ok
 
-    reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device_type) if reserve_bytes else None
-    try:
+    with _held_aside(reserve_bytes, device_type):
         best = search_largest_fitting(fits, lower=lower, upper=upper, resolution=resolution)
-    finally:
-        del reserve
-        torch.accelerator.empty_cache()
     if best is None:
         raise ValueError(f"--max-tokens-per-gpu auto: even {lower} tokens do not fit on this GPU; "
                          "enable --activation-checkpointing, --use-liger-kernels or --cpu-offload, or use more GPUs")
@@ -237,17 +235,48 @@ def probe_max_tokens_per_gpu(try_step: Callable[[int], None], *, device_type: st
     return chosen
 
 
-def probe_token_budget(model: torch.nn.Module, dataset, *, model_inputs: Callable, dist_info: DistInfo) -> int:
+@contextlib.contextmanager
+def _held_aside(num_bytes: int, device_type: str) -> Iterator[None]:
+    """Device memory held during the trials for what a real step adds later (the optimizer's states)."""
+    reserve = torch.empty(num_bytes, dtype=torch.uint8, device=device_type) if num_bytes else None
+    try:
+        yield
+    finally:
+        del reserve
+        if device_type != "cpu":  # no accelerator to hand blocks back to
+            torch.accelerator.empty_cache()
+
+
+def _optimizer_state_bytes(model: torch.nn.Module, state_bytes_per_param: float) -> int:
+    """The optimizer states' bytes on this rank, which do not exist yet during a probe."""
+    local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    return int(state_bytes_per_param * local_params)
+
+
+def probe_recomputation(model: torch.nn.Module, dataset, *, model_inputs: Callable, dist_info: DistInfo,
+                        num_tokens: int, state_bytes_per_param: float = 8.0) -> str:
+    """``--activation-checkpointing auto`` for the trainer (``recomputation.resolve_auto``): one trial step at
+    ``num_tokens`` per policy, least recomputation first, the optimizer's states held aside, the ranks agreeing
+    on every verdict. ``model`` is the training wrapper; its Hugging Face model (``.model``) is switched."""
+    device_type = dist_info.device.type
+    try_step = make_trial_step(model, dataset, model_inputs=model_inputs)
+    agree = probe_agreement(dist_info) if device_type == "cuda" else None  # CPU does not probe
+    reserve = _optimizer_state_bytes(model, state_bytes_per_param) if device_type == "cuda" else 0
+    with _held_aside(reserve, device_type):
+        return recomputation.resolve_auto(model.model, try_step, num_tokens=num_tokens, device_type=device_type,
+                                          fits=lambda step, tokens: trial_fits(step, tokens, agree=agree))
+
+
+def probe_token_budget(model: torch.nn.Module, dataset, *, model_inputs: Callable, dist_info: DistInfo,
+                       state_bytes_per_param: float = 8.0) -> int:
     """``--max-tokens-per-gpu auto`` for the trainer: trial steps on packed rows of the longest samples.
 
     Every rank builds the same trial rows, so collectives and allocations match
     and the ranks agree on each verdict. ``model_inputs(minibatch)`` turns a
     collated minibatch into the model's forward kwargs.
     """
-    # AdamW's two fp32 moments do not exist yet during the probe: hold their memory aside.
-    local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-
+    # The optimizer's states (AdamW's two fp32 moments: 8 bytes) do not exist yet during the probe: held aside.
     try_step = make_trial_step(model, dataset, model_inputs=model_inputs)
     agree = probe_agreement(dist_info) if dist_info.device.type == "cuda" else None  # CPU does not probe
-    return probe_max_tokens_per_gpu(try_step, device_type=dist_info.device.type, reserve_bytes=8 * local_params,
-                                    agree=agree)
+    return probe_max_tokens_per_gpu(try_step, device_type=dist_info.device.type,
+                                    reserve_bytes=_optimizer_state_bytes(model, state_bytes_per_param), agree=agree)

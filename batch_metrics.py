@@ -27,8 +27,9 @@ class StepCounts:
     num_total_tokens: int
     num_dropped_samples: int
     num_minibatches: int                 # gradient-accumulation steps per rank
-    forward_backward_time_sum: float = 0.0  # seconds in forward+backward, summed over ranks
+    forward_backward_time: float = 0.0   # seconds in forward+backward on the rank writing the line (device time)
     router_aux_loss_sum: float | None = None  # MoE: summed per-sample router loss (objective.py), else None
+    grad_norm: float = 0.0               # the clipped gradients' total norm before clipping (the same on every rank)
 
 
 def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, world_size: int,
@@ -39,8 +40,9 @@ def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, w
     ``loss`` is the exact per-token mean over the whole optimizer batch. The
     original's keys keep the original's meaning: ``avg_loss_backward`` is the
     loss backward saw per minibatch (``loss`` / ``grad_accum`` when the scaling is
-    right), ``avg_time_per_minibatch`` times forward plus backward only (mean
-    over ranks), ``peak_memory_usage_GB`` is in GB (10**9 bytes).
+    right), ``avg_time_per_minibatch`` times forward plus backward only (rank 0's
+    device time, read after the step's one synchronisation; FSDP's collectives keep the ranks in
+    step), ``peak_memory_usage_GB`` is in GB (10**9 bytes).
     ``loss_backward`` (new) undoes the world-size factor over the whole step and
     equals ``loss``: a cheap end-to-end check of the scaling.
     """
@@ -59,7 +61,7 @@ def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, w
         "num_total_tokens": counts.num_total_tokens,
         "num_dropped_samples": counts.num_dropped_samples,
         "grad_accum": counts.num_minibatches,
-        "avg_time_per_minibatch": counts.forward_backward_time_sum / world_size / max(counts.num_minibatches, 1),
+        "avg_time_per_minibatch": counts.forward_backward_time / max(counts.num_minibatches, 1),
         "time_per_batch": time_per_batch,
         "tokens_per_second": counts.num_total_tokens / time_per_batch,
         "tokens_per_second_per_gpu": counts.num_total_tokens / time_per_batch / world_size,

@@ -95,7 +95,7 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
     dist.gather_object(digests, gathered, dst=0)
     if dist_info.is_main:
         state = {**trainer_state, "format_version": FORMAT_VERSION, "world_size": dist_info.world_size,
-                 "scheduler": scheduler.state_dict(), "fingerprint": model_fingerprint,
+                 "scheduler": _plain_numbers(scheduler.state_dict()), "fingerprint": model_fingerprint,
                  CHECKSUMS: {name: digest for part in gathered for name, digest in sorted(part.items())}}
         try:
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
@@ -173,6 +173,19 @@ def _abort_save_on_error(error: str | None, final: Path, *, is_main: bool) -> No
 
 FULL_DISK_BYTES = 64 * 2**20
 """A write that failed without an errno, on a file system with less free space than this, is taken for a full disk."""
+
+
+def _plain_numbers(state: dict) -> dict:
+    """The scheduler's state with one-number tensors as numbers: torchao's 8-bit AdamW keeps its learning
+    rates as tensors, which the scheduler records (``base_lrs``, ``_last_lr``) and JSON cannot hold."""
+    def plain(value):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return value.item()
+        if isinstance(value, list):
+            return [plain(item) for item in value]
+        return value
+
+    return {key: plain(value) for key, value in state.items()}
 
 
 def _cause(err: BaseException, *, folder: Path | None = None) -> str:

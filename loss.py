@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from attention import cu_seqlens_from_position_ids
+from attention import cu_seqlens_from_position_ids, learned_positions
 from objective import LogitTransform, logit_transform, router_aux_sum, router_loss
 from utils import IGNORE_INDEX, device_type, log_rank_0
 
@@ -81,16 +81,7 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     return total
 
 
-def learned_positions(labels: torch.Tensor) -> torch.Tensor:
-    """Indices of the positions of ``labels`` ([T]) that have a target, never empty.
-
-    A row without any learned position (a dummy minibatch, an all-prompt row)
-    keeps its first position, whose label is ``IGNORE_INDEX``: the head still
-    runs on one row and adds 0, so backward reaches every block and every
-    rank joins FSDP's gradient reductions, as before.
-    """
-    positions = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)  # [N]; CPU-GPU sync point (N is data-dependent)
-    return positions if positions.numel() else positions.new_zeros(1)
+_positions_of = learned_positions  # the forward's argument of that name shadows it
 
 
 class CausalLMWithLoss(nn.Module):
@@ -118,6 +109,7 @@ class CausalLMWithLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, *,
                 router_aux_weight: float = 0.0, own_forward: bool = False,
+                learned_positions: torch.Tensor | None = None,
                 **attention_kwargs: torch.Tensor | int) -> torch.Tensor:
         """Summed token loss of one packed row, plus the weighted router loss of MoE models.
 
@@ -127,6 +119,8 @@ class CausalLMWithLoss(nn.Module):
             labels: [1, T] per-sample shifted targets (unshifted with ``own_forward``).
             router_aux_weight: weight of the row's summed per-sample router loss
                 (``objective.router_aux_weight``); 0 leaves it out.
+            learned_positions: ``learned_positions(labels)``, found on the host before the copy
+                (``attention.model_inputs``); None: found here, on the device (a synchronisation).
             own_forward: return the Hugging Face model's own ``forward(labels=...).loss``
                 instead (the start-up self-check's reference; one unpacked sample,
                 unshifted labels). Runs here so FSDP gathers the root's parameters.
@@ -139,8 +133,10 @@ class CausalLMWithLoss(nn.Module):
         with_router = self.router_loss is not None and router_aux_weight != 0.0
         extra = {"output_router_logits": with_router} if self.router_loss is not None else {}
         flat_labels = labels.flatten()
-        # Before the decoder: the sync then waits only for the input copies, not for the blocks' work.
-        positions = learned_positions(flat_labels) if self.head_learned_positions_only else None
+        positions = None
+        if self.head_learned_positions_only:
+            # Found on the device, before the decoder: the sync then waits only for the input copies.
+            positions = learned_positions if learned_positions is not None else _positions_of(flat_labels)
         outputs = self._run_decoder(input_ids, position_ids, {**extra, **attention_kwargs})
         hidden = outputs.last_hidden_state.flatten(0, 1)  # [T, H]
         if positions is not None:

@@ -74,6 +74,8 @@ def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> 
     """
     params = {name: getattr(config, name) for name in RUN_PARAM_FIELDS}
     params["adam_betas"] = list(params["adam_betas"])
+    if config.optimizer != "adamw":  # absent for the default, so full states written before the choice resume
+        params["optimizer"] = config.optimizer
     if schedule_has_total:
         params["scheduled_steps"] = total_steps
     sources = parse_data_spec(config.data_path)

@@ -42,6 +42,7 @@ from finetune_method import FineTuningMethod, ModelBuild, count_parameters
 from loss import CausalLMWithLoss, decoder_of
 from multimodal import (MultimodalExport, auto_model_class, detach_non_text, is_multimodal, text_only_export,
                         whole_export)
+import recomputation
 from recurrent import run_mixers_per_sample
 from utils import DistInfo, log_rank_0
 
@@ -60,6 +61,7 @@ class ModelSetup:
     num_trainable_params: int
     num_params: int
     context_parallel_inner: str | None = None  # the varlen backend context_parallel wraps (None: no CP)
+    recomputation: str = "full"  # the policy the blocks were built with (auto: full, until resolve_auto)
 
 
 def meta_model(config, trust_remote_code: bool) -> nn.Module:
@@ -220,7 +222,7 @@ def build_mesh(strategy: str, dist_info: DistInfo, local_world_size: int) -> Dev
 
 def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | None = None, dist_info: DistInfo,
                 attn_implementation: str,
-                sharding_strategy: str, cpu_offload: bool, activation_checkpointing: bool,
+                sharding_strategy: str, cpu_offload: bool, activation_checkpointing: str | bool,
                 use_liger_kernels: bool, local_world_size: int,
                 head_learned_positions_only: bool = True, compile: bool = False, trust_remote_code: bool = False,
                 method: FineTuningMethod | None = None,
@@ -242,7 +244,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
         attn_implementation: 'auto' or a transformers attention backend.
         sharding_strategy: one of ``SHARDING_STRATEGIES``.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: how each block recomputes in backward (``recomputation.POLICIES``; True/False:
+            full/none); auto starts as full and ``recomputation.resolve_auto`` lowers it.
         use_liger_kernels: Liger fused linear cross-entropy (CUDA only).
         local_world_size: processes per node (HYBRID_SHARD's shard group).
         head_learned_positions_only: LM head and loss on labelled positions only (``loss.learned_positions``).
@@ -279,7 +282,7 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     if use_liger_kernels:
         apply_liger_kernels(model, device_type=device.type, compile=compile)
     _run_mixers_per_sample(model)
-    apply_activation_checkpointing(model, activation_checkpointing)
+    recompute = apply_activation_checkpointing(model, activation_checkpointing)
     blocks = find_decoder_blocks(model)
     if compile:
         compile_blocks(blocks, device_type=device.type)
@@ -306,7 +309,7 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
                                block_class=type(blocks[0]).__name__, mesh_shape=tuple(mesh.shape),
                                num_trainable_params=num_trainable, num_params=num_params,
-                               context_parallel_inner=inner)
+                               context_parallel_inner=inner, recomputation=recompute)
 
 
 # ----------------------------------------------------------------------------
@@ -358,19 +361,12 @@ def _run_mixers_per_sample(model: nn.Module) -> None:
                    "packed sample, so no state flows from one sample into the next")
 
 
-def apply_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
-    """Recompute each decoder block's activations in backward (non-reentrant), where the model supports it."""
-    if not enabled:
-        return
-    if not getattr(model, "supports_gradient_checkpointing", True):
-        log_rank_0(f"{type(model).__name__} does not support activation checkpointing: training without it "
-                   "(more activation memory)", level=logging.WARNING)
-        return
-    # transformers 5 renamed the public switch; 4.x only has the old name.
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def apply_activation_checkpointing(model: nn.Module, policy: str | bool) -> str:
+    """Make each decoder block recompute per ``policy`` (``recomputation.py``: full, selective, none, or auto,
+    which starts as full); returns the policy applied."""
+    applied = recomputation.initial_policy(recomputation.as_policy(policy), model)
+    recomputation.set_policy(model, applied)
+    return applied
 
 
 def _shard(wrapper: CausalLMWithLoss, blocks: list[nn.Module], *, mesh: DeviceMesh, param_dtype: torch.dtype,

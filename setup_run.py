@@ -40,7 +40,8 @@ import sampler
 import schedule
 import validation
 from attention import attention_needs, explicit_attention_refusal, model_inputs
-from autotune import probe_token_budget
+from autotune import probe_recomputation, probe_token_budget
+from optimizers import STATE_BYTES_PER_PARAM, build_optimizer
 from batch_metrics import MetricsWriter, truncate_metrics
 from finetune_method import FineTuningMethod
 from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
@@ -144,8 +145,13 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     max_tokens = config.max_tokens_per_gpu
     if max_tokens == "auto":
         max_tokens = probe_token_budget(
-            model, dataset, dist_info=dist_info,
+            model, dataset, dist_info=dist_info, state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device))
+    elif config.activation_checkpointing == "auto" and resolved.recomputation != "none":
+        resolved = dataclasses.replace(resolved, recomputation=probe_recomputation(
+            model, dataset, dist_info=dist_info, num_tokens=max_tokens,
+            state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
+            model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device)))
     val_plan = None
     if val_dataset is not None:
         val_plan = validation.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
@@ -156,8 +162,9 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
-    optimizer = torch.optim.AdamW(method.param_groups(model, weight_decay=config.weight_decay),
-                                  lr=config.learning_rate, betas=config.adam_betas)
+    optimizer = build_optimizer(config.optimizer, method.param_groups(model, weight_decay=config.weight_decay),
+                                lr=config.learning_rate, betas=config.adam_betas,
+                                device=next(model.parameters()).device)  # the host with --cpu-offload
     scheduler = schedule.build_scheduler(config, optimizer, total_steps)
     began = time.perf_counter()
     state = resume_train_state(model, optimizer, scheduler, candidates=candidates, resume=config.resume,
@@ -457,7 +464,7 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, method: FineTu
                "activation checkpointing %s", config.model_name_or_path, resolved.num_blocks,
                resolved.block_class, config.fsdp_sharding_strategy, resolved.mesh_shape,
                str(resolved.param_dtype).removeprefix("torch."), resolved.attn_implementation,
-               "on" if config.activation_checkpointing else "off")
+               resolved.recomputation + (" (auto)" if config.activation_checkpointing == "auto" else ""))
     log_rank_0("trainable parameters: %s of %s (%.2f%%)%s", f"{resolved.num_trainable_params:,}",
                f"{resolved.num_params:,}", 100.0 * resolved.num_trainable_params / max(resolved.num_params, 1),
                method.describe())
@@ -481,7 +488,7 @@ def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, m
     params.update(world_size=dist_info.world_size, device=dist_info.device.type,
                   attn_implementation_resolved=resolved.attn_implementation,
                   context_parallel_inner=resolved.context_parallel_inner,
-                  max_tokens_per_gpu_resolved=max_tokens,
+                  max_tokens_per_gpu_resolved=max_tokens, activation_checkpointing_resolved=resolved.recomputation,
                   torch_version=torch.__version__, transformers_version=transformers.__version__)
     path = Path(config.output_dir) / "training_params.json"
     try:  # default=str: a Path or other non-JSON value given through the Python API is written as its text

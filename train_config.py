@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -10,6 +11,7 @@ from finetune_method import FineTuningMethod
 from lora import ALL_LINEAR, LoRA, LoraSettings
 from osft import OSFT, UPCAST_DTYPES, OSFTSettings, num_frozen_directions
 from qlora import QLoRA
+from recomputation import POLICIES, as_policy
 from utils import collect_errors, comma_list, config_field
 
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
@@ -23,13 +25,34 @@ def _token_budget(text: str) -> int | str:
     return "auto" if str(text).lower() == "auto" else int(text)
 
 
+def _recomputation_policy(text: str) -> str:
+    """CLI parser of --activation-checkpointing's value: a policy of ``recomputation.POLICIES``."""
+    if text not in POLICIES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(POLICIES)})")
+    return text
+
+
+class _FlagOrPolicy(argparse.Action):
+    """``--activation-checkpointing [POLICY]`` and ``--no-activation-checkpointing``: the flag's boolean forms
+    (``full``, ``none``), which scripts written before the policies use, beside the named policies."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        negated = ["--no-" + flag[2:] for flag in option_strings]
+        super().__init__(option_strings + negated, dest, nargs="?", metavar="{" + ",".join(POLICIES) + "}",
+                         **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, "none" if option_string.startswith("--no-") else values or "full")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Every parameter of a training run; the CLI is generated from these fields."""
 
     recorded_keys: ClassVar[tuple[str, ...]] = (
         "world_size", "device", "attn_implementation_resolved", "context_parallel_inner",
-        "max_tokens_per_gpu_resolved", "torch_version", "transformers_version")
+        "max_tokens_per_gpu_resolved", "activation_checkpointing_resolved", "torch_version",
+        "transformers_version")
     """What ``training_params.json`` records beside the fields: what the run resolved, not settings. A
     config file may hold them (a run's record replays it, on any machine) and they are skipped."""
 
@@ -61,6 +84,8 @@ class TrainConfig:
     weight_decay: float = config_field(0.0, help="AdamW weight decay; biases and norm weights are exempt, as in "
                                                  "transformers' Trainer, TRL and axolotl")
     adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
+    optimizer: Literal["adamw", "adamw_8bit"] = config_field(
+        "adamw", help="adamw (fused on GPU) or adamw_8bit (torchao: 8-bit moments, ~2 bytes of state per parameter)")
     max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
     lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
                                      help="transformers.get_scheduler name; decaying schedules need a stop condition")
@@ -158,7 +183,9 @@ class TrainConfig:
         "FULL_SHARD", section="Speed and memory", help="FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP-like), HYBRID_SHARD "
                            "(shard in a node, replicate across)")
     cpu_offload: bool = config_field(False, help="keep sharded params, grads and optimizer state in host memory")
-    activation_checkpointing: bool = config_field(True, help="recompute each decoder block in backward")
+    activation_checkpointing: Literal["full", "selective", "none", "auto"] | bool = config_field(
+        "full", parse=_recomputation_policy, action=_FlagOrPolicy,
+        help="recomputation in backward: full, selective (keeps matmuls, attention), none, auto (least that fits)")
     use_liger_kernels: bool = config_field(
         False, help="Liger fused linear cross-entropy plus RMSNorm/RoPE/SwiGLU kernels (CUDA; ignored on CPU; "
                     "with --compile only the loss)")
@@ -174,7 +201,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.logging_level = self.logging_level.upper()
+        self.activation_checkpointing = as_policy(self.activation_checkpointing)
         errors = []
+        if self.activation_checkpointing not in POLICIES:
+            errors.append(f"--activation-checkpointing {self.activation_checkpointing!r} is not one of "
+                          f"{', '.join(POLICIES)}")
         if self.max_tokens_per_gpu != "auto" and not (isinstance(self.max_tokens_per_gpu, int)
                                                        and self.max_tokens_per_gpu > 0):
             errors.append(f"--max-tokens-per-gpu must be a positive integer or 'auto', got {self.max_tokens_per_gpu!r}")

@@ -7,7 +7,9 @@ loss-token count, which the sampler knows before any forward.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -20,11 +22,35 @@ import data_mix
 import flops
 from attention import model_inputs
 from batch_metrics import StepCounts, step_record
+from finetune_method import FineTuningMethod
 from objective import router_aux_weight
+from optimizers import skips_on_device, step_unless
 from sampler import StepBatch
 from setup_model_fsdp import sync_gradients_on
 from setup_run import Run
-from utils import DistInfo, log_rank_0, logger, peak_memory_gb, reset_peak_memory, synchronize
+from utils import DistInfo, log_rank_0, logger, peak_memory_gb, reset_peak_memory
+
+
+class DeviceTimer:
+    """Seconds of device work between ``start`` and ``stop``, read after the step's one synchronisation:
+    events on an accelerator (no wait at ``stop``), the host clock on CPU, whose work is synchronous."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = (None if device.type == "cpu" else
+                       (torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)))
+        self.times = [time.perf_counter(), 0.0]
+        if self.events:
+            self.events[0].record()
+
+    def stop(self) -> None:
+        if self.events:
+            self.events[1].record()
+        else:
+            self.times[1] = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Only after the device reached ``stop`` (``reduce_step``'s read-back waits for it)."""
+        return self.events[0].elapsed_time(self.events[1]) / 1000 if self.events else self.times[1] - self.times[0]
 
 
 @dataclass
@@ -32,25 +58,31 @@ class StepResult:
     """This rank's sums of one step, and whether the update was applied."""
 
     started: float                 # perf_counter at the step's start
-    forward_backward_time: float
+    forward_backward: DeviceTimer
     loss_sum: torch.Tensor         # summed cross-entropy of this rank's loss tokens
     backward_sum: torch.Tensor     # what was backpropagated (the scaled loss)
     router_aux_sum: torch.Tensor
     local_loss_tokens: int
-    grad_norm: torch.Tensor
-    finite: bool
+    grad_norm: torch.Tensor | float  # a float once reduce_step has read it back
+    finite: bool | None            # None until reduce_step reads it back (the update skipped itself on the device)
     empty: bool                    # no loss tokens in the whole batch
 
     @property
     def applied(self) -> bool:
-        return self.finite and not self.empty
+        return bool(self.finite) and not self.empty
 
 
 def train_step(run: Run, batch: StepBatch) -> StepResult:
-    """Forward and backward over this rank's minibatches, clip, then update unless the step is skipped."""
+    """Forward and backward over this rank's minibatches, clip, then update unless the step is skipped.
+
+    Nothing here waits for the device where the optimizer can skip a non-finite step by itself (fused
+    AdamW on a GPU, ``optimizers.skips_on_device``): ``reduce_step`` reads the step back once, after the
+    update is queued, and settles what depends on it (the schedule, the counters).
+    """
     model, dist_info, state = run.model, run.dist_info, run.state
     reset_peak_memory()
     start = time.perf_counter()
+    timer = DeviceTimer(dist_info.device)
     # Sum-reduced CE over this rank's minibatches, divided by the whole batch's
     # loss-token count (known before any forward). FSDP averages gradients over
     # ranks, so multiplying by world_size turns that average back into the sum
@@ -76,44 +108,56 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
         router_aux_sum += model.last_router_aux_sum
         backward_sum += scaled.detach()
         local_loss_tokens += minibatch.num_loss_counted_tokens
-    synchronize()  # so the forward/backward time below is the device's, not the launch queue's
-    forward_backward_time = time.perf_counter() - start
+    timer.stop()
     run.method.before_clip(model, device=device)
     # The norm is reduced over every shard, so all ranks see the same value and
     # take the same skip decision without another collective.
     grad_norm = clip_grad_norm(model, run.config.max_grad_norm)
-    finite = bool(torch.isfinite(grad_norm))  # CPU-GPU sync point, once per step
     # A batch without loss tokens has zero gradients: AdamW would still move the
     # weights (momentum, weight decay), so it is skipped like a non-finite step.
     empty = batch.batch_num_loss_counted_tokens == 0
-    if finite and not empty:
-        run.optimizer.step()
-        run.method.after_update(model, device=device)
-        run.scheduler.step()  # the schedule counts updates: skipped steps do not advance it
+    finite = None
+    if empty:
+        pass
+    elif skips_on_device(run.optimizer) and type(run.method).after_update is FineTuningMethod.after_update:
+        step_unless(run.optimizer, torch.isfinite(grad_norm).logical_not().float())
+    else:
+        finite = bool(torch.isfinite(grad_norm))  # CPU-GPU sync point: this optimizer cannot skip by itself
+        if finite:
+            run.optimizer.step()
+            run.method.after_update(model, device=device)
     run.optimizer.zero_grad(set_to_none=True)
     state.step += 1
     state.samples_seen = batch.end_position
-    state.samples_trained += batch.num_samples if finite and not empty else 0
-    state.num_bad_steps = 0 if finite else state.num_bad_steps + 1
-    return StepResult(started=start, forward_backward_time=forward_backward_time, loss_sum=loss_sum,
-                      backward_sum=backward_sum, router_aux_sum=router_aux_sum,
-                      local_loss_tokens=local_loss_tokens, grad_norm=grad_norm, finite=finite, empty=empty)
+    return StepResult(started=start, forward_backward=timer, loss_sum=loss_sum, backward_sum=backward_sum,
+                      router_aux_sum=router_aux_sum, local_loss_tokens=local_loss_tokens, grad_norm=grad_norm,
+                      finite=finite, empty=empty)
 
 
 def reduce_step(run: Run, batch: StepBatch, result: StepResult, *,
                 preemption_requested: bool) -> tuple[StepCounts, bool]:
-    """The step's sums over every rank, and whether any rank was asked to stop (SIGTERM/SIGUSR1)."""
-    return reduce_step_counts(result.loss_sum, result.backward_sum, result.local_loss_tokens,
-                              result.forward_backward_time, batch, run.dist_info, preemption_requested,
-                              result.router_aux_sum if run.model.router_loss is not None else None)
+    """The step's sums over every rank, and whether any rank was asked to stop (SIGTERM/SIGUSR1); then what
+    depends on whether the update was applied: the schedule and the counters."""
+    counts, preempted = reduce_step_counts(
+        result.loss_sum, result.backward_sum, result.local_loss_tokens, 0.0, batch, run.dist_info,
+        preemption_requested, result.router_aux_sum if run.model.router_loss is not None else None,
+        grad_norm=result.grad_norm)
+    counts = dataclasses.replace(counts, forward_backward_time=result.forward_backward.seconds())
+    result.grad_norm, result.finite = counts.grad_norm, math.isfinite(counts.grad_norm)
+    state = run.state
+    if result.applied:
+        run.scheduler.step()  # the schedule counts updates: skipped steps do not advance it
+    state.samples_trained += batch.num_samples if result.applied else 0
+    state.num_bad_steps = 0 if result.finite else state.num_bad_steps + 1
+    return counts, preempted
 
 
 def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts, *, progress: tqdm) -> None:
     """Write the step's metrics line (file, trackers, progress bar)."""
     dist_info, state = run.dist_info, run.state
-    synchronize()
     # Dropped (over-long) samples are warned about by the loader, with their rows; here they are counted.
-    record = step_record(step=state.step, lr=run.scheduler.get_last_lr()[0], grad_norm=float(result.grad_norm),
+    # float(): torchao's 8-bit AdamW keeps its learning rate as a host tensor (no recompile when it changes).
+    record = step_record(step=state.step, lr=float(run.scheduler.get_last_lr()[0]), grad_norm=result.grad_norm,
                          counts=counts, world_size=dist_info.world_size,
                          time_per_batch=time.perf_counter() - result.started,
                          total_samples_accumulated=state.samples_trained, samples_seen=state.samples_seen,
@@ -161,23 +205,29 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 def reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local_loss_tokens: int,
                        forward_backward_time: float, batch: StepBatch, dist_info: DistInfo, preempt_requested: bool,
-                       router_aux_sum: torch.Tensor | None = None) -> tuple[StepCounts, bool]:
-    """All-reduce this step's sums and the preemption flags (any rank's signal stops all).
+                       router_aux_sum: torch.Tensor | None = None, *,
+                       grad_norm: torch.Tensor | None = None) -> tuple[StepCounts, bool]:
+    """All-reduce this step's sums and the preemption flags (any rank's signal stops all), and read them back
+    with the gradient norm: one collective and one device-to-host read, the step's only synchronisation.
 
-    Counts travel as int64 so they stay exact past 2**24 tokens, where fp32 rounds.
+    Everything travels as float64, which holds the token counts exactly up to 2**53 (fp32 rounds past 2**24).
+    ``forward_backward_time`` is this rank's (not summed).
     """
-    aux = loss_sum.new_zeros(()) if router_aux_sum is None else router_aux_sum.float().reshape(())
-    sums = torch.stack([loss_sum.float(), backward_sum.float(),
-                        torch.tensor(forward_backward_time, device=loss_sum.device), aux.float()])
-    integers = torch.tensor([local_loss_tokens, int(preempt_requested)], dtype=torch.int64, device=loss_sum.device)
+    device = loss_sum.device
+    aux = loss_sum.new_zeros(()) if router_aux_sum is None else router_aux_sum.reshape(())
+    # From pinned memory without waiting: a pageable host-to-device copy would wait for the device.
+    host = torch.tensor([local_loss_tokens, int(preempt_requested)], dtype=torch.float64,
+                        pin_memory=device.type != "cpu").to(device, non_blocking=True)
+    sums = torch.cat([torch.stack([loss_sum, backward_sum, aux]).double(), host])
     dist.all_reduce(sums)
-    dist.all_reduce(integers)
-    loss_total, backward_total, time_total, router_aux_total = sums.tolist()  # CPU-GPU sync point
-    loss_tokens, preempts = integers.tolist()
+    norm = (grad_norm if grad_norm is not None else loss_sum.new_zeros(())).double().reshape(1)
+    loss_total, backward_total, router_aux_total, loss_tokens, preempts, norm_value = (
+        torch.cat([sums, norm]).tolist())  # CPU-GPU sync point: the step's one
     counts = StepCounts(loss_sum=loss_total, backward_loss_sum=backward_total,
                         batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
-                        num_loss_counted_tokens=loss_tokens, num_samples=batch.num_samples,
+                        num_loss_counted_tokens=int(loss_tokens), num_samples=batch.num_samples,
                         num_total_tokens=batch.num_total_tokens, num_dropped_samples=batch.num_dropped_samples,
-                        num_minibatches=len(batch.minibatches), forward_backward_time_sum=time_total,
-                        router_aux_loss_sum=None if router_aux_sum is None else router_aux_total)
+                        num_minibatches=len(batch.minibatches), forward_backward_time=forward_backward_time,
+                        router_aux_loss_sum=None if router_aux_sum is None else router_aux_total,
+                        grad_norm=norm_value)
     return counts, preempts > 0

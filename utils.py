@@ -42,11 +42,12 @@ def config_field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any
 
     ``choices=`` restricts the CLI values; ``parse=`` is the CLI's string -> value
     function for fields whose type argparse cannot infer (e.g. ``int | Literal["auto"]``);
+    ``action=`` is the flag's argparse action, for a flag that also stands alone (``--x``, ``--x V``, ``--no-x``);
     ``section=`` on a field opens a headed group of ``--help`` that holds it and the
     fields after it, up to the next section.
     """
     metadata = {"help": help}
-    for key in ("choices", "parse", "section"):
+    for key in ("choices", "parse", "section", "action"):
         if key in kwargs:
             metadata[key] = kwargs.pop(key)
     if "default_factory" in kwargs:
@@ -116,6 +117,8 @@ def build_arg_parser(config_cls: type, *, description: str | None = None) -> arg
             kwargs["type"] = tp
             if "choices" in field.metadata:
                 kwargs["choices"] = field.metadata["choices"]
+        if "action" in field.metadata:
+            kwargs["action"] = field.metadata["action"]
         action = group.add_argument(flag, **kwargs)
         # Set after add_argument: Python 3.11's BooleanOptionalAction appends its own default to the help.
         action.help = flag_help(field.metadata.get("help", ""), kwargs.get("default", dataclasses.MISSING))

@@ -105,3 +105,64 @@ def test_compile_without_a_cpp_compiler_is_refused_in_one_line():
         error = compile_refusal("cpu")
     assert error is not None and error.startswith("--compile: inductor's CPU backend needs a C++ compiler")
     assert "\n" not in error
+
+
+COMPILE_LIGER_SCRIPT = r"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from attention import model_inputs
+from loss import CausalLMWithLoss, make_liger_fused_loss
+from recomputation import set_policy
+from sampler import collate_minibatch
+from setup_model_fsdp import apply_liger_kernels, compile_blocks, find_decoder_blocks
+torch.manual_seed(0)
+gen = torch.Generator().manual_seed(1)
+samples = []
+for n in (9, 17, 5):
+    ids = torch.randint(0, int(sys.argv[2]), (n,), generator=gen)
+    labels = ids.clone(); labels[:3] = -100
+    samples.append((ids.numpy(), labels.numpy()))
+minibatch = collate_minibatch(samples)
+results = {}
+for compiled in (False, True):
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, attn_implementation="sdpa")
+    applied = apply_liger_kernels(model, device_type="cuda", compile=compiled) if compiled else None
+    set_policy(model, "full")
+    if compiled:
+        compile_blocks(find_decoder_blocks(model), device_type="cpu")
+    wrapper = CausalLMWithLoss(model)
+    wrapper.liger_loss = make_liger_fused_loss(wrapper.logit_transform)  # the GPU path, on CPU via the interpreter
+    wrapper.train()
+    loss = wrapper(**model_inputs(minibatch, "sdpa", torch.device("cpu")))
+    loss.backward()
+    results[str(compiled)] = {"loss": loss.item(), "liger_blocks": applied,
+                              "grads": {n: p.grad.flatten().tolist() for n, p in wrapper.named_parameters()}}
+print("RESULTS" + json.dumps(results))
+"""
+
+
+def test_compile_with_liger_keeps_the_fused_loss_and_equals_eager(chatml_model):
+    """``--compile --use-liger-kernels``: compiled blocks (Liger's block kernels left to inductor, full
+    recomputation) under Liger's fused linear cross-entropy give eager's loss and gradients. Liger runs on
+    CPU tensors under Triton's interpreter, in a subprocess that sets it before triton is imported."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fixtures.e2e import ROOT
+
+    pytest.importorskip("liger_kernel")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", COMPILE_LIGER_SCRIPT, str(chatml_model),
+                             str(model_vocab_size(chatml_model))], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULTS")]
+    eager, compiled = json.loads(line.removeprefix("RESULTS")).values()
+    assert compiled["liger_blocks"] is False  # under compile only the loss is Liger's
+    # inductor fuses and reorders fp32 reductions (test above): the last bits move.
+    assert math.isclose(compiled["loss"], eager["loss"], rel_tol=1e-5)
+    for name, grad in eager["grads"].items():
+        torch.testing.assert_close(torch.tensor(compiled["grads"][name]), torch.tensor(grad), rtol=1e-4, atol=1e-6,
+                                   msg=name)
