@@ -39,7 +39,7 @@ from run_actions import checkpoints_due, save, validate, validation_due
 from schedule import stop_reason
 from setup_run import batch_loader, close_run, setup_run
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
-from train_step import log_step, reduce_step, report_skipped_step, train_step
+from train_step import log_step, reduce_step, report_divergence, report_skipped_step, train_step
 from utils import (DistInfo, cleanup, exit_process, init_distributed, log_rank_0, lost_ranks,
                    parse_config, setup_logging, stop_in_one_line)
 
@@ -80,6 +80,7 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
             counts, preempted = reduce_step(run, batch, result, preemption_requested=preemption.requested)
             log_step(run, batch, result, counts, progress=progress)
             report_skipped_step(run, batch, result)
+            report_divergence(run, batch, result, counts)
             done = stop_reason(config, run.state, len(run.dataset))
             if validation_due(run, batch, done=done, preempted=preempted):
                 done = validate(run) or done
