@@ -11,9 +11,13 @@ size) with a gradient norm of exactly 0. Two rules catch both (``detect``):
 * the gradient norm is exactly 0 while the batch has loss tokens to learn from.
 
 ``--on-divergence`` says what follows: ``warn`` (one warning line; the run goes on,
-and no later validation is taken as the best export), or ``stop`` (the default: one
+and no later validation is taken as the best export), ``stop`` (the default: one
 line naming the step and its samples, exit status 1, no export of the diverged
-model). Pure functions; the loop's side is ``train_step.report_divergence``.
+model), or ``rewind`` (as large pretraining runs do: load the newest full state
+from before the diverged batch, in the same process, and go on from there with that
+batch skipped; ``TrainState.skipped_batches`` holds the skipped ranges, so a resume
+skips them too). Pure functions; the loop's side is ``train_step.report_divergence``
+and ``run_actions.rewind``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ from __future__ import annotations
 import math
 import statistics
 
-POLICIES = ("warn", "stop")
+from pathlib import Path
+
+POLICIES = ("warn", "stop", "rewind")
+MAX_SKIPPED_BATCHES = 5
+"""``rewind`` stops instead once this many batches were skipped: a divergence that follows every
+rewind is the learning rate's, not one batch's."""
 HISTORY = 20
 """Steps of loss history the loss rule compares with (kept in ``TrainState.recent_losses``, so a resume keeps it)."""
 LOSS_FLOOR = 1.0
@@ -54,3 +63,16 @@ def detect(*, loss: float, grad_norm: float, num_loss_tokens: int, recent_losses
 def remember(recent_losses: list[float], loss: float) -> list[float]:
     """The history after a step that did not diverge: its loss appended, the oldest dropped past ``HISTORY``."""
     return [*recent_losses, loss][-HISTORY:]
+
+
+def rewind_target(full_states: list[Path], diverged_start: int) -> Path | None:
+    """The newest full state (``samples_N`` folders, oldest first) written at or before the diverged batch's start.
+
+    Its weights gave the losses of the steps up to that batch, none of which diverged.
+    """
+    before = [path for path in full_states if int(path.name.removeprefix("samples_")) <= diverged_start]
+    return before[-1] if before else None
+
+
+def is_skipped(skipped_batches: list, start: int, end: int) -> bool:
+    return [start, end] in [list(pair) for pair in skipped_batches]

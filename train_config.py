@@ -171,9 +171,9 @@ class TrainConfig:
         False, section="Debugging and safety nets", help="skip the start-up check that the trainer's loss equals the model's own forward(labels=...)")
     max_bad_steps: int = config_field(5, help="abort after this many consecutive steps with a non-finite "
                                               "loss or gradient norm (each one is skipped)")
-    on_divergence: Literal["warn", "stop"] = config_field(
-        "stop", help="on a detected divergence: warn and go on (no later validation taken as best), or stop "
-                     "before the diverged model is exported")
+    on_divergence: Literal["warn", "stop", "rewind"] = config_field(
+        "stop", help="on a divergence: warn and go on, stop before exporting the diverged model, or "
+                     "rewind to the last full state, skipping the batch")
     divergence_loss_factor: float = config_field(
         5.0, help="a loss above this many times the median of the last 20 steps (at least 1) diverged; 0: off")
 

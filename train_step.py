@@ -153,30 +153,41 @@ def report_skipped_step(run: Run, batch: StepBatch, result: StepResult) -> None:
                    state.step, batch.start_position, batch.end_position, level=logging.WARNING)
 
 
-def report_divergence(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts) -> None:
+def report_divergence(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts) -> bool:
     """Detect a divergence of a finite step (``divergence.detect``) and act on ``--on-divergence``.
 
     ``stop`` raises before this step's export or full state is written, so neither holds the diverged model.
+
+    Returns:
+        Whether the run must rewind (``run_actions.rewind``): the batch is then in ``state.skipped_batches``.
     """
     state, config = run.state, run.config
     if not result.applied:
-        return
+        return False
     loss = counts.loss_sum / max(counts.batch_num_loss_counted_tokens, 1)
     why = divergence.detect(loss=loss, grad_norm=float(result.grad_norm),
                             num_loss_tokens=counts.batch_num_loss_counted_tokens,
                             recent_losses=state.recent_losses, loss_factor=config.divergence_loss_factor)
     if why is None:
         state.recent_losses = divergence.remember(state.recent_losses, loss)
-        return
+        return False
     where = f"divergence at step {state.step} (samples {batch.start_position}..{batch.end_position} of the stream)"
-    if config.on_divergence == "stop":
+    if config.on_divergence == "rewind" and len(state.skipped_batches) < divergence.MAX_SKIPPED_BATCHES:
+        state.skipped_batches = [*state.skipped_batches, [batch.start_position, batch.end_position]]
+        log_rank_0("%s: %s; rewinding to the last full state before it and skipping those samples", where, why,
+                   level=logging.WARNING)
+        return True
+    if config.on_divergence == "rewind":
+        why += f"; {divergence.MAX_SKIPPED_BATCHES} batches were already skipped, so it is not the data"
+    if config.on_divergence != "warn":
         logger.error("stopping: %s: %s; the exports and full states before it are kept. Lower --learning-rate, "
-                     "inspect those samples, or pass --on-divergence warn to go on", where, why)
+                     "inspect those samples, or pass --on-divergence rewind (skip the batch) or warn (go on)", where, why)
         raise SystemExit(1)
     if state.diverged_at_step is None:
         state.diverged_at_step = state.step
     log_rank_0("%s: %s; going on (--on-divergence warn): no later validation is taken as the best export",
                where, why, level=logging.WARNING)
+    return False
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

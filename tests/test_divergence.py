@@ -5,7 +5,8 @@
 The rules are pure functions (``divergence.detect``); the runs are real ``torchrun`` launches of
 train.py (2 gloo CPU processes) on the tiny model, diverging by their learning rate: 1e3 makes the
 loss jump by six orders of magnitude and then sit at ln(vocabulary size) with a gradient norm of 0;
-1e30 makes every later step non-finite.
+1e30 makes every later step non-finite. The poisoned batch is real data: one long row whose labels
+are arbitrary tokens among short rows of a pattern the model learns within a few steps.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from divergence import HISTORY, detect, remember
+from divergence import HISTORY, detect, remember, rewind_target
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from full_state import complete_checkpoints
 
@@ -52,10 +55,29 @@ def data_path(tmp_path_factory, chatml_model) -> Path:
                                  vocab_size=model_vocab_size(chatml_model), seed=5)
 
 
-def _args(model: Path, data: Path, out: Path, learning_rate: str, *extra: str) -> list[str]:
+def test_rewind_target_is_the_newest_full_state_before_the_batch(tmp_path):
+    states = [tmp_path / f"samples_{n}" for n in (8, 16, 24)]
+    assert rewind_target(states, 24) == states[2] and rewind_target(states, 20) == states[1]
+    assert rewind_target(states, 4) is None
+
+
+@pytest.fixture(scope="module")
+def poisoned_data(tmp_path_factory) -> Path:
+    """60 short rows of one pattern and, at row 30, one long row whose labels are arbitrary tokens."""
+    path = tmp_path_factory.mktemp("poisoned") / "train.jsonl"
+    with path.open("w") as f:
+        for index in range(61):
+            input_ids = [5, 6, 7, 8] * (22 if index == 30 else 2)
+            labels = [(37 * j) % 200 + 100 for j in range(len(input_ids))] if index == 30 else input_ids
+            f.write(json.dumps({"input_ids": input_ids, "labels": labels, "len": len(input_ids),
+                                "num_loss_counted_tokens": len(input_ids)}) + "\n")
+    return path
+
+
+def _args(model: Path, data: Path, out: Path, learning_rate: str, *extra: str, steps: int = 5) -> list[str]:
     return ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),
             "--batch-size", str(BATCH), "--max-tokens-per-gpu", "96", "--seed", "7", "--learning-rate", learning_rate,
-            "--lr-scheduler", "constant_with_warmup", "--num-warmup-steps", "0", "--max-steps", "5",
+            "--lr-scheduler", "constant_with_warmup", "--num-warmup-steps", "0", "--max-steps", str(steps),
             "--min-samples-per-checkpoint", str(BATCH), "--num-data-workers", "0", *extra]
 
 
@@ -93,3 +115,32 @@ def test_non_finite_steps_in_a_row_abort_naming_every_steps_samples(tmp_path, ch
     assert result.returncode != 0
     [line] = [line for line in output.splitlines() if "[rank0] ERROR" in line]
     assert "samples 8..16, 16..24, 24..32 of the stream" in line, line
+
+
+def test_rewind_skips_the_poisoned_batch_like_a_run_resumed_without_it(tmp_path, chatml_model, poisoned_data):
+    """The poisoned row lands in step 6's batch (samples 40..48, seed 7). The rewinding run must equal a run
+    that stopped after step 5 and was resumed from that full state with those samples skipped."""
+    rewound = tmp_path / "rewound"
+    result = torchrun(_args(chatml_model, poisoned_data, rewound, "5e-2", "--on-divergence", "rewind", steps=7))
+    assert_ok(result)
+    output = result.stdout + result.stderr
+    assert "divergence at step 6 (samples 40..48 of the stream)" in output, output[-3000:]
+    assert f"rewound to {rewound / 'full_state' / 'samples_40'} (step 5)" in output
+
+    reference = tmp_path / "reference"
+    assert_ok(torchrun(_args(chatml_model, poisoned_data, reference, "5e-2", steps=5)))
+    state_file = reference / "full_state" / "samples_40" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "skipped_batches": [[40, 48]]}))
+    assert_ok(torchrun(_args(chatml_model, poisoned_data, reference, "5e-2", steps=7)))
+
+    ours, theirs = read_metrics(rewound), read_metrics(reference)
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, 8)), "no step logged twice"
+    assert [r["samples_seen"] for r in ours][4:] == [40, 56, 64]
+    for a, b in zip(ours, theirs):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
+    assert max(r["loss"] for r in ours) < 7, "no step trained on the poisoned batch"
+    [ours_export], [their_export] = (complete_checkpoints(out / "hf_format")[-1:] for out in (rewound, reference))
+    theirs_weights = load_file(their_export / "model.safetensors")
+    for name, tensor in load_file(ours_export / "model.safetensors").items():
+        torch.testing.assert_close(tensor, theirs_weights[name], rtol=0, atol=0, msg=name)
