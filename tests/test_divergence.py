@@ -88,7 +88,7 @@ def test_a_learning_rate_that_blows_up_stops_before_the_diverged_model_is_export
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     [line] = [line for line in output.splitlines() if "[rank0] ERROR" in line]
-    assert "divergence at step 2 (samples 8..16 of the stream)" in line and "--on-divergence warn" in line, line
+    assert "divergence at step 2 (samples 8..16 of the stream)" in line and "--on-divergence rewind" in line, line
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2]
     # Step 2's loss revealed the divergence: no export or full state was written after it.
     assert [p.name for p in complete_checkpoints(out / "hf_format")] == [f"samples_{BATCH}"]
