@@ -137,9 +137,10 @@ def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts,
 def report_skipped_step(run: Run, batch: StepBatch, result: StepResult) -> None:
     """Warn about a skipped update; abort after --max-bad-steps non-finite steps in a row, naming each one's samples."""
     state, config = run.state, run.config
-    state.bad_step_samples = [*state.bad_step_samples, [batch.start_position, batch.end_position]] \
-        if not result.finite else []
-    if not result.finite:
+    if result.finite:
+        state.bad_step_samples = []
+    else:
+        state.bad_step_samples = [*state.bad_step_samples, [batch.start_position, batch.end_position]]
         logger.warning("step %d: non-finite loss or gradient norm (%s); update skipped (%d in a row)",
                        state.step, float(result.grad_norm), state.num_bad_steps)
         if state.num_bad_steps >= config.max_bad_steps:
@@ -181,7 +182,8 @@ def report_divergence(run: Run, batch: StepBatch, result: StepResult, counts: St
         why += f"; {divergence.MAX_SKIPPED_BATCHES} batches were already skipped, so it is not the data"
     if config.on_divergence != "warn":
         logger.error("stopping: %s: %s; the exports and full states before it are kept. Lower --learning-rate, "
-                     "inspect those samples, or pass --on-divergence rewind (skip the batch) or warn (go on)", where, why)
+                     "inspect those samples, or pass --on-divergence rewind (skip the batch) or warn (go on)",
+                     where, why)
         raise SystemExit(1)
     if state.diverged_at_step is None:
         state.diverged_at_step = state.step

@@ -8,6 +8,7 @@ pointed in turn at one output folder, through real ``torchrun`` runs of train.py
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def _args(model: Path, data: Path, out: Path, steps: int) -> list[str]:
 def test_weights_digest_tells_two_seeds_of_one_shape_apart(chatml_model, other_model, tmp_path):
     assert resume_policy.weights_digest(str(chatml_model)) != resume_policy.weights_digest(str(other_model))
     moved = shutil.copytree(chatml_model, tmp_path / "moved")
-    assert resume_policy.weights_digest(str(moved)) == resume_policy.weights_digest(str(chatml_model)), "a moved folder is the same model"
+    assert resume_policy.weights_digest(str(moved)) == resume_policy.weights_digest(str(chatml_model)), \
+        "a moved folder is the same model"
     assert resume_policy.weights_digest("Org/model", commit_hash="abc") == "hub:Org/model@abc"
 
 
@@ -64,7 +66,7 @@ def test_a_checkpoint_without_the_model_identity_resumes_with_a_warning(tmp_path
     old = tmp_path / "samples_8"
     old.mkdir()
     saved = {k: v for k, v in current.items() if k not in ("model_source", "model_weights_xxh3")}
-    (old / "trainer_state.json").write_text(f'{{"fingerprint": {__import__("json").dumps(saved)}}}')
+    (old / "trainer_state.json").write_text(json.dumps({"fingerprint": saved}))
     error, notice = check_resume([old], {}, allow_change=False, fingerprint=current)
     assert error is None and "predates model_weights_xxh3" in notice and "model's weights" in notice
     assert fingerprint_mismatch({**current, "model_source": "/elsewhere"}, current) == (None, [])
