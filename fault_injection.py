@@ -7,7 +7,9 @@ through these environment variables (values are matched exactly):
 | variable                               | value         | effect                                                   |
 |----------------------------------------|---------------|----------------------------------------------------------|
 | ``MINI_TRAINER_TEST_KILL_DURING_SAVE`` | ``SAMPLES``   | rank 0 SIGKILLs itself after every rank wrote the full    |
-|                                        |               | state ``samples_SAMPLES.tmp``, before it is renamed      |
+|                                        |               | state ``.samples_SAMPLES.tmp``, before it is renamed     |
+| ``MINI_TRAINER_TEST_KILL_DURING_EXPORT``| ``SAMPLES``  | rank 0 SIGKILLs itself after writing the Hugging Face    |
+|                                        |               | export ``.samples_SAMPLES.tmp``, before it is renamed    |
 | ``MINI_TRAINER_TEST_KILL_AFTER_SAVE``  | ``SAMPLES``   | every rank SIGKILLs itself right after that full state   |
 | ``MINI_TRAINER_TEST_FAIL_EXPORT``      | ``samples_N`` | rank 0's write of that Hugging Face export fails ENOSPC  |
 | ``MINI_TRAINER_TEST_NAN``              | ``STEP:RANK`` | that rank's loss (and logged cross-entropy) is NaN       |
@@ -38,6 +40,7 @@ from utils import logger
 
 KILL_DURING_SAVE = "MINI_TRAINER_TEST_KILL_DURING_SAVE"
 KILL_AFTER_SAVE = "MINI_TRAINER_TEST_KILL_AFTER_SAVE"
+KILL_DURING_EXPORT = "MINI_TRAINER_TEST_KILL_DURING_EXPORT"
 FAIL_EXPORT = "MINI_TRAINER_TEST_FAIL_EXPORT"
 NAN = "MINI_TRAINER_TEST_NAN"
 SIGTERM = "MINI_TRAINER_TEST_SIGTERM"
@@ -48,7 +51,8 @@ DROP_LOGIT_SCALE = "MINI_TRAINER_TEST_DROP_LOGIT_SCALE"
 
 
 def kill_at(variable: str, num_samples: int) -> None:
-    """SIGKILL this process when ``variable`` names this save (``KILL_DURING_SAVE``, ``KILL_AFTER_SAVE``)."""
+    """SIGKILL this process when ``variable`` names this save (``KILL_DURING_SAVE``, ``KILL_AFTER_SAVE``,
+    ``KILL_DURING_EXPORT``)."""
     if os.environ.get(variable) == str(int(num_samples)):
         logger.warning("%s: killing this process now", variable)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -11,7 +11,7 @@ Layout of one checkpoint folder::
                                                     fingerprint of the model and data, and the
                                                     checksum of every shard and RNG file
 
-A checkpoint is written into ``samples_<N>.tmp`` and renamed once every rank
+A checkpoint is written into ``.samples_<N>.tmp`` and renamed once every rank
 has finished, so a crash or kill mid-save leaves the previous one intact. DCP
 reshards on load, so a run may resume on a different number of ranks.
 """
@@ -61,6 +61,12 @@ def full_state_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "full_state"
 
 
+def tmp_folder(final: Path) -> Path:
+    """Where ``final`` (``samples_N``) is written before its rename: ``.samples_N.tmp``. Hidden and not
+    starting with ``samples_``, so no glob of finished checkpoints (``samples_*``, ``*``) lists it."""
+    return final.with_name(f".{final.name}.tmp")
+
+
 def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_samples: int,
                     trainer_state: dict, model_fingerprint: dict, dist_info: DistInfo,
                     keep_last_n: int | None) -> Path:
@@ -72,7 +78,7 @@ def save_full_state(model, optimizer, scheduler, *, output_dir: str | Path, num_
     """
     root = full_state_root(output_dir)
     final = root / f"samples_{int(num_samples)}"
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = tmp_folder(final)
     error = None
     try:
         if dist_info.is_main:
@@ -165,7 +171,7 @@ def _abort_save_on_error(error: str | None, final: Path, *, is_main: bool) -> No
     if error is None:
         return
     if is_main:
-        shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
+        shutil.rmtree(tmp_folder(final), ignore_errors=True)
     logger.error("full-state checkpoint %s could not be saved: %s. Earlier checkpoints are intact; "
                  "re-run the same command to resume from the newest one.", final, error)
     raise SystemExit(1)
@@ -219,11 +225,12 @@ def _cause(err: BaseException, *, folder: Path | None = None) -> str:
 
 
 def remove_leftover_tmp(output_dir: str | Path) -> list[Path]:
-    """Delete ``samples_N.tmp`` folders a kill mid-save left behind (rank 0, at start)."""
+    """Delete the temporary folders a kill mid-save left behind (rank 0, at start): ``.samples_N.tmp``,
+    and ``samples_N.tmp`` of versions that named them so."""
     removed = []
     for root in (full_state_root(output_dir), Path(output_dir) / "hf_format"):
         if root.is_dir():
-            for path in root.glob("samples_*.tmp"):
+            for path in [*root.glob(".samples_*.tmp"), *root.glob("samples_*.tmp")]:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed

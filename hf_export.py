@@ -10,9 +10,9 @@ the trained language model in bf16, the frozen towers and projectors exactly as
 they were loaded (their stored dtype), and the processor files
 (``multimodal.PROCESSOR_FILES``) copied from the source; with
 ``--export-text-only``, the language model alone as the causal LM of its text
-config. It is written into ``samples_<N>.tmp`` and renamed
+config. It is written into ``.samples_<N>.tmp`` and renamed
 only when complete, so a crash mid-save never leaves a folder that looks
-finished.
+finished, nor one that a glob of exports (``samples_*``) lists.
 
 A fine-tuning method decides what the gathered state becomes (``FineTuningMethod.export_state``): the
 original model's weights (adapters merged, factors multiplied back), and files of its own beside them
@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 import fault_injection
-from full_state import complete_checkpoints
+from full_state import complete_checkpoints, tmp_folder
 from loss import CausalLMWithLoss
 from multimodal import PROCESSOR_FILES
 from setup_model_fsdp import gather_full_state_dict
@@ -103,10 +103,10 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
 
 def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokenizer, generation_config,
                   keep_last_n: int | None, max_shard_size: str) -> None:
-    """Rank 0's half of ``save_hf_checkpoint``: write ``final`` through a ``.tmp`` folder."""
+    """Rank 0's half of ``save_hf_checkpoint``: write ``final`` through a temporary folder (``tmp_folder``)."""
     fault_injection.fail_export(final)
     model = wrapper.model
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = tmp_folder(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     multimodal = wrapper.multimodal_export
@@ -129,6 +129,7 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
     tokenizer.save_pretrained(tmp)
     if multimodal is not None and multimodal.key_map is None:
         _copy_processor_files(model.config, tmp)
+    fault_injection.kill_at(fault_injection.KILL_DURING_EXPORT, int(final.name.removeprefix("samples_")))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

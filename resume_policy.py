@@ -39,19 +39,33 @@ so a moved or renamed data folder still resumes."""
 MOVABLE = ("full_state", "hf_format", "training_params.json")
 
 
-ADDED_LATER = ("data_content_xxh3",)
+ADDED_LATER = ("data_content_xxh3", "model_weights_xxh3")
 """Fingerprint fields that checkpoints of older versions lack: their absence is not a mismatch (the
 other fields still are compared), so a run started before the field existed still resumes, with a warning."""
 
+NOT_COMPARED = ("model_source",)
+"""Fingerprint fields that only name things for the messages: a model folder that moved still resumes
+(its weights digest is what is compared)."""
 
-def fingerprint(model_config, dataset, method, *, data_digest: str) -> dict:
-    """What must not change between a checkpoint and its resume: model shape, fine-tuning method and data.
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+WHOLE_FILE_BYTES = 16 * 2**20
+"""Weight files up to this size are hashed whole; larger ones by their head, tail and evenly spaced samples."""
+HEAD_BYTES = 2**20     # a safetensors header (names, shapes, offsets): well under 1 MiB even for 70B shards
+NUM_SAMPLES = 64
+SAMPLE_BYTES = 64 * 2**10
+
+
+def fingerprint(model_config, dataset, method, *, data_digest: str, model_source: str, weights_digest: str) -> dict:
+    """What must not change between a checkpoint and its resume: model (shape and weights), fine-tuning
+    method and data.
 
     ``method`` (``finetune_method.FineTuningMethod``) adds what shapes its trainable parameters
     (``FineTuningMethod.fingerprint``: another adapter rank, factors of other shapes), so a checkpoint of
     another method or other settings cannot be resumed; a field it leaves out counts as None.
     ``data_digest`` is ``dataset.content_digest()``: every token id and label, so a file
     re-tokenized with the same lengths (another template, other masks) is not resumed on.
+    ``weights_digest`` is ``weights_digest(model_source, ...)``: another checkpoint of the same shape
+    (another seed, another fine-tune of the same family) is another model.
     """
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     return {
@@ -62,8 +76,43 @@ def fingerprint(model_config, dataset, method, *, data_digest: str) -> dict:
         "num_data_samples": len(dataset),
         "data_lengths_sha1": hashlib.sha1(np.ascontiguousarray(dataset.lengths, dtype=np.int64)).hexdigest(),
         "data_content_xxh3": data_digest,
+        "model_source": model_source,
+        "model_weights_xxh3": weights_digest,
         **method.fingerprint(),
     }
+
+
+def weights_digest(model_name_or_path: str, *, commit_hash: str | None = None) -> str:
+    """A cheap identity of a model's weights: xxh3-128 of each weight file's name, size and bytes.
+
+    A file up to ``WHOLE_FILE_BYTES`` is hashed whole; a larger one by its first ``HEAD_BYTES`` (the
+    safetensors header: every tensor's name, dtype, shape and offset), its last ``SAMPLE_BYTES`` and
+    ``NUM_SAMPLES`` blocks of ``SAMPLE_BYTES`` evenly spaced between: about 5 MiB read per file whatever
+    its size. Two trainings of one architecture differ in every tensor, so the samples tell them apart;
+    two checkpoints that differ only in bytes between the samples (one tensor edited) are not told apart.
+    A hub id (no local folder) is identified by its resolved commit (``commit_hash``): the download
+    happens later, on rank 0 only.
+    """
+    import xxhash
+
+    folder = Path(model_name_or_path)
+    if not folder.is_dir():
+        return f"hub:{model_name_or_path}@{commit_hash}"
+    digest = xxhash.xxh3_128()
+    for path in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file()):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            if size <= WHOLE_FILE_BYTES:
+                while block := f.read(2**22):
+                    digest.update(block)
+                continue
+            digest.update(f.read(HEAD_BYTES))
+            stride = (size - HEAD_BYTES) // (NUM_SAMPLES + 1)
+            for offset in [HEAD_BYTES + stride * (i + 1) for i in range(NUM_SAMPLES)] + [size - SAMPLE_BYTES]:
+                f.seek(offset)
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> dict:
@@ -89,14 +138,22 @@ def fingerprint_mismatch(saved: dict, current: dict) -> tuple[str | None, list[s
     missing = [name for name in ADDED_LATER if name in current and name not in saved]
     # Both sides' fields: a method's field is absent where it is off (None), on either side.
     changes = {name: pair for name, pair in changed_fields(saved, {**dict.fromkeys(saved), **current}).items()
-               if name not in missing}
+               if name not in missing and name not in NOT_COMPARED}
+    if "model_weights_xxh3" in changes:  # the model first, by name: the weights digests alone mean nothing to a person
+        old, new = changes.pop("model_weights_xxh3")
+        changes = {"model": (f"{saved.get('model_source')} (weights {old})",
+                             f"{current.get('model_source')} (weights {new})"), **changes}
     listed = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changes.items())
     return listed or None, missing
 
 
+PREDATES = {"data_content_xxh3": "the data's token ids and labels (only its sample count and lengths are compared)",
+            "model_weights_xxh3": "the model's weights (only its shape is compared)"}
+
+
 def predates_message(path: Path, missing: list[str]) -> str:
-    return (f"{path} predates {', '.join(missing)}: resuming after comparing the data's sample count and "
-            "lengths only (its token ids and labels cannot be compared with what it was trained on)")
+    return (f"{path} predates {', '.join(missing)}: resuming without comparing "
+            f"{'; nor '.join(PREDATES[name] for name in missing)} with what it was trained on")
 
 
 def changed_fields(saved: dict, current: dict) -> dict[str, tuple]:
@@ -143,7 +200,8 @@ def check_resume(checkpoints: list[Path], current: dict, *, allow_change: bool,
         listed, missing = fingerprint_mismatch(state.get("fingerprint", {}), fingerprint)
         if listed:
             return (f"cannot resume: {path} was written for another model or dataset ({listed}); "
-                    "use --no-resume or another --output-dir"), None
+                    "to start fresh in this folder add --no-resume (the old run is moved aside), or use another "
+                    "--output-dir"), None
         if missing:
             notices.append(predates_message(path, missing))
     error, notice = _compare_run_params(path, state, current, allow_change=allow_change)

@@ -1,23 +1,29 @@
-"""What the loop does between steps: validate, save on the checkpoint cadences, and decide when."""
+"""What the loop does between steps: validate, save on the checkpoint cadences, and decide when; rewind
+after a divergence (``--on-divergence rewind``) and the batch stream that restarts after it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
 import checkpoint_policy
+import divergence
 import validation
 from attention import model_inputs
 from context_parallel import shard_minibatch
 from hf_export import save_hf_checkpoint
-from full_state import save_full_state
+from batch_metrics import MetricsWriter, truncate_metrics
+from full_state import complete_checkpoints, full_state_root, load_full_state, save_full_state
 from sampler import StepBatch
-from setup_run import Run
-from utils import EXIT_PREEMPTED, log_rank_0, note_exit_line
+from setup_run import Run, batch_loader
+from train_state import TrainState
+from utils import EXIT_PREEMPTED, log_rank_0, logger, note_exit_line
 
 
 def validation_due(run: Run, batch: StepBatch, *, done: str | None, preempted: bool) -> bool:
@@ -108,3 +114,50 @@ def stop_preempted(run: Run) -> NoReturn:
 
 def _folder_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20
+
+
+@contextlib.contextmanager
+def batches(run: Run) -> Iterator[Iterator[StepBatch]]:
+    """The run's batch stream (``setup_run.batch_loader``) without the batches a rewind skips; after a
+    rewind (the run's position moved back) it restarts from the restored position."""
+    def stream() -> Iterator[StepBatch]:
+        while True:
+            with batch_loader(run) as loader:
+                for batch in loader:
+                    if divergence.is_skipped(run.state.skipped_batches, batch.start_position, batch.end_position):
+                        continue
+                    yield batch
+                    if run.state.samples_seen < batch.end_position:
+                        break  # rewound: the loader's workers are shut down and a new one starts there
+                else:
+                    return
+
+    generator = stream()
+    try:
+        yield generator
+    finally:
+        generator.close()  # leaves the loader's ``with``: its workers go however the loop ended
+
+
+def rewind(run: Run, batch: StepBatch) -> None:
+    """``--on-divergence rewind``: load the newest full state from before ``batch`` into the model, optimizer,
+    scheduler and counters, in place; the skipped batches are kept (``batches`` skips them)."""
+    state, config = run.state, run.config
+    target = divergence.rewind_target(complete_checkpoints(full_state_root(config.output_dir)), batch.start_position)
+    if target is None:
+        logger.error("stopping: no full state was saved before samples %d..%d, so there is nothing to rewind to; "
+                     "save full states more often (--min-samples-per-full-state) or lower --learning-rate",
+                     batch.start_position, batch.end_position)
+        raise SystemExit(1)
+    skipped = state.skipped_batches
+    restored = load_full_state([target], run.model, run.optimizer, run.scheduler,
+                               model_fingerprint=run.model_fingerprint, dist_info=run.dist_info)
+    for field in dataclasses.fields(TrainState):  # in place: fault_injection's hooks hold this object
+        setattr(state, field.name, restored.get(field.name, getattr(TrainState(), field.name)))
+    state.skipped_batches = skipped
+    if run.metrics is not None:  # the steps after the full state are trained again: their lines go
+        run.metrics.close()
+        truncate_metrics(run.metrics.path, state.step)
+        run.metrics = MetricsWriter(run.metrics.path)
+    log_rank_0("rewound to %s (step %d); samples %s are skipped", target, state.step,
+               ", ".join(f"{start}..{end}" for start, end in skipped))

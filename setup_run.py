@@ -112,8 +112,9 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     schedule.check_scheduler(config, total_steps, is_main=dist_info.is_main)
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
-    model_fingerprint = resume_policy.fingerprint(model_config, dataset, method,
-                                                  data_digest=_data_digest(dataset, dist_info))
+    model_fingerprint = resume_policy.fingerprint(
+        model_config, dataset, method, data_digest=_data_digest(dataset, dist_info),
+        model_source=str(config.model_name_or_path), weights_digest=_weights_digest(config, model_config, dist_info))
     fail_together(_resume_policy(config, run_params, model_fingerprint) if dist_info.is_main else None)
     candidates = resume_candidates(config.output_dir, resume=config.resume, resume_from=config.resume_from)
     tracker, tracker_error = _start_tracker(config, dist_info, candidates)
@@ -431,6 +432,17 @@ def _data_digest(dataset, dist_info: DistInfo) -> str:
     digest = [dataset.content_digest() if dist_info.is_main else None]
     dist.broadcast_object_list(digest, src=0)
     log_rank_0("data content hash %s (%.2fs)", digest[0], time.perf_counter() - began)
+    return digest[0]
+
+
+def _weights_digest(config: TrainConfig, model_config: PretrainedConfig, dist_info: DistInfo) -> str:
+    """Rank 0 reads the model's identity (``resume_policy.weights_digest``) and tells the others."""
+    began = time.perf_counter()
+    digest = [resume_policy.weights_digest(config.model_name_or_path,
+                                           commit_hash=getattr(model_config, "_commit_hash", None))
+              if dist_info.is_main else None]
+    dist.broadcast_object_list(digest, src=0)
+    log_rank_0("model weights digest %s (%.2fs)", digest[0], time.perf_counter() - began)
     return digest[0]
 
 

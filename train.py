@@ -36,11 +36,11 @@ from tqdm import tqdm
 import output_lock
 import resume_policy
 from train_state import PreemptionFlag
-from run_actions import checkpoints_due, save, stop_preempted, validate, validation_due
+from run_actions import batches, checkpoints_due, rewind, save, stop_preempted, validate, validation_due
 from schedule import stop_reason
-from setup_run import batch_loader, close_run, setup_run
+from setup_run import close_run, setup_run
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
-from train_step import log_step, reduce_step, report_skipped_step, train_step
+from train_step import log_step, reduce_step, report_divergence, report_skipped_step, train_step
 from utils import (EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, DistInfo, cleanup, exit_line, exit_process,
                    init_distributed, log_rank_0, logger, lost_ranks, parse_config, setup_logging, stop_in_one_line,
                    write_run_status)
@@ -85,13 +85,16 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     run.model.train()
     # Undone however the loop ends: the loader's workers ignore SIGTERM and would hold the exit of a
     # rank that leaves by an exception (sampler.BatchLoader). A full disk or a lost peer: one line each.
-    with (batch_loader(run) as loader, PreemptionFlag(lambda: lost_ranks(dist_info)) as preemption,
+    with (batches(run) as loader, PreemptionFlag(lambda: lost_ranks(dist_info)) as preemption,
           stop_in_one_line(dist_info)):
         for batch in loader:
             result = train_step(run, batch)
             counts, preempted = reduce_step(run, batch, result, preemption_requested=preemption.requested)
             log_step(run, batch, result, counts, progress=progress)
             report_skipped_step(run, batch, result)
+            if report_divergence(run, batch, result, counts):
+                rewind(run, batch)
+                continue
             done = stop_reason(config, run.state, len(run.dataset))
             if validation_due(run, batch, done=done, preempted=preempted):
                 done = validate(run) or done

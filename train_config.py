@@ -198,6 +198,11 @@ class TrainConfig:
         False, section="Debugging and safety nets", help="skip the start-up check that the trainer's loss equals the model's own forward(labels=...)")
     max_bad_steps: int = config_field(5, help="abort after this many consecutive steps with a non-finite "
                                               "loss or gradient norm (each one is skipped)")
+    on_divergence: Literal["warn", "stop", "rewind"] = config_field(
+        "stop", help="on a divergence: warn and go on, stop before exporting the diverged model, or "
+                     "rewind to the last full state, skipping the batch")
+    divergence_loss_factor: float = config_field(
+        5.0, help="a loss above this many times the median of the last 20 steps (at least 1) diverged; 0: off")
 
     def __post_init__(self) -> None:
         self.logging_level = self.logging_level.upper()
@@ -236,6 +241,8 @@ class TrainConfig:
             errors.append("--keep-last-n-checkpoints must be at least 1")
         if self.max_bad_steps < 1:
             errors.append("--max-bad-steps must be at least 1")
+        if self.divergence_loss_factor != 0 and not self.divergence_loss_factor > 1:
+            errors.append(f"--divergence-loss-factor must be above 1 (or 0: off), got {self.divergence_loss_factor}")
         errors += _policy_errors(self)
         if self.mlflow_run_name is not None and self.mlflow_tracking_uri is None and self.mlflow_experiment is None:
             errors.append("--mlflow-run-name needs --mlflow-tracking-uri or --mlflow-experiment (MLflow is off)")

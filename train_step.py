@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import data_mix
+import divergence
 import flops
 from attention import model_inputs
 from batch_metrics import StepCounts, step_record
@@ -178,20 +179,61 @@ def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts,
 
 
 def report_skipped_step(run: Run, batch: StepBatch, result: StepResult) -> None:
-    """Warn about a skipped update; abort after --max-bad-steps non-finite steps in a row."""
+    """Warn about a skipped update; abort after --max-bad-steps non-finite steps in a row, naming each one's samples."""
     state, config = run.state, run.config
-    if not result.finite:
+    if result.finite:
+        state.bad_step_samples = []
+    else:
+        state.bad_step_samples = [*state.bad_step_samples, [batch.start_position, batch.end_position]]
         logger.warning("step %d: non-finite loss or gradient norm (%s); update skipped (%d in a row)",
                        state.step, float(result.grad_norm), state.num_bad_steps)
         if state.num_bad_steps >= config.max_bad_steps:
+            ranges = ", ".join(f"{start}..{end}" for start, end in state.bad_step_samples)
             logger.error("aborting: %d consecutive steps with non-finite loss or gradients "
-                         "(--max-bad-steps %d); lower the learning rate or inspect the data around "
-                         "samples %d..%d", state.num_bad_steps, config.max_bad_steps,
-                         batch.start_position, batch.end_position)
+                         "(--max-bad-steps %d); lower the learning rate or inspect the data of each: "
+                         "samples %s of the stream", state.num_bad_steps, config.max_bad_steps, ranges)
             raise SystemExit(1)
     if result.empty and result.finite:
         log_rank_0("step %d: no loss-counted tokens in the batch (samples %d..%d); update skipped",
                    state.step, batch.start_position, batch.end_position, level=logging.WARNING)
+
+
+def report_divergence(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts) -> bool:
+    """Detect a divergence of a finite step (``divergence.detect``) and act on ``--on-divergence``.
+
+    ``stop`` raises before this step's export or full state is written, so neither holds the diverged model.
+
+    Returns:
+        Whether the run must rewind (``run_actions.rewind``): the batch is then in ``state.skipped_batches``.
+    """
+    state, config = run.state, run.config
+    if not result.applied:
+        return False
+    loss = counts.loss_sum / max(counts.batch_num_loss_counted_tokens, 1)
+    why = divergence.detect(loss=loss, grad_norm=float(result.grad_norm),
+                            num_loss_tokens=counts.batch_num_loss_counted_tokens,
+                            recent_losses=state.recent_losses, loss_factor=config.divergence_loss_factor)
+    if why is None:
+        state.recent_losses = divergence.remember(state.recent_losses, loss)
+        return False
+    where = f"divergence at step {state.step} (samples {batch.start_position}..{batch.end_position} of the stream)"
+    if config.on_divergence == "rewind" and len(state.skipped_batches) < divergence.MAX_SKIPPED_BATCHES:
+        state.skipped_batches = [*state.skipped_batches, [batch.start_position, batch.end_position]]
+        log_rank_0("%s: %s; rewinding to the last full state before it and skipping those samples", where, why,
+                   level=logging.WARNING)
+        return True
+    if config.on_divergence == "rewind":
+        why += f"; {divergence.MAX_SKIPPED_BATCHES} batches were already skipped, so it is not the data"
+    if config.on_divergence != "warn":
+        logger.error("stopping: %s: %s; the exports and full states before it are kept. Lower --learning-rate, "
+                     "inspect those samples, or pass --on-divergence rewind (skip the batch) or warn (go on)",
+                     where, why)
+        raise SystemExit(1)
+    if state.diverged_at_step is None:
+        state.diverged_at_step = state.step
+    log_rank_0("%s: %s; going on (--on-divergence warn): no later validation is taken as the best export",
+               where, why, level=logging.WARNING)
+    return False
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

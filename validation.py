@@ -27,6 +27,7 @@ over the whole set, written as its own metrics line::
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -207,7 +208,11 @@ def update_best(state, val_loss: float, *, config, save_best: Callable[[], None]
     Returns:
         A stop reason when ``--early-stopping-patience`` validations in a row did not improve, else None.
     """
-    if is_improvement(val_loss, state.best_val_loss, config.val_loss_improvement_threshold):
+    if state.diverged_at_step is not None and is_improvement(val_loss, state.best_val_loss,
+                                                             config.val_loss_improvement_threshold):
+        log_rank_0("validation loss %.6g is not taken as the best: the run diverged at step %d", val_loss,
+                   state.diverged_at_step, level=logging.WARNING)
+    elif is_improvement(val_loss, state.best_val_loss, config.val_loss_improvement_threshold):
         state.best_val_loss = val_loss
         state.num_validations_without_improvement = 0
         if config.save_best_val_loss:

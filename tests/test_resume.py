@@ -9,6 +9,7 @@ SIGKILL or signal the real processes.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -119,12 +120,28 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, chatml_model, data
     assert result.returncode != 0
     root = out / "full_state"
     assert [p.name for p in complete_checkpoints(root)] == [f"samples_{CHECKPOINT_EVERY}"]
-    assert (root / f"samples_{2 * CHECKPOINT_EVERY}.tmp").exists(), "the interrupted save stays a .tmp"
+    assert (root / f".samples_{2 * CHECKPOINT_EVERY}.tmp").exists(), "the interrupted save stays a .tmp"
     resumed = torchrun(_args(chatml_model, data_path, out))
     assert_ok(resumed)
     assert "left behind by a save that was interrupted" in resumed.stderr
     assert not list(root.glob("*.tmp")), "the next start removes the leftover"
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
+
+
+def test_kill_during_an_export_leaves_nothing_a_glob_of_exports_finds(tmp_path, chatml_model, data_path):
+    out = tmp_path / "run_export_kill"
+    result = torchrun(_args(chatml_model, data_path, out, "--max-steps", "4"),
+                      env={"MINI_TRAINER_TEST_KILL_DURING_EXPORT": str(CHECKPOINT_EVERY)})
+    assert result.returncode != 0
+    exports = out / "hf_format"
+    assert list(exports.glob(".*.tmp")), "the interrupted export is still on disk, under its temporary name"
+    # What a serving job or an eval sweep globs: only finished exports, each one loadable.
+    for pattern in ("samples_*", "*"):
+        assert glob.glob(str(exports / pattern)) == [], pattern
+    resumed = torchrun(_args(chatml_model, data_path, out, "--max-steps", "4"))
+    assert_ok(resumed)
+    assert "left behind by a save that was interrupted" in resumed.stderr
+    assert [p.name for p in exports.iterdir()] == [f"samples_{CHECKPOINT_EVERY}"]
 
 
 def _assert_preempted(result, out: Path, step: int) -> None:
