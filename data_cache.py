@@ -75,18 +75,20 @@ def _hash_file(hasher, path: Path) -> None:
             hasher.update(block)
 
 
-def _input_files(path: Path) -> list[Path]:
-    """Every file whose bytes are the input: the file, or a folder's files (a ``save_to_disk`` folder's too)."""
-    if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+def _input_files(source) -> list[Path]:
+    """The files whose bytes are the input: those ``data_sources`` reads (a folder's files of a known
+    kind, not what else lies there), or every file of a ``save_to_disk`` folder."""
+    if source.kind == "files":
+        return list(source.files)
+    return sorted(p for p in Path(source.spec).rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def fingerprint(config, tokenizer, chat_template: str | None) -> str:
+def fingerprint(config, source, tokenizer, chat_template: str | None) -> str:
     """The cache key of ``process_data.ProcessDataConfig`` ``config`` with ``tokenizer`` (module docstring).
 
     Args:
-        config: the tokenizing settings; its ``input_file`` is a local file or folder.
+        config: the tokenizing settings.
+        source: its ``input_file`` opened (``data_sources.Input``), a local file, folder or glob.
         tokenizer: the loaded tokenizer (a fast one: its Rust serialisation is hashed).
         chat_template: the template the rows are rendered with (``--chat-template``'s text or the tokenizer's).
 
@@ -99,8 +101,9 @@ def fingerprint(config, tokenizer, chat_template: str | None) -> str:
 
     hasher = xxhash.xxh3_128()
     root = Path(config.input_file)
-    for path in _input_files(root):
-        hasher.update(f"\0file {path.relative_to(root) if path != root else path.name}\0".encode())
+    for path in _input_files(source):
+        name = str(path.relative_to(root)) if path != root and path.is_relative_to(root) else path.name
+        hasher.update(f"\0file {name}\0".encode())
         _hash_file(hasher, path)
     options = {name: getattr(config, name) for name in ("max_sample_num_tokens", "end_of_turn_token", "mask_reasoning",
                                                         "input_format", "columns", "split", "subset")}
@@ -140,8 +143,8 @@ def tokenize_once(config) -> Path:
     """
     import process_data
 
-    tokenizer, _, _ = process_data.check_run(config, process_data.OutputPaths.from_config(config))
-    key = fingerprint(config, tokenizer, tokenizer.chat_template)
+    tokenizer, source, _ = process_data.check_run(config, process_data.OutputPaths.from_config(config))
+    key = fingerprint(config, source, tokenizer, tokenizer.chat_template)
     folder = cache_folder(config.output_dir, config.input_file, key)
     if (folder / "summary.json").is_file():
         summary = json.loads((folder / "summary.json").read_text())

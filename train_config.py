@@ -118,7 +118,7 @@ class TrainConfig:
                     "new values apply from the next step")
 
     validation_data_path: str | None = config_field(
-        None, section="Validation", help="tokenized jsonl file or folder of held-out samples for the validation loss")
+        None, section="Validation", help="tokenized or raw data file or folder of held-out samples for the validation loss")
     validation_split: float | None = config_field(
         None, help="hold out this seeded fraction of --data-path for the validation loss (same rows on every "
                    "rank and after resume)")
