@@ -6,7 +6,8 @@ End to end (real torchrun, 2 gloo CPU processes, tiny local models): raw JSON li
 parquet train exactly as process_data.py's output of the same file does (same losses, the same
 tokenized bytes); a resume reuses the cache. Unit level: an edited input makes a new cache, a
 touched one does not; the data-path kinds are told apart. The gates: a failed label audit and data
-of another tokenizer are refused in one line at training time, each with its override.
+of another tokenizer are refused in one line at training time, each with its override. The other
+ranks outwait a rank 0 busy longer than the process group's timeout (a plain collective does not).
 """
 
 from __future__ import annotations
@@ -179,3 +180,43 @@ def test_data_of_another_tokenizer_is_refused_unless_overridden(tmp_path, tiny_m
                             "--allow-tokenizer-mismatch"))
     assert_ok(result)
     assert "training anyway (--allow-tokenizer-mismatch)" in result.stderr
+
+
+# ----------------------------------------------------------------------------
+# The other ranks wait for rank 0's tokenizing, however long it takes
+
+_WAIT_SCRIPT = """
+import sys, time
+import torch.distributed as dist
+import setup_run
+from utils import init_distributed
+
+info = init_distributed(timeout_minutes=0.05)  # a 3-second process-group timeout
+if info.rank == 0:
+    time.sleep(10)  # rank 0 tokenizing, longer than the timeout
+if sys.argv[1] == "patient":
+    value = setup_run._patient_broadcast(("verdict", info.rank))
+else:
+    box = [("verdict", info.rank)]
+    dist.broadcast_object_list(box, src=0)
+    value = box[0]
+print(f"rank {info.rank} got {value}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["patient", "plain"])
+def test_the_other_ranks_outwait_the_process_group_timeout(how, tmp_path):
+    """Real processes, a 3-second timeout and a rank 0 busy for 10: the patient broadcast delivers rank 0's
+    value; the plain one it replaces times out (the failure the patient one exists to avoid)."""
+    script = tmp_path / "wait.py"
+    script.write_text(_WAIT_SCRIPT)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                             how],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    output = result.stdout + result.stderr
+    if how == "patient":
+        assert result.returncode == 0, output[-3000:]
+        assert "rank 1 got ('verdict', 0)" in output
+    else:
+        assert result.returncode != 0 and "rank 1 got" not in output, output[-3000:]
