@@ -30,10 +30,12 @@ folder with a summary is whole, and one without (a killed run) is tokenized agai
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import shutil
 from pathlib import Path
 
+from data_sources import TABLE_SUFFIXES
 from utils import logger
 
 CACHE_FOLDER = "tokenized_data"
@@ -45,8 +47,9 @@ def is_tokenized(path: str | Path) -> bool:
     """Whether ``--data-path`` source ``path`` holds tokenized rows (``input_ids``), judged by its first row.
 
     A folder counts when it has ``data.jsonl`` or exactly one ``*.jsonl`` whose first row is tokenized
-    (``sampler.resolve_data_file``); a first line that is no JSON object leaves the judgement to the
-    tokenized reader, whose error names the line (a truncated ``process_data.py`` output is no raw input).
+    (``sampler.resolve_data_file``'s choice). A line that is no JSON leaves the judgement to the next
+    one (raw input may hold bad rows); a file of nothing but such lines goes to the tokenized reader,
+    whose error names the first.
     """
     path = Path(path)
     if path.is_dir():
@@ -55,18 +58,20 @@ def is_tokenized(path: str | Path) -> bool:
         if len(candidates) != 1:
             return False
         path = candidates[0]
-    if not path.is_file() or not path.name.endswith((".jsonl", ".json")):
+    if not path.is_file() or path.name.lower().endswith(TABLE_SUFFIXES):
         return False
-    with path.open("rb") as f:
+    with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
         for line in f:
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except ValueError:
-                return not line.lstrip().startswith(b"[")  # a .json array is raw input; a broken line is not
+                if line.lstrip().startswith(b"["):
+                    return False  # the opening of a .json array of raw rows
+                continue
             return isinstance(row, dict) and "input_ids" in row
-    return True  # empty: the tokenized reader says so in one line
+    return True
 
 
 def _hash_file(hasher, path: Path) -> None:

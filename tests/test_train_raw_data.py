@@ -130,6 +130,12 @@ def test_tokenized_and_raw_sources_are_told_apart(tmp_path, chatml_model):
     (tmp_path / "array.json").write_text(json.dumps(_demo_rows()[:2]))
     assert not is_tokenized(tmp_path / "array.json")
     assert not is_tokenized(_sharegpt_parquet(tmp_path / "chat.parquet"))
+    broken_first = tmp_path / "broken_first.jsonl"
+    broken_first.write_text("{not json\n" + raw.read_text())
+    assert not is_tokenized(broken_first)  # a bad raw row is skipped by tokenizing, not read as tokens
+    truncated = tmp_path / "truncated.jsonl"
+    truncated.write_text(tokenized.read_text()[:30])
+    assert is_tokenized(truncated)  # the tokenized reader names the broken line
 
 
 # ----------------------------------------------------------------------------
