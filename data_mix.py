@@ -1,4 +1,4 @@
-"""Weighted mixing of several tokenized datasets into one seeded sample stream.
+"""Weighted mixing of several datasets (tokenized, or raw for train.py to tokenize) into one seeded sample stream.
 
     --data-path ./data/chat_tkns                              one dataset (unchanged behaviour)
     --data-path ./data/chat_tkns:0.7,./data/code_tkns:0.3     weights inline
@@ -50,7 +50,7 @@ def parse_data_spec(text: str) -> list[Source] | None:
         ValueError: a malformed weight or mix file, naming the problem.
     """
     path = Path(text)
-    if path.suffix.lower() in (".yaml", ".yml", ".json") and path.is_file():
+    if path.suffix.lower() in (".yaml", ".yml", ".json") and path.is_file() and not _json_rows(path):
         return _normalise(_read_mix_file(path), str(path))
     if "," not in text and not _weighted(text):
         return None
@@ -62,6 +62,25 @@ def parse_data_spec(text: str) -> list[Source] | None:
         name, weight = part.rsplit(":", 1)
         sources.append(Source(name, float(weight)))
     return _normalise(sources, text)
+
+
+MAX_MIX_FILE_BYTES = 1 << 20
+
+
+def _json_rows(path: Path) -> bool:
+    """A ``.json`` file of data rows (JSON lines, or an array of rows), not a mix file: raw data that
+    train.py tokenizes. A mix file is small and holds one mapping, or a list of ``{path, weight}``."""
+    if path.suffix.lower() != ".json":
+        return False
+    if path.stat().st_size > MAX_MIX_FILE_BYTES:
+        return True
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:  # several values: JSON lines
+        return True
+    if isinstance(data, dict):
+        return "sources" not in data and not all(isinstance(w, (int, float)) for w in data.values())
+    return isinstance(data, list) and not all(isinstance(d, dict) and {"path", "weight"} <= set(d) for d in data)
 
 
 def _weighted(part: str) -> bool:

@@ -3,8 +3,12 @@
 * ``check_data_fits_model`` (rank 0, before the model is built): every token id
   in the data is below the model's vocabulary size, and the tokenizer
   ``process_data.py`` recorded in its ``summary.json`` agrees with the model's
-  (a warning naming both otherwise). A bad id would otherwise end in an index
-  error deep inside the forward pass (a device-side assert on GPU).
+  (refused in one line naming both otherwise, unless ``--allow-tokenizer-mismatch``).
+  A bad id would otherwise end in an index error deep inside the forward pass
+  (a device-side assert on GPU); an id of another vocabulary trains silently wrong.
+* ``audit_refusal`` (rank 0, as each source loads): data whose ``summary.json``
+  records a failed label audit is refused in one line, unless the failure was
+  allowed when it was tokenized (``--allow-audit-failures``).
 * ``check_objective`` (every rank, before the first step): on a few short real
   rows, one at a time and unpacked, the trainer's loss (``loss.CausalLMWithLoss``:
   decoder, chunked or fused cross-entropy, the model's logit processing and
@@ -53,11 +57,13 @@ reductions, far below what a skipped logit scale or router loss costs on a real 
 
 
 def check_data_fits_model(dataset, data_path: str, model_name: str, model_config, *,
-                          trust_remote_code: bool = False) -> str | None:
-    """Rank 0: an error line when a token id is out of the model's vocabulary; warns on a tokenizer mismatch.
+                          trust_remote_code: bool = False, allow_tokenizer_mismatch: bool = False) -> str | None:
+    """Rank 0: an error line when a token id is out of the model's vocabulary, or when the data was
+    tokenized with a tokenizer that differs from the model's (a warning instead with ``allow_tokenizer_mismatch``).
 
     Args:
-        dataset: a ``sampler.TokenizedDataset``.
+        dataset: a ``sampler.TokenizedDataset``; the ``summary.json`` beside its file records the tokenizer.
+        data_path: the ``--data-path`` source, as the user named it (for messages).
         model_name: the model's ``--model-name-or-path``.
         model_config: its config (``AutoConfig``), loaded once at start-up.
     """
@@ -77,25 +83,46 @@ def check_data_fits_model(dataset, data_path: str, model_name: str, model_config
         return (f"--data-path {data_path} holds token id {max_id}, but {model_name} has a vocabulary of "
                 f"{vocab_size}: the data was tokenized for another model. Re-run process_data.py with "
                 f"--model-name-or-path {model_name}")
-    recorded = _recorded_tokenizer(Path(data_path))
+    recorded = (recorded_summary(Path(dataset.path)) or {}).get("tokenizer")
     if recorded is None or tokenizer is None:
         return None
     ours = {"num_tokens": len(tokenizer), "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token}
     differs = [f"{key} {recorded.get(key)!r} vs {value!r}" for key, value in ours.items()
                if key in recorded and recorded[key] != value]
     if differs:
-        log_rank_0(f"the data was tokenized with {recorded.get('name_or_path')!r} but the model is {model_name!r}, "
-                   f"and their tokenizers differ ({'; '.join(differs)}): the model will learn from ids that mean "
-                   "something else to it; re-run process_data.py with this model's tokenizer",
-                   level=logging.WARNING)
+        problem = (f"--data-path {data_path} was tokenized with {recorded.get('name_or_path')!r} but the model is "
+                   f"{model_name!r}, and their tokenizers differ ({'; '.join(differs)}): the model would learn from "
+                   "ids that mean something else to it")
+        if not allow_tokenizer_mismatch:
+            return (f"{problem}. Tokenize it with this model's tokenizer (process_data.py --model-name-or-path "
+                    f"{model_name}, or give train.py the raw file), or pass --allow-tokenizer-mismatch")
+        log_rank_0(f"{problem}; training anyway (--allow-tokenizer-mismatch)", level=logging.WARNING)
     elif recorded.get("name_or_path") != model_name:
         log_rank_0(f"the data was tokenized with {recorded.get('name_or_path')!r}, the model is {model_name!r}: "
                    "their tokenizers agree in size and special tokens")
     return None
 
 
-def _recorded_tokenizer(data_path: Path) -> dict | None:
-    """The ``tokenizer`` block of the ``summary.json`` process_data.py wrote beside the data, if any."""
+def audit_refusal(dataset, data_path: str, *, allowed_now: bool = False) -> str | None:
+    """Rank 0: one line when the ``summary.json`` beside ``dataset``'s file records a failed label audit
+    that was not allowed when it was tokenized (``process_data.py --allow-audit-failures``); a warning when
+    it was. ``allowed_now``: train.py tokenized it itself, under this run's ``--allow-audit-failures``."""
+    summary = recorded_summary(Path(dataset.path)) or {}
+    audit = summary.get("audit")
+    if not isinstance(audit, dict) or audit.get("passed", True):
+        return None
+    rules = "; ".join(audit.get("broken_rules") or ["no rule recorded"])
+    if allowed_now or (summary.get("config") or {}).get("allow_audit_failures"):
+        log_rank_0(f"--data-path {data_path}: its label audit failed ({rules}) and that was allowed when it was "
+                   "tokenized (--allow-audit-failures): training on it", level=logging.WARNING)
+        return None
+    return (f"--data-path {data_path}: its label audit failed when it was tokenized ({rules}); fix the masking "
+            "(docs/data.md#the-label-audit) or, to train on it anyway, tokenize it with --allow-audit-failures "
+            "(process_data.py, or train.py on the raw file)")
+
+
+def recorded_summary(data_path: Path) -> dict | None:
+    """The ``summary.json`` process_data.py wrote beside the data (a folder's, or ``F.summary.json``), if any."""
     if data_path.is_dir():
         candidates = [data_path / "summary.json"]
     else:
@@ -103,9 +130,10 @@ def _recorded_tokenizer(data_path: Path) -> dict | None:
     for path in candidates:
         if path.is_file():
             try:
-                return json.loads(path.read_text()).get("tokenizer")
+                summary = json.loads(path.read_text())
             except (OSError, ValueError):
                 return None
+            return summary if isinstance(summary, dict) else None
     return None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import logging
@@ -31,6 +32,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 import checkpoint_policy
 import context_parallel
+import data_cache
 import data_mix
 import fault_injection
 import flops
@@ -49,7 +51,7 @@ from loss import CausalLMWithLoss
 from multimodal import multimodal_preflight
 from recurrent import recurrent_mixers
 from sampler import StepBatch
-from selfcheck import check_data_fits_model, check_objective
+from selfcheck import audit_refusal, check_data_fits_model, check_objective
 from setup_model_fsdp import ModelSetup, find_decoder_blocks, meta_model, setup_model, shard_group_size
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_state import TrainState
@@ -58,6 +60,9 @@ from utils import DistInfo, fail_together, log_rank_0, logger, seed_everything, 
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+PATIENT_WAIT_DAYS = 7
+"""How long the other ranks wait for rank 0 to tokenize raw data (a 100M-row dataset on one node: hours)."""
 
 TrainingRows = sampler.TokenizedDataset | data_mix.MixedDataset | validation.RowSubset
 """What the sampler draws from: a tokenized file, a data mix, or the rows a validation split left."""
@@ -381,23 +386,39 @@ def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps
 
 
 def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path: str | None = None):
-    """Rank 0 loads (and caches) first; the others then reuse its cache. Errors exit every rank."""
+    """Rank 0 loads first: it tokenizes raw sources once (``data_cache.py``), gates every source (a
+    failed label audit) and converts each to arrow; the others then open what it made. Errors exit every rank.
+
+    Tokenizing takes as long as the data needs, hours for a large one, so the other ranks learn rank 0's
+    verdict through ``_patient_broadcast``, not a collective under the process group's timeout.
+    """
     path = path or config.data_path
-    dataset, error = None, None
+    dataset, error, tokenized = None, None, {}
+    load_arrow, note = _tokenized_loader(config)
     if dist_info.is_main:
+        if note:
+            logger.warning(note)
+
+        def load(source: str):
+            tokenized[source] = str(_tokenized_source(config, source))
+            loaded = load_arrow(tokenized[source])
+            refusal = audit_refusal(loaded, source, allowed_now=config.allow_audit_failures
+                                    and tokenized[source] != source)
+            if refusal:
+                raise ValueError(refusal)
+            return loaded
+
         try:
-            load, note = _tokenized_loader(config)
-            if note:
-                logger.warning(note)
             dataset = data_mix.load_data(path, load)
             error = _budget_error(config, dataset, path)
         except ValueError as err:
             error = str(err)
         except OSError as err:  # a full or failing disk under the cache: one line on every rank, not gloo's
             error = f"loading {path} failed: {err}"
-    fail_together(error)
+    error, tokenized = _patient_broadcast((error, tokenized))
+    fail_together(error if dist_info.is_main else None)
     if not dist_info.is_main:
-        dataset = data_mix.load_data(path, _tokenized_loader(config)[0])
+        dataset = data_mix.load_data(path, lambda source: load_arrow(tokenized[source]))
     return dataset
 
 
@@ -405,6 +426,30 @@ def _tokenized_loader(config: TrainConfig):
     """``load_tokenized_dataset`` with its arrow cache where this rank can write, and the note saying so."""
     cache_dir, note = sampler.datasets_cache_dir(Path(config.output_dir) / ".cache" / "datasets")
     return functools.partial(sampler.load_tokenized_dataset, cache_dir=cache_dir), note
+
+
+def _tokenized_source(config: TrainConfig, source: str) -> Path | str:
+    """``source`` itself when it is tokenized, else its cache folder, tokenized now if new (rank 0)."""
+    if data_cache.is_tokenized(source):
+        return source
+    cache_root = Path(config.output_dir) / data_cache.CACHE_FOLDER
+    return data_cache.tokenize_once(config.tokenizing_config(source, output_dir=str(cache_root)))
+
+
+def _patient_broadcast(value):
+    """Rank 0's ``value`` on every rank, however long rank 0 took to get there.
+
+    A gloo group of its own with a timeout of days: the default group's timeout (30 minutes, the
+    longest a rank waits for a dead peer) would end a long tokenization. A rank 0 that dies meanwhile
+    does not leave the others waiting: torchrun stops the job when one of its processes exits.
+    """
+    if dist.get_world_size() == 1:
+        return value
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=PATIENT_WAIT_DAYS))
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    dist.destroy_process_group(group)
+    return box[0]
 
 
 def _budget_error(config: TrainConfig, dataset, path: str) -> str | None:
@@ -452,7 +497,8 @@ def _check_data_fits_model(config: TrainConfig, model_config: PretrainedConfig, 
              if isinstance(dataset, data_mix.MixedDataset) else [(config.data_path, dataset)])
     for path, part in parts:
         error = check_data_fits_model(part, path, config.model_name_or_path, model_config,
-                                      trust_remote_code=config.trust_remote_code)
+                                      trust_remote_code=config.trust_remote_code,
+                                      allow_tokenizer_mismatch=config.allow_tokenizer_mismatch)
         if error:
             return error
     return None

@@ -20,6 +20,9 @@ CPU (two gloo processes, the tiny model ``python tiny_model.py`` builds):
         --model-name-or-path /tmp/tiny --min-samples-per-checkpoint 64 \\
         --batch-size 16 --max-tokens-per-gpu 512 --max-steps 4
 
+``--data-path`` may also be raw data in any format ``process_data.py`` reads (``data/chat.parquet``):
+rank 0 tokenizes it once into ``--output-dir/tokenized_data/`` (``data_cache.py``), reused by a rerun.
+
 Each optimizer step takes ``--batch-size`` samples from an infinite seeded
 stream, packs them into minibatches of at most ``--max-tokens-per-gpu`` tokens
 per rank (gradient accumulation follows), and optimises the exact per-token

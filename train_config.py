@@ -7,9 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from data_formats import INPUT_FORMATS
 from finetune_method import FineTuningMethod
 from lora import ALL_LINEAR, LoRA, LoraSettings
 from osft import OSFT, UPCAST_DTYPES, OSFTSettings, num_frozen_directions
+from process_data import ProcessDataConfig
 from qlora import QLoRA
 from recomputation import POLICIES, as_policy
 from utils import collect_errors, comma_list, config_field
@@ -56,10 +58,26 @@ class TrainConfig:
     """What ``training_params.json`` records beside the fields: what the run resolved, not settings. A
     config file may hold them (a run's record replays it, on any machine) and they are skipped."""
 
-    data_path: str = config_field("test.jsonl", section="Data", help="tokenized jsonl or process_data.py folder; or a mix: "
-                                                     "`a:0.7,b:0.3` or a .yaml/.json mix file")
+    data_path: str = config_field("test.jsonl", section="Data", help="tokenized jsonl or process_data.py folder, raw data "
+                                                     "(tokenized once), or a mix: `a:0.7,b:0.3` or a .yaml/.json "
+                                                     "mix file")
     seed: int = config_field(42, help="seeds Python, NumPy, torch and the data order on every rank")
     num_data_workers: int = config_field(1, help="DataLoader worker processes per rank (0 = in-process)")
+    chat_template: str | None = config_field(None, help="raw data: jinja file that replaces the tokenizer's chat "
+                                                        "template (as process_data.py's)")
+    end_of_turn_token: str | None = config_field(None, help="raw data: the string that ends an assistant turn "
+                                                            "(as process_data.py's)")
+    mask_reasoning: bool = config_field(False, help="raw data: mask reasoning instead of learning it with the reply")
+    max_sample_num_tokens: int = config_field(2147483647, help="raw data: longer samples are rejected when "
+                                                               "tokenizing (and counted)")
+    input_format: str = config_field("auto", choices=list(INPUT_FORMATS),
+                                     help="raw data: row format; auto recognises each row's from its keys")
+    columns: str | None = config_field(None, help="raw data: rename input columns first, NAME=COLUMN,...")
+    allow_audit_failures: bool = config_field(
+        False, help="raw data: train even when the label audit fails (process_data.py output: its own flag, "
+                    "recorded in summary.json, decides)")
+    allow_tokenizer_mismatch: bool = config_field(
+        False, help="train on data tokenized with a tokenizer that differs from the model's (refused otherwise)")
 
     model_name_or_path: str = config_field("Qwen/Qwen2.5-1.5B-Instruct",
                                            section="Model", help="Hugging Face model id or local folder")
@@ -125,7 +143,7 @@ class TrainConfig:
                     "new values apply from the next step")
 
     validation_data_path: str | None = config_field(
-        None, section="Validation", help="tokenized jsonl file or folder of held-out samples for the validation loss")
+        None, section="Validation", help="tokenized or raw data file or folder of held-out samples for the validation loss")
     validation_split: float | None = config_field(
         None, help="hold out this seeded fraction of --data-path for the validation loss (same rows on every "
                    "rank and after resume)")
@@ -235,6 +253,7 @@ class TrainConfig:
             errors.append(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if self.num_data_workers < 0:
             errors.append("--num-data-workers must be >= 0")
+        errors += _tokenizing_errors(self)
         if self.resume_from and not self.resume:
             errors.append("--resume-from and --no-resume contradict each other")
         if self.keep_last_n_checkpoints is not None and self.keep_last_n_checkpoints < 1:
@@ -289,6 +308,16 @@ class TrainConfig:
             return QLoRA(self.lora) if self.lora.quantize_data_type != "none" else LoRA(self.lora)
         return FineTuningMethod()
 
+    def tokenizing_config(self, input_file: str, *, output_dir: str) -> ProcessDataConfig:
+        """process_data.py's settings for raw ``input_file``: this run's tokenizer and raw-data flags, the
+        rest process_data.py's defaults (``data_cache.py`` writes under ``output_dir``)."""
+        return ProcessDataConfig(
+            input_file=input_file, model_name_or_path=self.model_name_or_path, output_dir=output_dir, overwrite=True,
+            chat_template=self.chat_template, end_of_turn_token=self.end_of_turn_token,
+            mask_reasoning=self.mask_reasoning, max_sample_num_tokens=self.max_sample_num_tokens,
+            input_format=self.input_format, columns=self.columns, allow_audit_failures=self.allow_audit_failures,
+            logging_level=self.logging_level)
+
     @property
     def has_stop_condition(self) -> bool:
         return any(v is not None for v in (self.max_steps, self.max_samples, self.num_epochs))
@@ -296,6 +325,15 @@ class TrainConfig:
     @property
     def has_validation(self) -> bool:
         return self.validation_data_path is not None or self.validation_split is not None
+
+
+def _tokenizing_errors(config: TrainConfig) -> list[str]:
+    """The raw-data flags, checked by process_data.py's own config."""
+    try:
+        config.tokenizing_config(config.data_path, output_dir=config.output_dir)
+    except ValueError as err:
+        return [line.removeprefix("  - ") for line in str(err).splitlines()[1:]]
+    return []
 
 
 def _context_parallel_errors(config: TrainConfig) -> list[str]:

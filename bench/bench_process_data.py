@@ -5,6 +5,8 @@
     git worktree add /tmp/old_pd HEAD~1   # or: git archive HEAD~1 | tar -x -C /tmp/old_pd
     .venv/bin/python -m bench.bench_process_data --baseline-dir /tmp/old_pd --repeats 3   # old vs new
     .venv/bin/python -m bench.bench_process_data --mix reasoning_tools --no-verify   # what reasoning/tools cost
+    .venv/bin/python -m bench.bench_process_data --input-kind sharegpt_parquet --num-samples 1000000 \
+        --length-scale 0.1 --no-verify   # scale: 1M ShareGPT rows in parquet, peak memory vs rows
 
 Builds once into ``--work-dir`` (reused on later runs):
   - a ChatML tokenizer trained to a 32k vocabulary on Python's own prose
@@ -16,14 +18,19 @@ Builds once into ``--work-dir`` (reused on later runs):
     ``reasoning_content`` (a quarter of its tokens) and 40% of the chat rows open
     with a tool call and its result under a ``tools`` schema; they are rendered
     with Qwen3's real template (``fixtures/chat_templates``), which drops the
-    reasoning of turns before the last user message.
+    reasoning of turns before the last user message. With ``--input-kind
+    sharegpt_parquet`` the chat rows as ShareGPT ``conversations`` in a parquet file
+    (written in row groups of 10k, so generating 1M rows holds 10k in memory);
+    ``--length-scale`` shrinks every row's target length (0.1: median ~64 tokens),
+    so a million rows fit a scale run.
 
 Then times ``python process_data.py`` as a subprocess (process start to exit),
 sampling the RSS of its whole process tree with psutil every 20 ms, and checks
 every output row against an independent slow reference: ``apply_chat_template``
 token-level incremental rendering (``input_ids`` equal, labels equal). Beside
 it, in the same run, the bare Rust encode of the same texts on one core: the
-ceiling no tokenizing pipeline can pass on this machine. Prints a table and
+ceiling no tokenizing pipeline can pass on this machine (the texts are streamed
+and encoded 1024 at a time, only the encode timed, so it too runs in flat memory). Prints a table and
 writes ``results.json`` in the work dir. Not part of the test suite.
 
 ``--baseline-dir`` times another checkout's ``process_data.py`` on the same
@@ -71,11 +78,19 @@ class BenchConfig:
     mix: str = config_field("chat", choices=("chat", "reasoning_tools"),
                             help="chat: plain conversations; reasoning_tools: every reply with reasoning_content, "
                                  "40%% of rows with a tool call, rendered with Qwen3's template (no --verify)")
+    input_kind: str = config_field("jsonl", choices=("jsonl", "sharegpt_parquet"),
+                                   help="the generated input: messages JSON lines, or ShareGPT rows in parquet "
+                                        "(chat rows only; no --verify)")
+    length_scale: float = config_field(1.0, help="scales every row's target token length (0.1 for scale runs)")
 
     def __post_init__(self):
         errors = []
         if self.repeats < 1:
             errors.append(f"--repeats must be >= 1, got {self.repeats}")
+        if self.input_kind != "jsonl" and self.mix != "chat":
+            errors.append("--input-kind sharegpt_parquet takes --mix chat")
+        if not self.length_scale > 0:
+            errors.append(f"--length-scale must be positive, got {self.length_scale}")
         if self.baseline_dir and not (Path(self.baseline_dir) / "process_data.py").is_file():
             errors.append(f"--baseline-dir {self.baseline_dir} has no process_data.py")
         collect_errors(errors)
@@ -159,9 +174,10 @@ def add_reasoning_and_tools(row: dict, prose: str, rng: random.Random) -> dict:
     return {**row, "messages": messages}
 
 
-def make_row(index: int, prose: str, code: str, rng: random.Random) -> dict:
-    total = target_num_tokens(rng)
-    if rng.random() < 0.10:
+def make_row(index: int, prose: str, code: str, rng: random.Random, *, length_scale: float = 1.0,
+             pretrain: bool = True) -> dict:
+    total = target_num_tokens(rng) if length_scale == 1.0 else max(24, int(target_num_tokens(rng) * length_scale))
+    if rng.random() < 0.10 and pretrain:
         source = code if rng.random() < 0.3 else prose
         kind = "code" if source is code else "prose"
         content = take(source, int(total * CHARS_PER_TOKEN[kind]), rng)
@@ -181,8 +197,45 @@ def make_row(index: int, prose: str, code: str, rng: random.Random) -> dict:
     return {"id": f"bench-{index}", "source": "chat", "messages": messages}
 
 
+SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}
+PARQUET_ROW_GROUP = 10_000
+
+
+def to_sharegpt(row: dict) -> dict:
+    return {"id": row["id"], "conversations": [{"from": SHAREGPT_NAMES[m["role"]], "value": m["content"]}
+                                               for m in row["messages"]]}
+
+
+def from_sharegpt(row: dict) -> list[dict]:
+    roles = {name: role for role, name in SHAREGPT_NAMES.items()}
+    return [{"role": roles[turn["from"]], "content": turn["value"]} for turn in row["conversations"]]
+
+
+def input_name(config: BenchConfig) -> str:
+    """The generated file's name: the default chat JSON lines keep their old name (reused by earlier runs)."""
+    scale = "" if config.length_scale == 1.0 else f"_x{config.length_scale:g}"
+    if config.input_kind == "sharegpt_parquet":
+        return f"input_sharegpt_{config.num_samples}{scale}.parquet"
+    return ("input" if config.mix == "chat" else f"input_{config.mix}") + scale + ".jsonl"
+
+
+def write_sharegpt_parquet(config: BenchConfig, path: Path, prose: str, code: str, rng: random.Random) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    writer, rows = None, []
+    for index in range(config.num_samples):
+        rows.append(to_sharegpt(make_row(index, prose, code, rng, length_scale=config.length_scale, pretrain=False)))
+        if len(rows) == PARQUET_ROW_GROUP or index == config.num_samples - 1:
+            table = pa.Table.from_pylist(rows)
+            writer = writer or pq.ParquetWriter(path, table.schema)
+            writer.write_table(table)
+            rows = []
+    writer.close()
+
+
 def build_inputs(config: BenchConfig, work: Path) -> tuple[Path, Path]:
-    data_path = work / ("input.jsonl" if config.mix == "chat" else f"input_{config.mix}.jsonl")
+    data_path = work / input_name(config)
     tokenizer_dir = work / "tokenizer"
     if data_path.exists() and (tokenizer_dir / "tokenizer.json").exists() and not config.regenerate:
         return data_path, tokenizer_dir
@@ -194,12 +247,15 @@ def build_inputs(config: BenchConfig, work: Path) -> tuple[Path, Path]:
     if not (tokenizer_dir / "tokenizer.json").exists() or config.regenerate:
         build_tokenizer("chatml", tokenizer_dir, vocab_size=config.vocab_size, corpus=corpus)
         print(f"trained {config.vocab_size}-token ChatML tokenizer in {time.perf_counter() - start:.0f}s")
-    with open(data_path, "w") as f:
-        for index in range(config.num_samples):
-            row = make_row(index, prose, code, rng)
-            if config.mix == "reasoning_tools":
-                row = add_reasoning_and_tools(row, prose, rng)
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    if config.input_kind == "sharegpt_parquet":
+        write_sharegpt_parquet(config, data_path, prose, code, rng)
+    else:
+        with open(data_path, "w") as f:
+            for index in range(config.num_samples):
+                row = make_row(index, prose, code, rng, length_scale=config.length_scale)
+                if config.mix == "reasoning_tools":
+                    row = add_reasoning_and_tools(row, prose, rng)
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
     print(f"wrote {config.num_samples} rows to {data_path} ({data_path.stat().st_size / 2**20:.0f} MiB)")
     return data_path, tokenizer_dir
 
@@ -213,14 +269,18 @@ def run_timed(command: list[str], cwd: Path = ROOT) -> tuple[float, float, float
 
     The CPU time (user + sys of every reaped descendant) is what contention from
     other jobs on the machine distorts least; wall clock is the headline figure.
+    The command's output goes to a file, not a pipe read at the end: a run long enough for
+    its progress bar to fill the 64 KiB pipe buffer would block on it (1M rows did, for minutes).
     """
     import resource
+    import tempfile
 
     import psutil
 
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = tempfile.TemporaryFile()
+    proc = subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
     parent = psutil.Process(proc.pid)
     peak = 0
     while proc.poll() is None:
@@ -233,9 +293,10 @@ def run_timed(command: list[str], cwd: Path = ROOT) -> tuple[float, float, float
     wall = time.perf_counter() - start
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
-    log = proc.stdout.read().decode(errors="replace")
+    output.seek(0)
     if proc.returncode != 0:
-        print(log)
+        print(output.read().decode(errors="replace"))
+    output.close()
     return wall, cpu, peak / 2**30, proc.returncode
 
 
@@ -304,28 +365,50 @@ def verify(input_path: Path, output_dir: Path, tokenizer_dir: Path, num_proc: in
     return len(pairs), problems
 
 
-def encode_ceiling(input_path: Path, tokenizer_dir: Path) -> tuple[float, float]:
-    """Samples/s and tokens/s of the bare Rust encode on one core, over the whole dataset.
+def input_messages(input_path: Path):
+    """Each input row's messages, streamed (JSON lines, or ShareGPT parquet converted back)."""
+    if input_path.suffix == ".parquet":
+        import pyarrow.parquet as pq
 
-    Texts are rendered with the public ``apply_chat_template`` and encoded
-    without offsets (``encode_batch_fast``): no parsing, masking or writing. No
-    tokenizer pipeline can go faster per core, so ``--num-proc`` times this is
-    the ceiling for ``process_data.py``.
+        for batch in pq.ParquetFile(input_path).iter_batches(batch_size=ENCODE_BATCH):
+            for row in batch.to_pylist():
+                yield from_sharegpt(row)
+        return
+    with open(input_path, "rb") as f:
+        for line in f:
+            yield json.loads(line)["messages"]
+
+
+ENCODE_BATCH = 1024
+
+
+def encode_ceiling(input_path: Path, tokenizer_dir: Path) -> tuple[float, float, float]:
+    """Samples/s, tokens/s and samples per CPU-second of the bare Rust encode on one core, over the whole dataset.
+
+    Texts are rendered with the public ``apply_chat_template`` (untimed) and encoded without
+    offsets (``encode_batch_fast``), ``ENCODE_BATCH`` at a time: no parsing, masking or writing.
+    No tokenizer pipeline can go faster per core, so ``--num-proc`` times this is the ceiling
+    for ``process_data.py``. On a machine other jobs load, wall clock undercounts it; CPU time
+    (this single-threaded process's own) does not, and is compared with ``process_data.py``'s.
     """
+    import itertools
+
     from transformers import AutoTokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core, like one worker process
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    texts = []
-    with open(input_path, "rb") as f:
-        for line in f:
-            messages = json.loads(line)["messages"]
-            texts.append(messages[0]["content"] if messages[0]["role"] == "pretrain"
-                         else tokenizer.apply_chat_template(messages, tokenize=False))
-    start = time.perf_counter()
-    encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    elapsed = time.perf_counter() - start
-    return len(texts) / elapsed, sum(len(encoding.ids) for encoding in encodings) / elapsed
+    num_texts, num_tokens, elapsed, cpu = 0, 0, 0.0, 0.0
+    rows = input_messages(input_path)
+    while batch := list(itertools.islice(rows, ENCODE_BATCH)):
+        texts = [messages[0]["content"] if messages[0]["role"] == "pretrain"
+                 else tokenizer.apply_chat_template(messages, tokenize=False) for messages in batch]
+        start, start_cpu = time.perf_counter(), time.process_time()
+        encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        elapsed += time.perf_counter() - start
+        cpu += time.process_time() - start_cpu
+        num_texts += len(texts)
+        num_tokens += sum(len(encoding.ids) for encoding in encodings)
+    return num_texts / elapsed, num_tokens / elapsed, num_texts / cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -383,13 +466,19 @@ def main(argv: list[str] | None = None) -> None:
                                "samples_per_cpu_s": round(num_samples / base_cpu, 1),
                                "speed_vs_baseline_wall": round(base_wall / wall, 3),
                                "speed_vs_baseline_cpu": round(base_cpu / cpu, 3)}
-    samples_per_s_core, tokens_per_s_core = encode_ceiling(input_path, tokenizer_dir)
+    samples_per_s_core, tokens_per_s_core, samples_per_cpu_s_core = encode_ceiling(input_path, tokenizer_dir)
     ceiling = config.num_proc * samples_per_s_core
     results["encode_only_one_core"] = {"samples_per_s": round(samples_per_s_core, 1),
-                                       "tokens_per_s": round(tokens_per_s_core)}
+                                       "tokens_per_s": round(tokens_per_s_core),
+                                       "samples_per_cpu_s": round(samples_per_cpu_s_core, 1)}
     results["ceiling_samples_per_s"] = round(ceiling, 1)
     results["share_of_ceiling"] = round(results["samples_per_s"] / ceiling, 3)
-    if config.verify and config.mix != "chat":
+    # The same share in CPU time: what the pipeline costs per sample against the bare encode, whatever
+    # share of the cores other jobs took meanwhile.
+    results["share_of_ceiling_cpu"] = round(results["samples_per_cpu_s"] / samples_per_cpu_s_core, 3)
+    if config.verify and config.input_kind != "jsonl":
+        print("--verify skipped: the slow reference reads messages JSON lines")
+    elif config.verify and config.mix != "chat":
         print("--verify skipped: the slow reference is incremental, Qwen3's template is not")
     elif config.verify:
         start = time.perf_counter()
@@ -408,6 +497,8 @@ def main(argv: list[str] | None = None) -> None:
             ("bare encode, one core (samples/s)", results["encode_only_one_core"]["samples_per_s"]),
             (f"ceiling: {config.num_proc} x bare encode (samples/s)", results["ceiling_samples_per_s"]),
             ("share of the ceiling reached", results["share_of_ceiling"]),
+            ("bare encode, samples per CPU-second", results["encode_only_one_core"]["samples_per_cpu_s"]),
+            ("share of the ceiling, in CPU time", results["share_of_ceiling_cpu"]),
             ("load average after (1 min)", results["load_average_1min_after"])]
     if "verified_rows" in results:
         rows.append(("rows verified / problems", f"{results['verified_rows']} / {results['num_verify_problems']}"))

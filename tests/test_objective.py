@@ -28,6 +28,7 @@ RWKV, whose forward takes no ``position_ids`` at all, is refused saying so.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -244,8 +245,7 @@ def test_varlen_backend_refuses_sinks_instead_of_dropping_them():
                                            position_ids=torch.arange(4)[None])
 
 
-def test_out_of_vocabulary_data_is_refused_and_tokenizer_mismatch_warned(tmp_path, chatml_model, llama3_model,
-                                                                       caplog):
+def test_out_of_vocabulary_data_and_another_tokenizer_are_refused(tmp_path, chatml_model, llama3_model, caplog):
     from transformers import AutoConfig, AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(chatml_model))
@@ -259,11 +259,15 @@ def test_out_of_vocabulary_data_is_refused_and_tokenizer_mismatch_warned(tmp_pat
     (tmp_path / "ok" / "summary.json").write_text(json.dumps({"tokenizer": {
         "name_or_path": str(llama3_model), "num_tokens": len(other), "eos_token": other.eos_token,
         "bos_token": other.bos_token}}))
+    check = functools.partial(check_data_fits_model, load_tokenized_dataset(str(ok)), str(ok), str(chatml_model),
+                              AutoConfig.from_pretrained(chatml_model))
+    error = check()
+    assert error is not None and "\n" not in error and str(llama3_model) in error and str(chatml_model) in error
+    assert "--allow-tokenizer-mismatch" in error
     logger.addHandler(caplog.handler)  # the toolkit's logger does not propagate once setup_logging ran
     try:
         with caplog.at_level(logging.WARNING, logger=logger.name):
-            assert check_data_fits_model(load_tokenized_dataset(str(ok)), str(ok), str(chatml_model),
-                                         AutoConfig.from_pretrained(chatml_model)) is None
+            assert check(allow_tokenizer_mismatch=True) is None
     finally:
         logger.removeHandler(caplog.handler)
     warned = [r.getMessage() for r in caplog.records if "tokenized with" in r.getMessage()]

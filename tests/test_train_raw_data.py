@@ -1,0 +1,228 @@
+"""train.py on raw (untokenized) data: tokenized once into a cache under --output-dir, gated at training time.
+
+    .venv/bin/python -m pytest -q tests/test_train_raw_data.py
+
+End to end (real torchrun, 2 gloo CPU processes, tiny local models): raw JSON lines and a ShareGPT
+parquet train exactly as process_data.py's output of the same file does (same losses, the same
+tokenized bytes); a resume reuses the cache. Unit level: an edited input makes a new cache, a
+touched one does not; the data-path kinds are told apart. The gates: a failed label audit and data
+of another tokenizer are refused in one line at training time, each with its override. The other
+ranks outwait a rank 0 busy longer than the process group's timeout (a plain collective does not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_cache import is_tokenized, tokenize_once
+from fixtures.e2e import ROOT, assert_ok, read_metrics, torchrun, write_tokenized_jsonl
+from process_data import ProcessDataConfig
+
+DEMO = ROOT / "data" / "demo_chat.jsonl"
+NUM_ROWS = 48
+
+
+def _demo_rows() -> list[dict]:
+    with DEMO.open() as f:
+        return [json.loads(line) for _, line in zip(range(NUM_ROWS), f)]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _sharegpt_parquet(path: Path) -> Path:
+    """The demo's conversations as ShareGPT rows (``conversations`` of ``{from, value}``) in a parquet file."""
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    rows = [{"id": row["id"], "conversations": [{"from": names[m["role"]], "value": m["content"]}
+                                                for m in row["messages"]]}
+            for row in _demo_rows() if row["messages"][0]["role"] != "pretrain"]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _args(model: Path, data: Path | str, out: Path, *extra: str) -> list[str]:
+    return ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),
+            "--batch-size", "8", "--max-tokens-per-gpu", "512", "--seed", "3", "--learning-rate", "1e-3",
+            "--num-warmup-steps", "0", "--lr-scheduler", "constant", "--min-samples-per-checkpoint", "1000",
+            "--num-data-workers", "0", "--skip-objective-check", *extra]
+
+
+def _process_data(input_file: Path, model: Path, output_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "process_data.py"), "--input-file", str(input_file),
+                           "--output-dir", str(output_dir), "--model-name-or-path", str(model), "--num-proc", "1",
+                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+
+def _caches(out: Path) -> list[Path]:
+    return sorted((out / "tokenized_data").iterdir())
+
+
+def _refused_in_one_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    """The job's last error line (the refusal) holds every fragment; no rank printed a traceback
+    (torchrun's own summary of a failed job is one, as in tests/test_faults.py)."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert output.count("Traceback (most recent call last)") == output.count("ChildFailedError:"), output[-4000:]
+    line = [line for line in output.splitlines() if "[rank0] ERROR " in line][-1]
+    assert all(fragment in line for fragment in fragments), line
+    return line
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "sharegpt_parquet"])
+def test_raw_data_trains_as_its_process_data_output_does(kind, tmp_path, chatml_model):
+    raw = (_write_jsonl(tmp_path / "chat.jsonl", _demo_rows()) if kind == "jsonl"
+           else _sharegpt_parquet(tmp_path / "chat.parquet"))
+    result = _process_data(raw, chatml_model, tmp_path / "tokenized")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(torchrun(_args(chatml_model, tmp_path / "tokenized", tmp_path / "out_tokenized", "--max-steps", "2")))
+
+    out = tmp_path / "out_raw"
+    result = torchrun(_args(chatml_model, raw, out, "--max-steps", "2"))
+    assert_ok(result)
+    assert "is raw input; tokenizing it once into" in result.stderr
+    assert "label audit:" in result.stderr and "sample " in result.stderr  # what process_data.py prints
+    [cache] = _caches(out)
+    assert (cache / "data.jsonl").read_bytes() == (tmp_path / "tokenized" / "data.jsonl").read_bytes()
+    losses = [record["loss"] for record in read_metrics(out)]
+    assert losses == [record["loss"] for record in read_metrics(tmp_path / "out_tokenized")]
+    if kind == "sharegpt_parquet":
+        return
+
+    result = torchrun(_args(chatml_model, raw, out, "--max-steps", "3"))  # resumes at step 2
+    assert_ok(result)
+    assert f"tokenized data: reusing {cache}" in result.stderr and "tokenizing it once" not in result.stderr
+    assert "resum" in result.stderr and _caches(out) == [cache]
+    assert [record["loss"] for record in read_metrics(out)][:2] == losses and len(read_metrics(out)) == 3
+
+
+def test_an_edited_input_makes_a_new_cache_and_a_touched_one_does_not(tmp_path, chatml_model):
+    raw = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows()[:12])
+    config = ProcessDataConfig(input_file=str(raw), model_name_or_path=str(chatml_model), num_proc=1,
+                               output_dir=str(tmp_path / "cache"), overwrite=True)
+    first = tokenize_once(config)
+    os.utime(raw, (1, 1))
+    assert tokenize_once(config) == first
+    _write_jsonl(raw, _demo_rows()[:11])
+    second = tokenize_once(config)
+    assert second != first and sorted((tmp_path / "cache").iterdir()) == sorted([first, second])
+    assert sum(1 for _ in (second / "data.jsonl").open()) == 11
+    masked = tokenize_once(ProcessDataConfig(**{**config.__dict__, "mask_reasoning": True}))
+    assert masked not in (first, second)  # an option that shapes the labels is part of the key
+
+
+def test_tokenized_and_raw_sources_are_told_apart(tmp_path, chatml_model):
+    tokenized = write_tokenized_jsonl(tmp_path / "tok" / "data.jsonl", num_samples=3, vocab_size=50)
+    assert is_tokenized(tokenized) and is_tokenized(tokenized.parent)
+    (tmp_path / "raw").mkdir()
+    raw = _write_jsonl(tmp_path / "raw" / "chat.jsonl", _demo_rows()[:2])
+    assert not is_tokenized(raw) and not is_tokenized(raw.parent)
+    (tmp_path / "array.json").write_text(json.dumps(_demo_rows()[:2]))
+    assert not is_tokenized(tmp_path / "array.json")
+    assert not is_tokenized(_sharegpt_parquet(tmp_path / "chat.parquet"))
+    broken_first = tmp_path / "broken_first.jsonl"
+    broken_first.write_text("{not json\n" + raw.read_text())
+    assert not is_tokenized(broken_first)  # a bad raw row is skipped by tokenizing, not read as tokens
+    truncated = tmp_path / "truncated.jsonl"
+    truncated.write_text(tokenized.read_text()[:30])
+    assert is_tokenized(truncated)  # the tokenized reader names the broken line
+
+
+# ----------------------------------------------------------------------------
+# Gates at training time
+
+
+def _audit_failing_rows() -> list[dict]:
+    """Mistral's template refuses conversations whose roles do not alternate: 4 of 7 cannot be masked."""
+    good = {"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]}
+    not_alternating = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                    {"role": "assistant", "content": "c"}]}
+    return [good] * 3 + [not_alternating] * 4
+
+
+def test_a_failed_label_audit_is_refused_unless_allowed_when_tokenized(tmp_path, tiny_models):
+    model = tiny_models["mistral"]
+    raw = _write_jsonl(tmp_path / "chat.jsonl", _audit_failing_rows())
+    out = tmp_path / "out"
+    line = _refused_in_one_line(torchrun(_args(model, raw, out, "--max-steps", "1")),
+                                f"--data-path {raw}: its label audit failed", "4 of 7 conversations",
+                                "--allow-audit-failures")
+    assert "could not be masked" in line
+    [cache] = _caches(out)  # kept: allowing the failure needs no second tokenization
+    result = torchrun(_args(model, raw, out, "--max-steps", "1", "--allow-audit-failures"))
+    assert_ok(result)
+    assert f"reusing {cache}" in result.stderr and "that was allowed when it was tokenized" in result.stderr
+
+    # process_data.py's own output: its recorded --allow-audit-failures decides, not train.py's flag.
+    assert _process_data(raw, model, tmp_path / "strict").returncode == 1
+    line = _refused_in_one_line(torchrun(_args(model, tmp_path / "strict", tmp_path / "out_strict",
+                                               "--allow-audit-failures")), "its label audit failed")
+    assert "process_data.py" in line
+    assert _process_data(raw, model, tmp_path / "allowed", "--allow-audit-failures").returncode == 0
+    assert_ok(torchrun(_args(model, tmp_path / "allowed", tmp_path / "out_allowed", "--max-steps", "1")))
+
+
+def test_data_of_another_tokenizer_is_refused_unless_overridden(tmp_path, tiny_models):
+    raw = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows()[:16])
+    # llama2's tiny tokenizer has the chatml one's size: every id is in the vocabulary, and means something else.
+    assert _process_data(raw, tiny_models["llama2"], tmp_path / "llama2_tokens").returncode == 0
+    chatml = tiny_models["chatml"]
+    line = _refused_in_one_line(torchrun(_args(chatml, tmp_path / "llama2_tokens", tmp_path / "out",
+                                               "--max-steps", "1")),
+                                f"was tokenized with '{tiny_models['llama2']}' but the model is '{chatml}'",
+                                "--allow-tokenizer-mismatch")
+    assert "eos_token" in line
+    result = torchrun(_args(chatml, tmp_path / "llama2_tokens", tmp_path / "out", "--max-steps", "1",
+                            "--allow-tokenizer-mismatch"))
+    assert_ok(result)
+    assert "training anyway (--allow-tokenizer-mismatch)" in result.stderr
+
+
+# ----------------------------------------------------------------------------
+# The other ranks wait for rank 0's tokenizing, however long it takes
+
+_WAIT_SCRIPT = """
+import sys, time
+import torch.distributed as dist
+import setup_run
+from utils import init_distributed
+
+info = init_distributed(timeout_minutes=0.05)  # a 3-second process-group timeout
+if info.rank == 0:
+    time.sleep(10)  # rank 0 tokenizing, longer than the timeout
+if sys.argv[1] == "patient":
+    value = setup_run._patient_broadcast(("verdict", info.rank))
+else:
+    box = [("verdict", info.rank)]
+    dist.broadcast_object_list(box, src=0)
+    value = box[0]
+print(f"rank {info.rank} got {value}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["patient", "plain"])
+def test_the_other_ranks_outwait_the_process_group_timeout(how, tmp_path):
+    """Real processes, a 3-second timeout and a rank 0 busy for 10: the patient broadcast delivers rank 0's
+    value; the plain one it replaces times out (the failure the patient one exists to avoid)."""
+    script = tmp_path / "wait.py"
+    script.write_text(_WAIT_SCRIPT)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                             how],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    output = result.stdout + result.stderr
+    if how == "patient":
+        assert result.returncode == 0, output[-3000:]
+        assert "rank 1 got ('verdict', 0)" in output
+    else:
+        assert result.returncode != 0 and "rank 1 got" not in output, output[-3000:]
