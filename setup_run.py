@@ -394,11 +394,7 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
     """
     path = path or config.data_path
     dataset, error, tokenized = None, None, {}
-    load_arrow, note = _tokenized_loader(config)
     if dist_info.is_main:
-        if note:
-            logger.warning(note)
-
         def load(source: str):
             tokenized[source] = str(_tokenized_source(config, source))
             loaded = load_arrow(tokenized[source])
@@ -409,6 +405,9 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
             return loaded
 
         try:
+            load_arrow, note = _tokenized_loader(config)
+            if note:
+                logger.warning(note)
             dataset = data_mix.load_data(path, load)
             error = _budget_error(config, dataset, path)
         except ValueError as err:
@@ -418,6 +417,7 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
     error, tokenized = _patient_broadcast((error, tokenized))
     fail_together(error if dist_info.is_main else None)
     if not dist_info.is_main:
+        load_arrow = _tokenized_loader(config)[0]
         dataset = data_mix.load_data(path, lambda source: load_arrow(tokenized[source]))
     return dataset
 
