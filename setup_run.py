@@ -291,7 +291,8 @@ def model_path_error(name_or_path: str) -> str | None:
     if not path.is_dir():
         return f"--model-name-or-path {name_or_path}: a file, not a model folder"
     if not (path / "config.json").is_file():
-        return f"--model-name-or-path {name_or_path}: no config.json in this folder (not a Hugging Face model folder)"
+        return (f"--model-name-or-path {name_or_path}: cannot load a model from this folder: it has no config.json "
+                "(not a Hugging Face model folder)")
     return None
 
 

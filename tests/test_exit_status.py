@@ -36,8 +36,10 @@ def data_path(tmp_path_factory, chatml_model) -> Path:
 
 
 def _frames_of_ours(output: str) -> list[str]:
-    """Traceback frames in this repository's files (torchrun's own frames are in site-packages)."""
-    return [line for line in output.splitlines() if re.match(rf'\s*File "{re.escape(str(ROOT))}/', line)]
+    """Traceback frames in this repository's files. torchrun's own frames are in site-packages, which may lie
+    inside the repository too (``make`` builds ``.venv`` there): those are not ours."""
+    return [line for line in output.splitlines()
+            if re.match(rf'\s*File "{re.escape(str(ROOT))}/', line) and "site-packages" not in line]
 
 
 def _root_cause(output: str) -> str:
@@ -186,8 +188,8 @@ def test_model_path_refusals_are_one_line(tmp_path, chatml_model, kind, monkeypa
         "missing_absolute": (str(tmp_path / "qwen"), f"--model-name-or-path {tmp_path / 'qwen'}: no such folder"),
         "missing_deep": ("models/qwen/7b", "--model-name-or-path models/qwen/7b: no such folder"),
         "file": ("weights.bin", "--model-name-or-path weights.bin: a file, not a model folder"),
-        "no_config": ("empty", "--model-name-or-path empty: no config.json in this folder (not a Hugging Face "
-                               "model folder)"),
+        "no_config": ("empty", "--model-name-or-path empty: cannot load a model from this folder: it has no "
+                               "config.json (not a Hugging Face model folder)"),
         "model_folder": (str(chatml_model), None),
         "hub_id": ("Qwen/Qwen2.5-1.5B-Instruct", None),  # only loading can tell
     }[kind]
