@@ -1,6 +1,6 @@
 """One-command GPU acceptance: tests, exactness, speed, memory, written to one folder.
 
-    make gpu-check                                   # CUDA machine, about 19 minutes (H100), into gpu_check/
+    make gpu-check                                   # CUDA machine, about 25 minutes (H100), into gpu_check/
     make gpu-check GPU_CHECK_ONLY=bench_32k,long_context   # a part (e.g. to fit 10-minute device calls)
     make gpu-check GPU_CHECK_DIR=$OUT/gpu_check      # choose the folder (e.g. one the caller collects)
     make gpu-check DEVICE=cpu                        # the CPU rehearsal: same code path, tiny sizes, ~2 min
@@ -20,9 +20,11 @@ that fails or runs out of time is recorded and the next one runs. The sub-checks
   init), packed vs padded at 32k and 16k tokens per GPU, Liger on/off, activation
   checkpointing on; the 16k run then searches the largest ``--max-tokens-per-gpu`` that
   trains, with and without Liger;
-* ``levers``: ``train.py`` steps with each speed lever of ``LEVERS`` off and on (tokens/s,
-  MFU and step-1 loss from the metrics lines); a flag this build's ``train.py`` does not
-  know is recorded as "not available in this build";
+* ``levers``: the sweep of ``LEVERS``, recomputation policy x compile x Liger, ``train.py`` at
+  each bench budget, largest first, train.py's defaults first (the reference): a table per
+  budget (tokens/s, MFU of the measured peak, peak memory, step-1 loss, exact or not) and the
+  fastest exact setting, within one 10-minute device call; what its time leaves out reads
+  "not run: out of time", what runs out of memory rules out the hungrier settings;
 * ``lora``: the same ``train.py`` runs as full fine-tuning, LoRA r=16 and QLoRA r=16 (NF4
   base): tokens/s, peak memory and step-1 loss side by side (a missing peft or torchao is
   recorded, not fatal);
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -66,23 +69,32 @@ REQUIRED_WHEELS = ("torch", "transformers", "datasets", "tokenizers", "safetenso
 
 @dataclass(frozen=True)
 class Lever:
-    """A train.py speed lever: the flags that turn it on and off (a TrainConfig boolean)."""
+    """A train.py speed lever of the ``levers`` sweep: a TrainConfig field and the values the sweep tries.
 
-    name: str
-    on: tuple[str, ...]
-    off: tuple[str, ...]
+    ``values`` are in the order the sweep tries them. With ``more_memory_later``, each value needs at least
+    the activation memory of the ones before it, so a run that ran out of memory rules out the later ones.
+    """
 
-    @property
-    def field(self) -> str:
-        """The TrainConfig field behind the first "on" flag; absent = not available in this build."""
-        return self.on[0].removeprefix("--").replace("-", "_")
+    field: str
+    values: tuple
+    more_memory_later: bool = False
+
+    def flags(self, value) -> tuple[str, ...]:
+        flag = "--" + self.field.replace("_", "-")
+        if isinstance(value, bool):
+            return (flag,) if value else ("--no-" + flag[2:],)
+        return (flag, str(value))
 
 
-# Adding a lever is one line.
+# The sweep's grid; adding a dimension is one line. The first lever varies slowest, so the runs try, after
+# train.py's defaults: Liger on first (19% more tokens/s and 4.6 GB less at 32k on the first H100 run),
+# then eager before compiled (compilation costs the most time), then the policies from most recomputation
+# (surely fits) to least (fastest if it fits). compile's memory has no order: inductor may save more or
+# fewer activations than eager.
 LEVERS = (
-    Lever("compile", on=("--compile",), off=("--no-compile",)),
-    Lever("head_learned_positions_only", on=("--head-learned-positions-only",),
-          off=("--no-head-learned-positions-only",)),
+    Lever("use_liger_kernels", (True, False), more_memory_later=True),
+    Lever("compile", (False, True)),
+    Lever("activation_checkpointing", ("full", "selective", "none"), more_memory_later=True),
 )
 
 
@@ -99,8 +111,8 @@ class Sizes:
     num_warmup_steps: int
     max_probe_tokens: int         # upper end of the largest-budget search
     matmul_size: int
-    lever_budget: int             # --max-tokens-per-gpu of the lever runs
-    lever_steps: int              # train.py steps per lever run; the first is not timed
+    lever_budget: int             # tokens per step of the train.py runs' data; lora's and osft's budget
+    lever_steps: int              # train.py steps per run; the first is not timed
     time_budget_s: float          # the whole check
     limits_s: dict = dataclasses.field(default_factory=dict)  # per sub-check
     long_context_lengths: tuple[int, ...] = (32768, 65536, 131072)  # one sample of each, one GPU
@@ -108,17 +120,21 @@ class Sizes:
 
 GPU_SIZES = Sizes(shape="Qwen2.5-1.5B", budgets=(16384, 32768), median_len=600, p99_len=8000, max_len=16384,
                   num_steps=4, num_warmup_steps=1, max_probe_tokens=262144, matmul_size=8192, lever_budget=32768,
-                  lever_steps=6, time_budget_s=1600,
+                  lever_steps=4, time_budget_s=1900,
                   # bench_32k's four runs took 150 s on an H100 (2026-11-25) and hit its old limit by seconds.
+                  # levers: one 10-minute device call, less the wheels' offline install and start-up; a
+                  # train.py run costs 25-40 s of start-up plus its steps there, so the sweep is ordered.
                   # osft: the default SVDs took 20 s there; if gesvd must redo all 196 (unmeasured, perhaps a
                   # second each at 1536 x 8960), start-up alone takes minutes.
                   limits_s=dict(environment=60, matmul_peak=60, gpu_tests=150, exactness=150, bench_32k=240,
-                                bench_16k=300, levers=240, lora=200, osft=420, long_context=420))
+                                bench_16k=300, levers=540, lora=200, osft=420, long_context=420))
 CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, max_len=256, num_steps=1,
                   num_warmup_steps=0, max_probe_tokens=1024, matmul_size=256, lever_budget=512, lever_steps=2,
                   time_budget_s=1800,  # generous: CI machines are shared; about 2 minutes on 2 idle cores
+                  # levers rehearses its time bound too: the whole grid would take 6 minutes here (compiling
+                  # on CPU is slow), so the reference and a few runs fit and the rest are "out of time".
                   limits_s=dict(environment=120, matmul_peak=120, gpu_tests=300, exactness=600, bench_32k=300,
-                                bench_16k=300, levers=600, lora=600, osft=600, long_context=600),
+                                bench_16k=300, levers=75, lora=600, osft=600, long_context=600),
                   long_context_lengths=(256, 512))
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.4%). The packed path (varlen attention,
@@ -194,7 +210,8 @@ class Runner:
         self.log.flush()
         if result.returncode != 0:
             tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-            raise CheckFailed(f"exit {result.returncode}: {shown}: {' | '.join(tail)}")
+            raise CheckFailed(f"exit {result.returncode}: {shown}: {' | '.join(tail)}",
+                              output=result.stdout + result.stderr)
         return result
 
     def helper(self, sub: str, args: dict, *, deadline: float) -> dict:
@@ -205,7 +222,9 @@ class Runner:
 
 
 class CheckFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, *, output: str = ""):
+        super().__init__(message)
+        self.output = output  # the command's stdout and stderr, where a caller reads the cause
 
 
 class CheckTimeout(RuntimeError):
@@ -335,7 +354,8 @@ def check_bench(index: int, *, find_max_tokens: bool = False) -> Callable[[Runne
 
 
 def _train_setup(runner: Runner, deadline: float) -> tuple[list, dict]:
-    """The bench-shape model and data that train.py's timed runs share (built once), and their base flags."""
+    """The bench-shape model and data that train.py's timed runs share (built once), and their base flags:
+    each check adds its budget, recomputation and Liger (the data's longest sample fits every budget)."""
     model_dir = runner.scratch / "lever_model"
     data = runner.scratch / "lever_data.jsonl"
     info_path = runner.scratch / "lever_info.json"
@@ -343,17 +363,21 @@ def _train_setup(runner: Runner, deadline: float) -> tuple[list, dict]:
         info = runner.helper("lever_setup", {"shape": runner.sizes.shape, "model": str(model_dir), "data": str(data),
                                              "budget": runner.sizes.lever_budget, "steps": runner.sizes.lever_steps,
                                              "median_len": runner.sizes.median_len, "p99_len": runner.sizes.p99_len,
-                                             "max_len": min(runner.sizes.max_len, runner.sizes.lever_budget)},
+                                             "max_len": min(runner.sizes.max_len, *runner.sizes.budgets,
+                                                            runner.sizes.lever_budget)},
                              deadline=deadline)
         info_path.write_text(json.dumps(info))
     info = json.loads(info_path.read_text())
     base = ["--model-name-or-path", model_dir, "--data-path", data, "--batch-size", info["batch_size"],
-            "--max-tokens-per-gpu", runner.sizes.lever_budget, "--max-steps", runner.sizes.lever_steps,
-            "--min-samples-per-checkpoint", 10**9, "--no-full-state", "--learning-rate", 1e-6,
-            "--num-warmup-steps", 0, "--skip-objective-check", "--activation-checkpointing"]
-    if runner.device == "cuda" and _installed("liger-kernel"):
-        base.append("--use-liger-kernels")
+            "--max-steps", runner.sizes.lever_steps, "--min-samples-per-checkpoint", 10**9, "--no-full-state",
+            "--learning-rate", 1e-6, "--num-warmup-steps", 0, "--skip-objective-check"]
     return base, info
+
+
+def _bench_speed_flags(runner: Runner) -> list:
+    """lora's and osft's budget, recomputation and Liger: the bench's (32k, full, Liger where it runs)."""
+    liger = ["--use-liger-kernels"] if _liger(runner) == "both" else []
+    return ["--max-tokens-per-gpu", runner.sizes.lever_budget, "--activation-checkpointing", "full", *liger]
 
 
 def _timed_train(runner: Runner, base: list, extra: tuple[str, ...], deadline: float, *,
@@ -373,44 +397,169 @@ def _timed_train(runner: Runner, base: list, extra: tuple[str, ...], deadline: f
             "peak_memory_gb": max(r["peak_memory_usage_GB"] for r in records),
             **{key: _median([r[key] for r in timed]) for key in
                ("tokens_per_second_per_gpu", "loss_tokens_per_second_per_gpu", "mfu", "model_flops_per_token",
-                "time_per_batch")}}
+                "model_tflops_per_second_per_gpu", "time_per_batch")}}
+
+
+def sweep_order(budgets: tuple[int, ...], reference: tuple) -> list[tuple[int, tuple]]:
+    """The ``levers`` runs in the order that answers first: the largest budget (the issue's question) before
+    the smaller, and in each, ``reference`` (train.py's defaults) first, then the grid in ``LEVERS``' order."""
+    settings = [reference, *(s for s in itertools.product(*(lever.values for lever in LEVERS)) if s != reference)]
+    return [(budget, setting) for budget in sorted(budgets, reverse=True) for setting in settings]
+
+
+def ruled_out_by(budget: int, setting: tuple, out_of_memory: list[tuple[int, tuple]]) -> tuple[int, tuple] | None:
+    """The run of ``out_of_memory`` that needed no more memory than ``(budget, setting)``, if any: a budget as
+    large or smaller, each ``more_memory_later`` lever at a value as lean or leaner, the others equal."""
+    def leaner(lever: Lever, a, b) -> bool:
+        return lever.values.index(a) <= lever.values.index(b) if lever.more_memory_later else a == b
+
+    for ran_out in out_of_memory:
+        oom_budget, oom_setting = ran_out
+        if oom_budget <= budget and all(leaner(lever, a, b) for lever, a, b in zip(LEVERS, oom_setting, setting)):
+            return ran_out
+    return None
+
+
+def fastest_exact(rows: list[dict], budget: int) -> dict | None:
+    """The row at ``budget`` with the most tokens/s among those that trained with the reference's step-1 loss."""
+    exact = [r for r in rows if r["budget"] == budget and r["status"] == "ok" and r.get("exact")]
+    return max(exact, key=lambda r: r["tokens_per_second_per_gpu"]) if exact else None
+
+
+def out_of_memory(output: str) -> bool:
+    """Whether a failed train.py ran out of device memory: its traceback names the allocation failure."""
+    from autotune import ALLOCATION_FAILURES
+
+    return any(text in output for text in ALLOCATION_FAILURES)
+
+
+def _setting_flags(setting: tuple) -> list[str]:
+    return [flag for lever, value in zip(LEVERS, setting) for flag in lever.flags(value)]
+
+
+def _setting(row: dict) -> tuple:
+    return tuple(row[lever.field] for lever in LEVERS)
 
 
 def check_levers(runner: Runner, deadline: float) -> dict:
-    """train.py with each lever off and on, on the bench shape, from the metrics lines."""
+    """The sweep: recomputation policy x compile x Liger at each bench budget, ``train.py`` on the bench shape.
+
+    Step 1 runs before any update, so its loss shows only the forward's numerics: a setting is exact when
+    its step-1 loss lies within the device's ``EXACT_RTOL`` of the reference's, train.py's defaults (full
+    recomputation, eager, no Liger: the fewest fused kernels, and what a new default is measured against).
+    Every budget trains the same batches (the budget only cuts them into minibatches, which ``exactness``
+    shows leaves the loss alone), so the reference's first run that trained serves all budgets.
+
+    Bounded by ``deadline``: a run is not started when less time is left than the shortest run so far took
+    ("not run: out of time"; one that starts and meets the deadline reads "not finished: out of time"), nor
+    when a run that needed no more memory ran out ("skipped: ..."); hence the order of ``sweep_order``, so
+    whatever fits gives an answer. Out of memory is told from other failures by train.py's traceback.
+    """
     from train import TrainConfig
 
-    known = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    reference = tuple(defaults[lever.field] for lever in LEVERS)
     base, info = _train_setup(runner, deadline)
-    runs: dict[tuple, dict] = {}
-
-    def run(extra: tuple[str, ...]) -> dict:
-        if extra not in runs:
-            runs[extra] = _timed_train(runner, base, extra, deadline)
-        return runs[extra]
-
-    # The defaults run once: a lever whose default is on takes its "on" figures from it.
-    figures = {"train_flags": [str(part) for part in base], "batch_size": info["batch_size"], "defaults": run(())}
-    for lever in LEVERS:
-        if lever.field not in known:
-            figures[lever.name] = {"status": "not available in this build"}
-            continue
-        default_on = known[lever.field] is True
+    figures: dict = {"train_flags": [str(part) for part in base], "batch_size": info["batch_size"],
+                     "reference": dict(zip((lever.field for lever in LEVERS), reference))}
+    peak = None
+    if runner.device == "cuda":  # no meaningful peak on CPU (fp32 there): MFU reads n/a, as bench_train.py's
         try:
-            off = runs[()] if not default_on else run(lever.off)
-            on = runs[()] if default_on else run(lever.on)
-        except (CheckFailed, CheckTimeout) as err:  # recorded; the next lever still gets what time is left
-            figures[lever.name] = {"status": f"{'timeout' if isinstance(err, CheckTimeout) else 'failed'}: {err}"}
-            continue
-        figures[lever.name] = {"status": "ok", "off": off, "on": on,
-                               "speedup": on["tokens_per_second_per_gpu"] / off["tokens_per_second_per_gpu"],
-                               "step_1_loss_equal": on["step_1_loss"] == off["step_1_loss"]}
+            peak = runner.helper("matmul", {"n": runner.sizes.matmul_size}, deadline=deadline)["bf16_matmul_tflops"]
+        except CheckFailed as err:
+            figures["peak_error"] = str(err)
+    figures["bf16_matmul_tflops"] = peak
+    rows: list[dict] = []
+    ran_out: list[tuple[int, tuple]] = []
+    shortest = 0.0
+    for budget, setting in sweep_order(runner.sizes.budgets, reference):
+        row = {"budget": budget, **dict(zip((lever.field for lever in LEVERS), setting)),
+               "flags": ["--max-tokens-per-gpu", str(budget), *_setting_flags(setting)]}
+        rows.append(row)
+        by = ruled_out_by(budget, setting, ran_out)
+        if row["use_liger_kernels"] and _liger(runner) != "both":
+            row["status"] = _why_no_liger(runner)
+        elif by:
+            row["status"] = f"skipped: out of memory at {by[0]} with {shlex.join(_setting_flags(by[1]))}"
+        elif deadline - time.monotonic() < max(shortest, 5.0):
+            row["status"] = "not run: out of time"
+        else:
+            began = time.monotonic()
+            try:
+                row.update(_timed_train(runner, base, tuple(row["flags"]), deadline), status="ok")
+                shortest = min(shortest or math.inf, time.monotonic() - began)
+            except CheckTimeout:
+                row["status"] = "not finished: out of time"
+            except CheckFailed as err:  # recorded; the next run still gets what time is left
+                row["status"] = "out of memory" if out_of_memory(err.output) else f"failed: {err}"
+                if row["status"] == "out of memory":
+                    ran_out.append((budget, setting))
+            row["seconds"] = time.monotonic() - began
+        speed = f", {row['tokens_per_second_per_gpu']:.0f} tok/s/GPU" if row["status"] == "ok" else ""
+        print(f"        {budget:>6} {shlex.join(_setting_flags(setting))}: {row['status']}{speed}", flush=True)
+
+    dtype = "bfloat16" if runner.device == "cuda" else "float32"  # as setup_model_fsdp computes
+    trained = [r for r in rows if r["status"] == "ok"]
+    ref = next((r for r in trained if _setting(r) == reference), None)
+    for row in trained:
+        row["mfu_of_measured_peak"] = (row["model_tflops_per_second_per_gpu"] / peak
+                                       if peak and row.get("model_tflops_per_second_per_gpu") else None)
+        if ref:
+            row["step_1_loss_relative_difference"] = abs(row["step_1_loss"] - ref["step_1_loss"]) / ref["step_1_loss"]
+            row["exact"] = row["step_1_loss_relative_difference"] <= EXACT_RTOL[dtype]
+        same_budget_ref = next((r for r in trained if r["budget"] == row["budget"] and _setting(r) == reference),
+                               None)
+        if same_budget_ref:
+            row["speedup_vs_defaults"] = (row["tokens_per_second_per_gpu"]
+                                          / same_budget_ref["tokens_per_second_per_gpu"])
+    figures.update(rows=rows, rtol=EXACT_RTOL[dtype], fastest_exact={})
+    budgets = sorted(runner.sizes.budgets, reverse=True)
+    for budget in budgets:
+        figures["fastest_exact"][str(budget)] = _recommendation(fastest_exact(rows, budget), runner.device,
+                                                                largest=budget == budgets[0])
+    for line in sweep_tables(figures):
+        print(line, flush=True)
     return figures
+
+
+def _recommendation(best: dict | None, device: str, *, largest: bool) -> str:
+    if best is None:
+        return "none: no run at this budget both trained and kept the reference's step-1 loss"
+    text = (f"{shlex.join(_setting_flags(_setting(best)))}: {best['tokens_per_second_per_gpu']:.0f} tok/s/GPU, "
+            f"{_fmt(best.get('speedup_vs_defaults'))}x train.py's defaults, {_fmt(best['peak_memory_gb'])} GB")
+    if device != "cuda":
+        return text + " (CPU rehearsal: not a recommendation)"
+    if not largest:
+        return text
+    # Memory grows with the budget, so what fits the largest fits the smaller ones too; the runs' seconds
+    # show what compilation adds to every start-up.
+    return text + ": exact and fits, so the candidate for train.py's default (issue 42 item 4)"
+
+
+def sweep_tables(figures: dict) -> list[str]:
+    """The ``levers`` sweep as one markdown table per budget, then the fastest exact setting of each."""
+    lines = []
+    for budget in figures["fastest_exact"]:
+        lines += ["", f"**{budget} tokens per GPU** (exact: step-1 loss within {figures['rtol']:g} of train.py's "
+                  "defaults)",
+                  "", "| " + " | ".join(lever.field for lever in LEVERS)
+                  + " | tok/s/GPU | MFU (measured peak) | peak GB | step-1 loss | exact | seconds | status |",
+                  "|" + "---|" * (len(LEVERS) + 7)]
+        for r in (r for r in figures["rows"] if str(r["budget"]) == budget):
+            loss = f"{r['step_1_loss']:.6f}" if "step_1_loss" in r else "n/a"
+            lines.append("| " + " | ".join(str(r[lever.field]) for lever in LEVERS) + " | " + " | ".join(
+                _fmt(r.get(key)) for key in ("tokens_per_second_per_gpu", "mfu_of_measured_peak", "peak_memory_gb"))
+                + f" | {loss} | {_fmt(r.get('exact'))} | {_fmt(r.get('seconds'))} | {r['status']} |")
+    lines.append("")
+    for budget, text in figures["fastest_exact"].items():
+        lines.append(f"- Fastest exact at {budget}: {text}")
+    return lines
 
 
 def check_lora(runner: Runner, deadline: float) -> dict:
     """Full fine-tuning, LoRA and QLoRA (r=16, all-linear) side by side: speed, peak memory, step-1 loss."""
     base, info = _train_setup(runner, deadline)
+    base += _bench_speed_flags(runner)
     modes = {"full": (), "lora_r16": ("--lora-rank", "16"),
              "qlora_r16": ("--lora-rank", "16", "--lora-quantize-data-type", "nf4")}
     needs = {"lora_r16": ("peft",), "qlora_r16": ("peft", "torchao")}
@@ -437,6 +586,7 @@ def check_lora(runner: Runner, deadline: float) -> dict:
 def check_osft(runner: Runner, deadline: float) -> dict:
     """Full fine-tuning and OSFT (unfreeze rank ratio 0.25) side by side: tokens/s, MFU, peak memory, step time."""
     base, info = _train_setup(runner, deadline)
+    base += _bench_speed_flags(runner)
     figures: dict = {"train_flags": [str(part) for part in base], "batch_size": info["batch_size"]}
     for mode, extra in (("full", ()), ("osft_0.25", ("--osft", "--osft-unfreeze-rank-ratio", "0.25"))):
         try:
@@ -607,6 +757,7 @@ def summarize(checks: dict) -> dict:
              else packed_off["tokens_per_second_per_gpu"] / padded_off["tokens_per_second_per_gpu"]
              if packed_off and padded_off else None)
     env = checks.get("environment", {}).get("figures", {})
+    fastest = checks.get("levers", {}).get("figures", {}).get("fastest_exact", {})  # the largest budget first
     measured = checks.get("bench_32k", {}).get("figures", {}).get("bf16_matmul_tflops")
     datasheet = env.get("datasheet_bf16_tflops")
 
@@ -630,6 +781,8 @@ def summarize(checks: dict) -> dict:
             "step_time_vs_full"), "target": TARGETS["osft_step_time_vs_full"]},
         "longest_single_sample_ac": {"value": checks.get("long_context", {}).get("figures", {}).get(
             "longest_single_sample"), "target": None},
+        "fastest_exact_setting": {"value": next((f"at {budget}: {text}" for budget, text in fastest.items()), None),
+                                  "target": None},
     }
 
 
@@ -674,6 +827,9 @@ def render_markdown(report: dict) -> str:
                              f"{r['activation_checkpointing']} | {_fmt(r.get('tokens_per_second_per_gpu'))} | "
                              f"{_fmt(r.get('mfu'))} | {_fmt(r.get('peak_memory_gb'))} | {r['status']} |")
             rest = {k: v for k, v in figures.items() if k != "results"}
+        elif "fastest_exact" in figures:  # the levers sweep
+            lines += sweep_tables(figures)
+            rest = {k: v for k, v in figures.items() if k not in ("rows", "fastest_exact")}
         else:
             rest = figures
         if rest:
@@ -698,7 +854,7 @@ def gpu_check(config: GpuCheckConfig) -> dict:
     print(f"gpu-check on {device} into {output_dir} (budget {sizes.time_budget_s:.0f} s)", flush=True)
     report = {"device_kind": device, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "time_budget_s": sizes.time_budget_s, "sizes": dataclasses.asdict(sizes), "exact_rtol": EXACT_RTOL,
-              "levers": [{**dataclasses.asdict(lever), "field": lever.field} for lever in LEVERS], "checks": {}}
+              "levers": [dataclasses.asdict(lever) for lever in LEVERS], "checks": {}}
     try:
         for name, check in CHECKS:
             if config.only_list and name not in config.only_list:

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 import time
@@ -66,11 +68,26 @@ def test_every_sub_check_ran_and_passed_on_cpu(rehearsal):
                    for r in rows.values())
 
     levers = checks["levers"]["figures"]
-    defaults = levers["defaults"]
-    assert defaults["mfu"] is None and defaults["tokens_per_second_per_gpu"] > 0
-    assert defaults["loss_tokens_per_second_per_gpu"] > 0 and defaults["model_flops_per_token"] > 0
-    for lever in gpu_check.LEVERS:
-        assert levers[lever.name]["status"] in ("ok", "not available in this build")
+    rows = levers["rows"]
+    assert [(r["budget"], gpu_check._setting(r)) for r in rows] == gpu_check.sweep_order(
+        gpu_check.CPU_SIZES.budgets, tuple(levers["reference"].values()))
+    reference = rows[0]  # train.py's defaults at the largest budget: always run first
+    assert reference["status"] == "ok" and reference["exact"] and reference["speedup_vs_defaults"] == 1.0
+    assert reference["tokens_per_second_per_gpu"] > 0 and reference["mfu_of_measured_peak"] is None
+    assert reference["loss_tokens_per_second_per_gpu"] > 0 and reference["model_flops_per_token"] > 0
+    out_of_time = False
+    for row in rows:
+        if row["use_liger_kernels"]:
+            assert row["status"] == "not measured: no GPU"
+        elif row["status"] == "ok":
+            assert not out_of_time, "a run started after one was left out for time"
+            assert row["exact"], "fp32 on CPU: every policy and compile keep step 1's loss within 1e-4"
+        else:
+            assert row["status"] in ("not run: out of time", "not finished: out of time"), row
+            out_of_time = True
+    assert levers["fastest_exact"][str(max(gpu_check.CPU_SIZES.budgets))].endswith(
+        "(CPU rehearsal: not a recommendation)")
+    assert report["summary"]["fastest_exact_setting"]["value"].startswith("at 512: --no-use-liger-kernels")
 
     lora = checks["lora"]["figures"]
     assert lora["full"]["status"] == "ok" and lora["lora_r16"]["status"] == "ok"
@@ -107,6 +124,8 @@ def test_report_md_names_device_checks_and_commands(rehearsal):
         assert command in text
     assert f"| torch | {torch.__version__} |" in text
     assert "## Targets" in text
+    assert "| use_liger_kernels | compile | activation_checkpointing | tok/s/GPU |" in text
+    assert "- Fastest exact at 512: --no-use-liger-kernels" in text
 
 
 def test_a_failing_or_slow_sub_check_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
@@ -128,3 +147,53 @@ def test_a_failing_or_slow_sub_check_is_recorded_and_the_rest_run(tmp_path, monk
     assert checks["works"]["status"] == "ok" and checks["works"]["figures"] == {"value": 1}
     assert "broken on purpose" in (tmp_path / "log.txt").read_text()
     assert "| fails | failed |" in (tmp_path / "report.md").read_text()
+
+
+def test_levers_sweep_starts_at_train_py_defaults_and_its_flags_parse_to_its_values(tmp_path):
+    from train import TrainConfig
+    from utils import parse_config
+
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    reference = tuple(defaults[lever.field] for lever in gpu_check.LEVERS)
+    order = gpu_check.sweep_order((16384, 32768), reference)
+    grid = math.prod(len(lever.values) for lever in gpu_check.LEVERS)
+    assert len(order) == len(set(order)) == 2 * grid
+    assert [budget for budget, _ in order] == [32768] * grid + [16384] * grid, "the issue's question first"
+    assert order[0] == (32768, reference) and order[grid] == (16384, reference)
+    assert order[1] == (32768, (True, False, "full")), "Liger first: the known win"
+    required = ["--model-name-or-path", str(tmp_path), "--data-path", str(tmp_path), "--output-dir", str(tmp_path),
+                "--min-samples-per-checkpoint", "1"]
+    for _, setting in order[:grid]:
+        config = parse_config(TrainConfig, [*required, *gpu_check._setting_flags(setting)])
+        assert tuple(getattr(config, lever.field) for lever in gpu_check.LEVERS) == setting
+
+
+def test_an_out_of_memory_rules_out_the_hungrier_settings_only():
+    oom = [(16384, (True, False, "selective"))]
+    ruled_out = {(budget, setting) for budget, setting in gpu_check.sweep_order((16384, 32768), (False, False, "full"))
+                 if gpu_check.ruled_out_by(budget, setting, oom)}
+    # Larger budget, less recomputation, Liger off: each needs at least the memory that ran out; compile
+    # may need more or less, so only the same compile value is ruled out.
+    assert ruled_out == {(budget, (liger, False, policy)) for budget in (16384, 32768) for liger in (True, False)
+                         for policy in ("selective", "none")}
+    assert gpu_check.ruled_out_by(32768, (False, False, "none"), oom) == oom[0]
+    assert gpu_check.ruled_out_by(8192, (True, False, "none"), oom) is None
+
+
+def test_out_of_memory_is_told_from_other_failures_by_the_traceback():
+    assert gpu_check.out_of_memory("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.55 GiB")
+    assert gpu_check.out_of_memory("RuntimeError: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
+    assert not gpu_check.out_of_memory("torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised")
+    assert not gpu_check.out_of_memory("rank 1 is gone (it stopped on its own error, or was killed, e.g. by the "
+                                       "out-of-memory killer)")
+
+
+def test_fastest_exact_skips_inexact_and_failed_runs_and_other_budgets():
+    def row(budget, tokens_per_second, *, status="ok", exact=True):
+        return {"budget": budget, "tokens_per_second_per_gpu": tokens_per_second, "status": status, "exact": exact}
+
+    rows = [row(32768, 100.0), row(32768, 300.0, exact=False), row(32768, 200.0), row(16384, 900.0),
+            row(32768, 0.0, status="out of memory", exact=None)]
+    assert gpu_check.fastest_exact(rows, 32768) is rows[2]
+    assert gpu_check.fastest_exact(rows, 16384) is rows[3]
+    assert gpu_check.fastest_exact(rows, 8192) is None
