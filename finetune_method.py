@@ -91,6 +91,10 @@ class FineTuningMethod:
     frozen_base = False
     """FLOPs: True when the base weights get no gradient, so their matmuls cost 4 N per token, not 6 N."""
 
+    acts_after_update = False
+    """True when ``after_update`` does work: the host must then know whether the step ran, so the optimizer
+    cannot skip a non-finite step on the device alone (``train_step``)."""
+
     def describe(self) -> str:
         """What the start-up line on trainable parameters adds (", LoRA rank 16, ..."); empty here."""
         return ""

@@ -493,6 +493,8 @@ class OSFT(FineTuningMethod):
     """Orthogonal Subspace Fine-Tuning (module docstring): factor shells on meta, SVDs split across the ranks
     at start-up, projections around the optimizer step, dense weights in every export."""
 
+    acts_after_update = True  # the projection after each update
+
     def __init__(self, settings: OSFTSettings) -> None:
         self.settings = settings
 

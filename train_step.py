@@ -23,7 +23,6 @@ import divergence
 import flops
 from attention import model_inputs
 from batch_metrics import StepCounts, step_record
-from finetune_method import FineTuningMethod
 from objective import router_aux_weight
 from optimizers import skips_on_device, step_unless
 from sampler import StepBatch
@@ -120,7 +119,7 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     finite = None
     if empty:
         pass
-    elif skips_on_device(run.optimizer) and type(run.method).after_update is FineTuningMethod.after_update:
+    elif skips_on_device(run.optimizer) and not run.method.acts_after_update:
         step_unless(run.optimizer, torch.isfinite(grad_norm).logical_not().float())
     else:
         finite = bool(torch.isfinite(grad_norm))  # CPU-GPU sync point: this optimizer cannot skip by itself

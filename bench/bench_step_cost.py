@@ -37,7 +37,6 @@ from tqdm import tqdm
 import schedule
 from fixtures.e2e import model_vocab_size, write_tokenized_jsonl
 from fixtures.sync_count import SyncCounter
-from optimizers import OPTIMIZERS
 from setup_run import batch_loader, setup_run
 from tiny_model import build_tiny_model
 from train_config import TrainConfig

@@ -177,3 +177,21 @@ def test_optional_packages_are_imported_only_by_their_feature():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_a_method_that_acts_after_the_update_says_so():
+    """``acts_after_update`` is what train_step asks before it lets the optimizer skip a non-finite step on
+    the device alone: each method declares it exactly when it overrides ``after_update``."""
+    import lora  # noqa: F401  (the methods register as subclasses on import)
+    import osft  # noqa: F401
+    import qlora  # noqa: F401
+    from finetune_method import FineTuningMethod
+
+    methods, todo = [FineTuningMethod], [FineTuningMethod]
+    while todo:
+        todo += todo.pop().__subclasses__()
+        methods += [cls for cls in todo if cls not in methods]
+    assert {"LoRA", "QLoRA", "OSFT"} <= {cls.__name__ for cls in methods}
+    for cls in methods:
+        overrides = cls.after_update is not FineTuningMethod.after_update
+        assert cls.acts_after_update == overrides, cls
