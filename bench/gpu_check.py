@@ -400,11 +400,19 @@ def _timed_train(runner: Runner, base: list, extra: tuple[str, ...], deadline: f
                 "model_tflops_per_second_per_gpu", "time_per_batch")}}
 
 
-def sweep_order(budgets: tuple[int, ...], reference: tuple) -> list[tuple[int, tuple]]:
-    """The ``levers`` runs in the order that answers first: the largest budget (the issue's question) before
-    the smaller, and in each, ``reference`` (train.py's defaults) first, then the grid in ``LEVERS``' order."""
-    settings = [reference, *(s for s in itertools.product(*(lever.values for lever in LEVERS)) if s != reference)]
-    return [(budget, setting) for budget in sorted(budgets, reverse=True) for setting in settings]
+def settings_order(reference: tuple, larger: list[dict] = ()) -> list[tuple]:
+    """The settings in the order one budget runs them, ``reference`` (train.py's defaults) first.
+
+    At the largest budget (the issue's question, run first; ``larger`` empty) the grid in ``LEVERS``' order.
+    At a smaller one, ``larger`` holds the rows of the budget above: what trained there runs first, fastest
+    first, then what ran out of memory there (it may fit here), then the rest. A 10-minute call that runs out
+    of time at the smaller budget has still measured there the settings that matter.
+    """
+    grid = [reference, *(s for s in itertools.product(*(lever.values for lever in LEVERS)) if s != reference)]
+    speed = {_setting(r): r["tokens_per_second_per_gpu"] for r in larger if r["status"] == "ok"}
+    ran_out = {_setting(r) for r in larger if r["status"] == "out of memory"}
+    return sorted(grid, key=lambda s: (s != reference, s not in speed, -speed.get(s, 0.0), s not in ran_out,
+                                       grid.index(s)))
 
 
 def ruled_out_by(budget: int, setting: tuple, out_of_memory: list[tuple[int, tuple]]) -> tuple[int, tuple] | None:
@@ -452,7 +460,7 @@ def check_levers(runner: Runner, deadline: float) -> dict:
 
     Bounded by ``deadline``: a run is not started when less time is left than the shortest run so far took
     ("not run: out of time"; one that starts and meets the deadline reads "not finished: out of time"), nor
-    when a run that needed no more memory ran out ("skipped: ..."); hence the order of ``sweep_order``, so
+    when a run that needed no more memory ran out ("skipped: ..."); hence the order of ``settings_order``, so
     whatever fits gives an answer. Out of memory is told from other failures by train.py's traceback.
     """
     from train import TrainConfig
@@ -472,31 +480,33 @@ def check_levers(runner: Runner, deadline: float) -> dict:
     rows: list[dict] = []
     ran_out: list[tuple[int, tuple]] = []
     shortest = 0.0
-    for budget, setting in sweep_order(runner.sizes.budgets, reference):
-        row = {"budget": budget, **dict(zip((lever.field for lever in LEVERS), setting)),
-               "flags": ["--max-tokens-per-gpu", str(budget), *_setting_flags(setting)]}
-        rows.append(row)
-        by = ruled_out_by(budget, setting, ran_out)
-        if row["use_liger_kernels"] and _liger(runner) != "both":
-            row["status"] = _why_no_liger(runner)
-        elif by:
-            row["status"] = f"skipped: out of memory at {by[0]} with {shlex.join(_setting_flags(by[1]))}"
-        elif deadline - time.monotonic() < max(shortest, 5.0):
-            row["status"] = "not run: out of time"
-        else:
-            began = time.monotonic()
-            try:
-                row.update(_timed_train(runner, base, tuple(row["flags"]), deadline), status="ok")
-                shortest = min(shortest or math.inf, time.monotonic() - began)
-            except CheckTimeout:
-                row["status"] = "not finished: out of time"
-            except CheckFailed as err:  # recorded; the next run still gets what time is left
-                row["status"] = "out of memory" if out_of_memory(err.output) else f"failed: {err}"
-                if row["status"] == "out of memory":
-                    ran_out.append((budget, setting))
-            row["seconds"] = time.monotonic() - began
-        speed = f", {row['tokens_per_second_per_gpu']:.0f} tok/s/GPU" if row["status"] == "ok" else ""
-        print(f"        {budget:>6} {shlex.join(_setting_flags(setting))}: {row['status']}{speed}", flush=True)
+    budgets = sorted(runner.sizes.budgets, reverse=True)
+    for budget, larger_budget in zip(budgets, [None, *budgets]):
+        for setting in settings_order(reference, [r for r in rows if r["budget"] == larger_budget]):
+            row = {"budget": budget, **dict(zip((lever.field for lever in LEVERS), setting)),
+                   "flags": ["--max-tokens-per-gpu", str(budget), *_setting_flags(setting)]}
+            rows.append(row)
+            by = ruled_out_by(budget, setting, ran_out)
+            if row["use_liger_kernels"] and _liger(runner) != "both":
+                row["status"] = _why_no_liger(runner)
+            elif by:
+                row["status"] = f"skipped: out of memory at {by[0]} with {shlex.join(_setting_flags(by[1]))}"
+            elif deadline - time.monotonic() < max(shortest, 5.0):
+                row["status"] = "not run: out of time"
+            else:
+                began = time.monotonic()
+                try:
+                    row.update(_timed_train(runner, base, tuple(row["flags"]), deadline), status="ok")
+                    shortest = min(shortest or math.inf, time.monotonic() - began)
+                except CheckTimeout:
+                    row["status"] = "not finished: out of time"
+                except CheckFailed as err:  # recorded; the next run still gets what time is left
+                    row["status"] = "out of memory" if out_of_memory(err.output) else f"failed: {err}"
+                    if row["status"] == "out of memory":
+                        ran_out.append((budget, setting))
+                row["seconds"] = time.monotonic() - began
+            speed = f", {row['tokens_per_second_per_gpu']:.0f} tok/s/GPU" if row["status"] == "ok" else ""
+            print(f"        {budget:>6} {shlex.join(_setting_flags(setting))}: {row['status']}{speed}", flush=True)
 
     dtype = "bfloat16" if runner.device == "cuda" else "float32"  # as setup_model_fsdp computes
     trained = [r for r in rows if r["status"] == "ok"]
@@ -513,7 +523,6 @@ def check_levers(runner: Runner, deadline: float) -> dict:
             row["speedup_vs_defaults"] = (row["tokens_per_second_per_gpu"]
                                           / same_budget_ref["tokens_per_second_per_gpu"])
     figures.update(rows=rows, rtol=EXACT_RTOL[dtype], fastest_exact={})
-    budgets = sorted(runner.sizes.budgets, reverse=True)
     for budget in budgets:
         figures["fastest_exact"][str(budget)] = _recommendation(fastest_exact(rows, budget), runner.device,
                                                                 largest=budget == budgets[0])

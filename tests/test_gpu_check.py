@@ -69,8 +69,13 @@ def test_every_sub_check_ran_and_passed_on_cpu(rehearsal):
 
     levers = checks["levers"]["figures"]
     rows = levers["rows"]
-    assert [(r["budget"], gpu_check._setting(r)) for r in rows] == gpu_check.sweep_order(
-        gpu_check.CPU_SIZES.budgets, tuple(levers["reference"].values()))
+    reference_setting = tuple(levers["reference"].values())
+    large, small = sorted(gpu_check.CPU_SIZES.budgets, reverse=True)
+    large_rows = [r for r in rows if r["budget"] == large]
+    assert [gpu_check._setting(r) for r in large_rows] == gpu_check.settings_order(reference_setting)
+    assert [gpu_check._setting(r) for r in rows if r["budget"] == small] == gpu_check.settings_order(
+        reference_setting, large_rows)
+    assert [r["budget"] for r in rows] == [large] * len(large_rows) + [small] * (len(rows) - len(large_rows))
     reference = rows[0]  # train.py's defaults at the largest budget: always run first
     assert reference["status"] == "ok" and reference["exact"] and reference["speedup_vs_defaults"] == 1.0
     assert reference["tokens_per_second_per_gpu"] > 0 and reference["mfu_of_measured_peak"] is None
@@ -155,22 +160,37 @@ def test_levers_sweep_starts_at_train_py_defaults_and_its_flags_parse_to_its_val
 
     defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
     reference = tuple(defaults[lever.field] for lever in gpu_check.LEVERS)
-    order = gpu_check.sweep_order((16384, 32768), reference)
+    order = gpu_check.settings_order(reference)
     grid = math.prod(len(lever.values) for lever in gpu_check.LEVERS)
-    assert len(order) == len(set(order)) == 2 * grid
-    assert [budget for budget, _ in order] == [32768] * grid + [16384] * grid, "the issue's question first"
-    assert order[0] == (32768, reference) and order[grid] == (16384, reference)
-    assert order[1] == (32768, (True, False, "full")), "Liger first: the known win"
+    assert len(order) == len(set(order)) == grid
+    assert order[0] == reference
+    assert order[1] == (True, False, "full"), "Liger first: the known win"
     required = ["--model-name-or-path", str(tmp_path), "--data-path", str(tmp_path), "--output-dir", str(tmp_path),
                 "--min-samples-per-checkpoint", "1"]
-    for _, setting in order[:grid]:
+    for setting in order:
         config = parse_config(TrainConfig, [*required, *gpu_check._setting_flags(setting)])
         assert tuple(getattr(config, lever.field) for lever in gpu_check.LEVERS) == setting
 
 
+def test_a_smaller_budget_runs_the_larger_ones_winners_first_then_what_did_not_fit_there():
+    reference = (False, False, "full")
+    larger = [{"status": "ok", "tokens_per_second_per_gpu": 100.0},
+              {"status": "ok", "tokens_per_second_per_gpu": 130.0},
+              {"status": "out of memory"}, {"status": "not run: out of time"}, {"status": "ok",
+                                                                                "tokens_per_second_per_gpu": 90.0}]
+    settings = [reference, (True, False, "full"), (True, False, "none"), (True, True, "full"), (True, False, "selective")]
+    larger = [{**row, **dict(zip((lever.field for lever in gpu_check.LEVERS), setting))}
+              for row, setting in zip(larger, settings)]
+    order = gpu_check.settings_order(reference, larger)
+    assert order[:5] == [reference, (True, False, "full"), (True, False, "selective"), (True, False, "none"),
+                         (True, True, "full")]
+    assert sorted(order) == sorted(gpu_check.settings_order(reference))
+
+
 def test_an_out_of_memory_rules_out_the_hungrier_settings_only():
     oom = [(16384, (True, False, "selective"))]
-    ruled_out = {(budget, setting) for budget, setting in gpu_check.sweep_order((16384, 32768), (False, False, "full"))
+    ruled_out = {(budget, setting) for budget in (16384, 32768)
+                 for setting in gpu_check.settings_order((False, False, "full"))
                  if gpu_check.ruled_out_by(budget, setting, oom)}
     # Larger budget, less recomputation, Liger off: each needs at least the memory that ran out; compile
     # may need more or less, so only the same compile value is ruled out.
