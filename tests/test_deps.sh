@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 report_only=(${DEPS_REPORT_ONLY-torch==2.11.0,transformers==5.17.0})
-combos=(${DEPS_COMBOS:-torch==2.11.0,transformers==5.23.0 torch==2.14.1,transformers==5.24.0} "${report_only[@]}")
+combos=(${DEPS_COMBOS:-torch==2.11.0,transformers==5.23.0 torch==2.15.0,transformers==5.24.0} "${report_only[@]}")
 tests=(tests/test_architectures.py tests/test_resume.py)
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false CUDA_VISIBLE_DEVICES=
 
