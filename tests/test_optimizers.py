@@ -64,6 +64,7 @@ def test_adamw_on_cpu_is_unchanged_and_cannot_skip_by_itself():
 
 
 def test_8bit_adamw_keeps_8bit_moments():
+    pytest.importorskip("torchao", reason="the 8-bit AdamW needs torchao (requirements-dev.txt)")
     params = _params()
     optimizer = build_optimizer("adamw_8bit", [{"params": params, "weight_decay": 0.0}], lr=1e-3,
                                 betas=(0.9, 0.95), device=torch.device("cpu"))
@@ -90,6 +91,7 @@ def _args(model: Path, data: Path, out: Path) -> list[str]:
 
 
 def test_8bit_adamw_killed_and_resumed_equals_uninterrupted(tmp_path, chatml_model, data_path):
+    pytest.importorskip("torchao", reason="the 8-bit AdamW needs torchao (requirements-dev.txt)")
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert_ok(torchrun(_args(chatml_model, data_path, whole), timeout=900))
     killed = torchrun(_args(chatml_model, data_path, resumed), timeout=900,
