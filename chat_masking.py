@@ -56,6 +56,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Message fields transformers copies into each other before rendering (``_alias_reasoning_fields``);
 # messages carrying any of them take the slower, exact library path.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_NO_REASONING_FIELD = frozenset(_REASONING_FIELDS).isdisjoint  # of a message dict: none of its keys is one
 
 # What a chat template may raise on a conversation it refuses: raise_exception()
 # and undefined lookups are TemplateErrors; bad operands surface as Python errors.
@@ -313,6 +314,8 @@ def _mark(kind: str, index: int) -> str:
 def _wrap(text: str, index: int, kinds: str = "oc") -> str:
     """``text`` between two sentinels, inside its leading and trailing whitespace (a template's
     ``trim`` then removes the same characters as on the plain text)."""
+    if text and not text[0].isspace() and not text[-1].isspace():
+        return f"{_MARK_OPEN}{kinds[0]}{index}{_MARK_CLOSE}{text}{_MARK_OPEN}{kinds[1]}{index}{_MARK_CLOSE}"
     core = text.strip()
     if not core:
         return text
@@ -340,14 +343,26 @@ def _with_sentinels(messages: list[dict]) -> list[dict]:
 
 def _strip_marks(text: str) -> tuple[str, list[tuple[int, str, int]]]:
     """``text`` without sentinels, and ``(position in that text, kind, message index)`` of each."""
-    pieces, marks, pos, removed = [], [], 0, 0
-    for match in _MARK.finditer(text):
-        pieces.append(text[pos:match.start()])
-        marks.append((match.start() - removed, match.group(1), int(match.group(2))))
-        removed += match.end() - match.start()
-        pos = match.end()
-    pieces.append(text[pos:])
+    # One split in C gives [text, kind, index, text, kind, index, ..., text].
+    parts = _MARK.split(text)
+    pieces = parts[::3]
+    marks, pos = [], 0
+    for k in range(1, len(parts), 3):
+        pos += len(parts[k - 1])
+        marks.append((pos, parts[k], int(parts[k + 1])))
     return "".join(pieces), marks
+
+
+def _after_last_mark(text: str) -> str:
+    """What follows the last sentinel of ``text`` (all of it when it has none)."""
+    # A mark holds one opener, at its start: when the last opener starts a mark, no mark follows it.
+    # An opener that starts none (a template's own character) leaves the whole search to the regex.
+    at = text.rfind(_MARK_OPEN)
+    match = _MARK.match(text, at) if at >= 0 else None
+    if match is None and at >= 0:
+        matches = list(_MARK.finditer(text))
+        return text[matches[-1].end():] if matches else text
+    return text[match.end():] if match else text
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -418,12 +433,11 @@ def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, en
             prompt = render(marked_messages[:i], True)
         except SampleError:
             return None
-        tail_marks = list(_MARK.finditer(prompt))
-        tail = prompt[tail_marks[-1].end():] if tail_marks else prompt
+        tail = _after_last_mark(prompt)
         matched = _align_prompt(tail, full, prev_pos, first_own, special_tokens)
         if matched is None:
             return None
-        if any(full.startswith(token, matched) for token in special_tokens):
+        if special_tokens and full.startswith(special_tokens, matched):
             matched = _after_header(render, marked_messages[:i], prompt, full, matched, first_own, special_tokens)
         start = max(matched, last_end)
         hits = [at for at in (full.find(end, last_own, limit) for end in ends) if at >= 0]
@@ -505,6 +519,8 @@ def _align_prompt(tail: str, full: str, begin: int, stop: int, special_tokens: t
                 return at
         return None
 
+    if full.startswith(tail, begin, stop):  # the usual case: the whole prompt is there
+        return begin + len(tail)
     pos, rest = begin, tail
     matched = _common_prefix_len(rest, full[begin:stop])
     while matched and matched < len(rest):  # never stop inside a special token (<think> vs <tool_call>)
@@ -774,8 +790,7 @@ class ChatEncoder:
         if self.chat_template is None:
             raise SampleError("no_chat_template", "the tokenizer has no chat template")
         try:
-            if self._compiled is not None and not any(
-                    key in message for message in messages for key in _REASONING_FIELDS):
+            if self._compiled is not None and all(map(_NO_REASONING_FIELD, messages)):
                 # What render_jinja_template does for plain JSON messages without reasoning fields
                 # (its copying and aliasing are no-ops then), minus ~60% of the Python overhead.
                 return self._compiled(messages=messages, tools=tools, documents=None,
