@@ -432,6 +432,20 @@ def test_non_incremental_template_is_located_in_the_full_rendering(tokenizers, t
         "Four.<|im_end|>", "It jumps over the lazy dog.<|im_end|>"]
 
 
+def test_template_writing_a_sentinel_character_itself(tokenizers, tmp_path):
+    """The sentinels are private-use characters; a template that writes one itself (here after every
+    turn, so it follows the last sentinel of each generation prompt) still has its replies located."""
+    odd = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+           "'<|im_end|>\\n\ue000\\n' }}{%- endfor %}"
+           "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    tok = _tokenizer_with_template(tokenizers["chatml"], odd, tmp_path / "odd")
+    sample = encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["multi_turn_system"])
+    assert sample.rule == "sentinel" and sample.num_replies == sample.num_replies_end_learned == 2
+    assert _learned_text(tok, sample.input_ids, sample.labels) == [
+        "Four.<|im_end|>", "It jumps over the lazy dog.<|im_end|>"]
+    assert sample.input_ids == list(tok.apply_chat_template(CONVERSATIONS["multi_turn_system"])["input_ids"])
+
+
 def test_template_rewriting_a_reply_falls_back_loudly(tokenizers, tmp_path):
     """A template that cuts replies short hides the sentinels: the older incremental rule is used and
     the row says so; a reply it cannot locate either is rejected, never guessed."""
