@@ -419,26 +419,24 @@ def test_template_rendering_old_turns_differently(tokenizers, tmp_path):
     assert sample.input_ids == list(tok.apply_chat_template(CONVERSATIONS["multi_turn_system"])["input_ids"])
 
 
-def test_non_incremental_template_is_located_in_the_full_rendering(tokenizers, tmp_path):
-    """A template whose every rendering changes with the conversation's length: no rendering of a
-    prefix is a prefix of the whole, yet the sentinels find each reply in the whole rendering."""
-    counting = ("{{- messages | length }} messages\\n"
-                "{%- for message in messages %}{{- message['role'] + ':\\n' + message['content'] + '<|im_end|>' }}"
-                "{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant:\\n' }}{%- endif %}")
-    tok = _tokenizer_with_template(tokenizers["chatml"], counting, tmp_path / "counting")
-    sample = encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["multi_turn_system"])
-    assert sample.rule == "sentinel" and sample.num_replies == sample.num_replies_end_learned == 2
-    assert _learned_text(tok, sample.input_ids, sample.labels) == [
-        "Four.<|im_end|>", "It jumps over the lazy dog.<|im_end|>"]
+# Located by the sentinels in templates the older rule cannot follow: every rendering changes with the
+# conversation's length (no rendering of a prefix is a prefix of the whole); the template writes a
+# sentinel's private-use character itself, after every turn, so one follows the last sentinel of each
+# generation prompt.
+UNUSUAL_TEMPLATES = {
+    "counting": ("{{- messages | length }} messages\\n"
+                 "{%- for message in messages %}{{- message['role'] + ':\\n' + message['content'] + '<|im_end|>' }}"
+                 "{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant:\\n' }}{%- endif %}"),
+    "writes_a_sentinel_character": (
+        "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>\\n\ue000\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
+}
 
 
-def test_template_writing_a_sentinel_character_itself(tokenizers, tmp_path):
-    """The sentinels are private-use characters; a template that writes one itself (here after every
-    turn, so it follows the last sentinel of each generation prompt) still has its replies located."""
-    odd = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-           "'<|im_end|>\\n\ue000\\n' }}{%- endfor %}"
-           "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-    tok = _tokenizer_with_template(tokenizers["chatml"], odd, tmp_path / "odd")
+@pytest.mark.parametrize("name", sorted(UNUSUAL_TEMPLATES))
+def test_replies_are_located_in_the_full_rendering(tokenizers, tmp_path, name):
+    tok = _tokenizer_with_template(tokenizers["chatml"], UNUSUAL_TEMPLATES[name], tmp_path / name)
     sample = encode(ChatEncoder(tok, max_sample_num_tokens=1 << 30), CONVERSATIONS["multi_turn_system"])
     assert sample.rule == "sentinel" and sample.num_replies == sample.num_replies_end_learned == 2
     assert _learned_text(tok, sample.input_ids, sample.labels) == [
