@@ -314,14 +314,11 @@ def _mark(kind: str, index: int) -> str:
 def _wrap(text: str, index: int, kinds: str = "oc") -> str:
     """``text`` between two sentinels, inside its leading and trailing whitespace (a template's
     ``trim`` then removes the same characters as on the plain text)."""
-    if text and not text[0].isspace() and not text[-1].isspace():
-        return f"{_MARK_OPEN}{kinds[0]}{index}{_MARK_CLOSE}{text}{_MARK_OPEN}{kinds[1]}{index}{_MARK_CLOSE}"
     core = text.strip()
     if not core:
         return text
-    lead = text[: len(text) - len(text.lstrip())]
-    trail = text[len(text.rstrip()):]
-    return f"{lead}{_mark(kinds[0], index)}{core}{_mark(kinds[1], index)}{trail}"
+    lead = len(text) - len(text.lstrip())
+    return f"{text[:lead]}{_mark(kinds[0], index)}{core}{_mark(kinds[1], index)}{text[lead + len(core):]}"
 
 
 def _with_sentinels(messages: list[dict]) -> list[dict]:
@@ -358,19 +355,27 @@ def _after_last_mark(text: str) -> str:
     # A mark holds one opener, at its start: when the last opener starts a mark, no mark follows it.
     # An opener that starts none (a template's own character) leaves the whole search to the regex.
     at = text.rfind(_MARK_OPEN)
-    match = _MARK.match(text, at) if at >= 0 else None
-    if match is None and at >= 0:
-        matches = list(_MARK.finditer(text))
-        return text[matches[-1].end():] if matches else text
-    return text[match.end():] if match else text
+    if at < 0:
+        return text
+    last = _MARK.match(text, at)
+    if last is None:
+        last = next(reversed(list(_MARK.finditer(text))), None)
+    return text[last.end():] if last else text
 
 
 def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """The length of the longest common prefix: a binary search of ``startswith`` comparisons in C,
+    one when ``b`` starts with the whole of ``a`` (a generation prompt found whole, the usual case)."""
+    if b.startswith(a):
+        return len(a)
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; a[:high + 1] != b[:high + 1]
+    while low < high:
+        mid = (low + high + 1) // 2
+        if b.startswith(a[low:mid], low):
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, ends: tuple[str, ...],
@@ -502,7 +507,7 @@ def _align_prompt(tail: str, full: str, begin: int, stop: int, special_tokens: t
         """Ends of pieces of ``text``, longest first."""
         cuts = {len(text)}
         for k in range(1, len(text)):
-            if text[k - 1] == "\n" or any(text.endswith(token, 0, k) for token in special_tokens):
+            if text[k - 1] == "\n" or text.endswith(special_tokens, 0, k):
                 cuts.add(k)
         return sorted(cuts, reverse=True)
 
@@ -519,17 +524,15 @@ def _align_prompt(tail: str, full: str, begin: int, stop: int, special_tokens: t
                 return at
         return None
 
-    if full.startswith(tail, begin, stop):  # the usual case: the whole prompt is there
-        return begin + len(tail)
-    pos, rest = begin, tail
-    matched = _common_prefix_len(rest, full[begin:stop])
+    pos, rest, between = begin, tail, full[begin:stop]
+    matched = _common_prefix_len(rest, between)
     while matched and matched < len(rest):  # never stop inside a special token (<think> vs <tool_call>)
         cut = inside_token(rest, matched)
-        cut = inside_token(full[begin:stop], matched) if cut is None else cut
+        cut = inside_token(between, matched) if cut is None else cut
         if cut is None:
             break
         matched = cut
-    if rest and not matched and not skippable(full[begin:stop][:1]):
+    if rest and not matched and not skippable(between[:1]):
         return None
     pos, rest = pos + matched, rest[matched:]
     while rest:
