@@ -23,6 +23,7 @@ test suite.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -30,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.bench_process_data import BenchConfig, build_inputs, from_sharegpt, run_timed
+from bench.bench_process_data import PARQUET_ROW_GROUP, BenchConfig, build_inputs, input_messages, run_timed
 from utils import config_field, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,9 +58,10 @@ def write_messages_parquet(sharegpt: Path, out: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    conversations = input_messages(sharegpt)
     writer = None
-    for batch in pq.ParquetFile(sharegpt).iter_batches(batch_size=10_000):
-        table = pa.Table.from_pylist([{"messages": from_sharegpt(row)} for row in batch.to_pylist()])
+    while batch := list(itertools.islice(conversations, PARQUET_ROW_GROUP)):
+        table = pa.Table.from_pylist([{"messages": messages} for messages in batch])
         writer = writer or pq.ParquetWriter(out, table.schema)
         writer.write_table(table)
     writer.close()
@@ -96,8 +98,6 @@ def trl_prepare(input_path: str, tokenizer_dir: str, num_proc: int, cache_dir: s
 def compare(ours: Path, theirs: Path) -> tuple[int, int]:
     """(rows, rows whose input_ids or labels differ or that one side lacks): process_data's JSON lines
     against TRL's prepared dataset, row by row."""
-    import itertools
-
     import datasets
 
     prepared = datasets.load_from_disk(str(theirs))
