@@ -356,13 +356,12 @@ def init_distributed(timeout_minutes: float = 30.0, *, cpu_offload: bool = False
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            # Plain `python train.py`: a one-process group keeps one code path.
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = process_group_backend(dtype, cpu_offload=cpu_offload)
+        # Plain `python train.py`: a one-process group keeps one code path. Its store lives in this process:
+        # a TCP port picked free and bound a moment later can be taken meanwhile (EADDRINUSE on a busy host).
+        alone = "MASTER_ADDR" not in os.environ and world_size == 1
         dist.init_process_group(
-            backend=backend,
+            backend=process_group_backend(dtype, cpu_offload=cpu_offload),
+            store=dist.HashStore() if alone else None,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
@@ -550,12 +549,6 @@ def write_error_file(line: str) -> None:
             json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
     except OSError as err:  # the report falls back to "<N/A>"; the line is in the log already
         logger.warning("could not write torchrun's error file %s (%s)", path, err.strerror or err)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def synchronize() -> None:

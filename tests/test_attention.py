@@ -407,18 +407,11 @@ def test_torch_varlen_model_loss_matches_reference_on_gpu(chatml_model):
 
 
 
-def test_sharded_model_through_setup_model_gives_the_same_loss(chatml_model, monkeypatch):
+def test_sharded_model_through_setup_model_gives_the_same_loss(chatml_model):
     """setup_model (FSDP2, one gloo process, activation checkpointing) with reference_varlen equals sdpa."""
     from setup_model_fsdp import setup_model
     from utils import init_distributed
 
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
     dist_info = init_distributed()
     lengths = [6, 2, 9]
     row, _ = packed_sample_batch(model_vocab_size(chatml_model), lengths)

@@ -9,7 +9,6 @@ counted by op under a ``TorchDispatchMode`` around ``backward()``.
 
 from __future__ import annotations
 
-import socket
 from collections import Counter
 from types import SimpleNamespace
 
@@ -41,13 +40,8 @@ class _OpCounter(TorchDispatchMode):
 
 
 @pytest.fixture
-def dist_info(monkeypatch):
+def dist_info():
     """One gloo process (conftest destroys its group after the test)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
     return init_distributed()
 
 
