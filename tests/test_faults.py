@@ -116,8 +116,7 @@ class _Launch:
         try:
             code = self.proc.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            self.kill()  # ranks included: left running, they would load the tests after this one
             pytest.fail(f"the job did not exit within {seconds} s:\n{self.output[-4000:]}")
         self._reader.join(timeout=10)
         return code
@@ -404,7 +403,8 @@ def test_a_rank_killed_by_the_oom_killer_makes_the_survivor_exit_at_once_naming_
     assert "[rank0] ERROR" in output and f"rank 1 (pid {rank_1} on {socket.gethostname()}) is gone" in output, \
         output[-4000:]
     assert "forcefully exiting" not in output, "torchrun had to SIGKILL the survivor"
-    assert took < 15, f"the survivor took {took:.1f} s"
+    # Was 10 s while a forked loader worker held the killed rank's sockets open until torch's own check.
+    assert took < 5, f"the survivor took {took:.1f} s"
     _no_worker_traceback(output, killed_rank=1)
     assert _complete_and_verified(out) in ([], ["samples_24"]), "nothing half-written is kept"
 
