@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import itertools
 import json
-import os
 import signal
 import sys
 import warnings
@@ -579,7 +577,7 @@ def _identity(item: StepBatch) -> StepBatch:
     return item
 
 
-def _worker_init(worker_id: int, *, rank_pid: int) -> None:
+def _worker_init(worker_id: int) -> None:
     # Collation is numpy plus small copies: extra intra-op threads only contend.
     torch.set_num_threads(1)
     # SLURM and torchrun signal the whole process group at preemption (torchrun passes
@@ -588,22 +586,20 @@ def _worker_init(worker_id: int, *, rank_pid: int) -> None:
     # and shuts workers down.
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    _die_with(rank_pid)
+    _die_with_parent()
 
 
-def _die_with(rank_pid: int) -> None:
-    """SIGKILL this worker the moment its rank dies (Linux), rather than at torch's next 5-second check.
+def _die_with_parent() -> None:
+    """SIGKILL this worker the moment its rank dies (Linux), rather than at torch's next 5-second check
+    (which still catches a rank that died before this request).
 
     A forked worker holds copies of its rank's sockets: while it lives, the peers' collectives see no
     closed connection from a rank the out-of-memory killer took, and wait (seen: 30 s, until torchrun
     killed them). The loader is built on the main thread, whose death is what the kernel reports.
     """
-    if sys.platform != "linux":
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if os.getppid() != rank_pid:  # the rank died before the request took effect
-        os._exit(1)
+    if sys.platform == "linux":
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
 
 def make_batch_loader(
@@ -682,7 +678,7 @@ def make_batch_loader(
         num_workers=num_workers,
         collate_fn=_identity,
         pin_memory=pin_memory,
-        worker_init_fn=functools.partial(_worker_init, rank_pid=os.getpid()) if num_workers else None,
+        worker_init_fn=_worker_init if num_workers else None,
         prefetch_factor=prefetch_factor if num_workers else None,
     )
     return BatchLoader(iter(loader))
