@@ -16,7 +16,7 @@ The cache folder is named by a fingerprint of everything that decides its bytes:
 * the tokenizer as loaded (its serialised Rust tokenizer, special tokens) and the chat template
   used (``--chat-template``'s text or the tokenizer's own);
 * the options: ``--max-sample-num-tokens``, ``--end-of-turn-token``, ``--mask-reasoning``,
-  ``--input-format``, ``--columns``;
+  ``--input-format``, ``--columns``, the split and subset (``--data-split``, ``--data-subset``);
 * the code that turns rows into tokens and labels (the source of ``process_data.py``,
   ``chat_masking.py``, ``data_formats.py``, ``data_sources.py``) and the transformers and tokenizers
   versions that render and encode: a fix to the masking never trains on labels the old code made.

@@ -13,7 +13,10 @@ through ``datasets.load_dataset(..., streaming=True)``.
     .arrow                       pyarrow.ipc (file or stream)        row
     .csv                         pyarrow.csv, every column a string  row
     save_to_disk folder          datasets.load_from_disk (--split)   row
-    folder / glob of the above   each file in name order             per file
+    folder of the above          --split's files, at any depth       per file
+                                 (README.md configs or file names,
+                                 as datasets splits a folder)
+    glob of the above            each file in name order             per file
     org/name (not a local path)  datasets.load_dataset (--split, --subset, streaming)   row
 
 Any other file name is read as JSON lines (as before).
@@ -25,6 +28,7 @@ import glob
 import gzip
 import io
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +60,7 @@ class Input:
     files: tuple[Path, ...] = ()
     split: str = "train"
     subset: str | None = None
+    note: str = ""  # how a folder's split was chosen, and what it left out
 
     def describe(self) -> str:
         if self.kind == "hub":
@@ -63,9 +68,10 @@ class Input:
         if self.kind == "saved":
             return f"datasets folder {self.spec} (split {self.split})"
         kinds = sorted({_kind(path) for path in self.files})
+        note = f"; {self.note}" if self.note else ""
         if len(self.files) == 1:
-            return f"{self.files[0]} ({kinds[0]})"
-        return f"{len(self.files)} files from {self.spec} ({', '.join(kinds)})"
+            return f"{self.files[0]} ({kinds[0]}{note})"
+        return f"{len(self.files)} files from {self.spec} ({', '.join(kinds)}{note})"
 
     def num_rows(self) -> int | None:
         """The number of rows where it is cheap to know (lines of plain JSON files, table metadata)."""
@@ -89,8 +95,8 @@ class Input:
         elif self.kind == "hub":
             yield from _hub_chunks(self, chunk_size)
         else:
-            for path in self.files:  # one file keeps --input-file's spelling in messages
-                yield from _file_chunks(path, chunk_size, self.spec if len(self.files) == 1 else str(path))
+            for path in self.files:  # a file named by --input-file keeps its spelling in messages
+                yield from _file_chunks(path, chunk_size, self.spec if self.files == (Path(self.spec),) else str(path))
 
 
 def open_input(spec: str, *, split: str = "train", subset: str | None = None) -> Input:
@@ -101,12 +107,7 @@ def open_input(spec: str, *, split: str = "train", subset: str | None = None) ->
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             return Input(spec, "saved", split=split, subset=subset)
-        files = tuple(sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")
-                             and _kind(p) != "unknown"))
-        if not files:
-            raise ValueError(f"input folder {spec} holds no {', '.join(JSON_SUFFIXES + TABLE_SUFFIXES)} file "
-                             "and is no datasets save_to_disk folder")
-        return Input(spec, "files", files, split, subset)
+        return _dataset_folder(spec, path, split, subset)
     if any(char in spec for char in "*?["):
         files = tuple(sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()))
         if not files:
@@ -115,6 +116,103 @@ def open_input(spec: str, *, split: str = "train", subset: str | None = None) ->
     if _HUB_ID.fullmatch(spec) and not path.is_absolute() and _kind(path) == "unknown":
         return Input(spec, "hub", split=split, subset=subset)
     raise ValueError(f"input file {spec} does not exist")
+
+
+def _dataset_folder(spec: str, path: Path, split: str, subset: str | None) -> Input:
+    """``--split``'s files of a folder, split as ``datasets.load_dataset(folder)`` splits it.
+
+    A hub dataset repository as downloaded holds every split (``data/train-00000-of-00002.parquet``,
+    ``data/test-00000-of-00001.parquet``) and maybe several configs: reading all its files would
+    train on the test split, or on a config twice. So the files of a known kind, at any depth, are
+    split by the ``configs`` its README.md declares (``--subset`` picks one when there are several
+    and none is the default) or else by their names (``train.jsonl``, ``validation/``...), with
+    datasets' own patterns; a folder whose names mark no split is all ``train``.
+    """
+    base = Path(os.path.abspath(path))
+    files = sorted((p for p in base.rglob("*") if p.is_file() and _kind(p) != "unknown"
+                    and not any(part.startswith((".", "__")) for part in p.relative_to(base).parts)),
+                   key=lambda p: p.relative_to(base).parts)
+    if not files:
+        raise ValueError(f"input folder {spec} holds no {', '.join(JSON_SUFFIXES + TABLE_SUFFIXES)} file "
+                         "and is no datasets save_to_disk folder")
+    patterns, by, root = _split_patterns(spec, base, subset)
+    from datasets.data_files import resolve_pattern
+
+    splits: dict[str, list[Path]] = {}
+    for name, split_patterns in patterns.items():
+        matched: set[str] = set()
+        for pattern in split_patterns:
+            try:
+                matched.update(resolve_pattern(pattern, str(root)))
+            except FileNotFoundError:
+                continue
+        chosen = [p for p in files if str(p) in matched]
+        if chosen:
+            splits[str(name)] = chosen
+    if not splits:
+        import datasets
+
+        raise ValueError(f"input folder {spec}: datasets {datasets.__version__} finds none of its {len(files)} data "
+                         "files (symlinks and an old fsspec?), so its splits are unknown; give a glob of the files "
+                         "to read, or upgrade datasets")
+    splits = {name: [path / p.relative_to(base) for p in chosen] for name, chosen in splits.items()}
+    files = [path / p.relative_to(base) for p in files]  # in --input-file's spelling, for messages
+    if split not in splits:
+        raise ValueError(f"input folder {spec} has no split {split!r} (--split): its {by} give "
+                         f"{', '.join(splits) or 'no data file'}")
+    left = [f"{len(chosen)} file(s) of split {name}" for name, chosen in splits.items() if name != split]
+    if num_outside := len(set(files).difference(*splits.values())):
+        left.append(f"{num_outside} file(s) in no split")
+    note = f"split {split} by {by}" + (f"; not read: {', '.join(left)}" if left else "")
+    return Input(spec, "files", tuple(splits[split]), split, subset, note=note)
+
+
+def _split_patterns(spec: str, base: Path, subset: str | None) -> tuple[dict, str, Path]:
+    """``({split: [glob patterns]}, what decided them, the folder they are relative to)``."""
+    from datasets.data_files import sanitize_patterns
+
+    configs = _readme_configs(base)
+    if not configs:
+        if subset is not None:
+            raise ValueError(f"--subset {subset}: input folder {spec} declares no configs (in a README.md)")
+        return _data_patterns(base), "file names", base
+    if subset is None:
+        defaults = [name for name, config in configs.items() if config.get("default")]
+        if len(configs) > 1 and len(defaults) != 1:
+            raise ValueError(f"input folder {spec} declares configs {', '.join(configs)} in its README.md: "
+                             "--subset picks one")
+        subset = defaults[0] if defaults else next(iter(configs))
+    if subset not in configs:
+        raise ValueError(f"input folder {spec} has no config {subset!r} (--subset): its README.md declares "
+                         f"{', '.join(configs)}")
+    config = configs[subset]
+    root = base / config.get("data_dir", "")
+    data_files = config.get("data_files")
+    patterns = sanitize_patterns(data_files) if data_files else _data_patterns(root)
+    return patterns, f"its README.md's config {subset!r}", root
+
+
+def _data_patterns(root: Path) -> dict:
+    from datasets.data_files import get_data_patterns
+
+    try:
+        return get_data_patterns(str(root))
+    except FileNotFoundError:  # datasets lists no data file there: the caller says so
+        return {}
+
+
+def _readme_configs(base: Path) -> dict[str, dict]:
+    """The ``configs`` of the folder's dataset card (README.md's YAML header), as datasets reads them."""
+    readme = base / "README.md"
+    if not readme.is_file() or not readme.read_text(errors="replace").startswith("---"):
+        return {}
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    try:
+        return dict(MetadataConfigs.from_dataset_card_data(DatasetCard.load(readme).data))
+    except ValueError as err:
+        raise ValueError(f"cannot read the configs in {readme}: {str(err).strip().splitlines()[0]}") from None
 
 
 def _kind(path: Path) -> str:

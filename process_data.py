@@ -18,8 +18,8 @@ unchanged. ShareGPT ``conversations``, TRL ``prompt``/``completion`` and
 ``text``, and alpaca ``instruction``/``input``/``output`` rows are recognised
 row by row and converted (``data_formats.py``). ``--input-file`` is a JSON lines
 file (or ``.json`` array, ``.gz``), ``.parquet``, ``.arrow``, ``.csv``, a
-``save_to_disk`` folder, a folder or glob of such files, or a hub dataset id
-(``data_sources.py``).
+``save_to_disk`` folder, a folder (its ``--split``, as datasets splits a dataset
+repository) or glob of such files, or a hub dataset id (``data_sources.py``).
 
 Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
 ``F.summary.json``, ``F.rejected.jsonl``):
@@ -98,8 +98,10 @@ class ProcessDataConfig:
                                      help="row format; auto recognises each row's from its keys")
     columns: str | None = config_field(None, help="rename input columns first, NAME=COLUMN,... "
                                                   "(e.g. prompt=question,completion=answer)")
-    split: str = config_field("train", help="split of a hub dataset id or a save_to_disk DatasetDict folder")
-    subset: str | None = config_field(None, help="configuration (subset) name of a hub dataset id")
+    split: str = config_field("train", help="split of a hub dataset id, a dataset folder (by file names or "
+                                            "README.md configs) or a save_to_disk folder")
+    subset: str | None = config_field(None, help="configuration (subset) of a hub dataset id or of a dataset "
+                                                 "folder's README.md")
     max_rejected_fraction: float = config_field(0.01, help="label audit: fail when more than this fraction of the "
                                                            "conversations cannot be masked by the template")
     allow_audit_failures: bool = config_field(False, help="label audit: write the dataset and exit 0 even when a "

@@ -73,6 +73,10 @@ class TrainConfig:
     input_format: str = config_field("auto", choices=list(INPUT_FORMATS),
                                      help="raw data: row format; auto recognises each row's from its keys")
     columns: str | None = config_field(None, help="raw data: rename input columns first, NAME=COLUMN,...")
+    data_split: str = config_field("train", help="raw data: the split read from a dataset or save_to_disk folder "
+                                                 "(process_data.py's --split)")
+    data_subset: str | None = config_field(None, help="raw data: the config (subset) of a dataset folder's README.md "
+                                                      "(process_data.py's --subset)")
     allow_audit_failures: bool = config_field(
         False, help="raw data: train even when the label audit fails (process_data.py output: its own flag, "
                     "recorded in summary.json, decides)")
@@ -315,7 +319,8 @@ class TrainConfig:
             input_file=input_file, model_name_or_path=self.model_name_or_path, output_dir=output_dir, overwrite=True,
             chat_template=self.chat_template, end_of_turn_token=self.end_of_turn_token,
             mask_reasoning=self.mask_reasoning, max_sample_num_tokens=self.max_sample_num_tokens,
-            input_format=self.input_format, columns=self.columns, allow_audit_failures=self.allow_audit_failures,
+            input_format=self.input_format, columns=self.columns, split=self.data_split, subset=self.data_subset,
+            allow_audit_failures=self.allow_audit_failures,
             logging_level=self.logging_level)
 
     @property

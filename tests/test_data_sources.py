@@ -140,6 +140,91 @@ def test_table_rows_are_numbered_by_row_and_shards_by_file(tmp_path, tiny_models
     assert str(err.value) == f"process_data.py: error: {single}: row 2: missing_content: message 0 (pretrain) has no content"
 
 
+def _hub_repository(root: Path, splits: dict[str, list[dict]]) -> Path:
+    """A dataset repository as ``huggingface-cli download`` leaves it: a dataset card with a YAML header
+    and no configs, ``data/<split>-0000N-of-0000M.parquet`` shards, git's attributes file."""
+    (root / "data").mkdir(parents=True)
+    (root / "README.md").write_text("---\nlicense: mit\ntask_categories:\n- text-generation\n---\n# Chat data\n")
+    (root / ".gitattributes").write_text("*.parquet filter=lfs diff=lfs merge=lfs -text\n")
+    for split, rows in splits.items():
+        shards = [rows[:6], rows[6:]] if len(rows) > 6 else [rows]
+        for n, shard in enumerate(shards):
+            write_table(root / "data" / f"{split}-{n:05d}-of-{len(shards):05d}.parquet", shard)
+    return root
+
+
+def test_a_dataset_repository_folder_reads_only_the_split_asked_for(tmp_path, tiny_models):
+    """Every shard of a downloaded repository was read before: its test split trained with the rest."""
+    model = tiny_models["qwen25"]
+    test_rows = [{"id": 100 + i, "messages": [{"role": "user", "content": f"Held out {i}?"},
+                                              {"role": "assistant", "content": "Yes."}]} for i in range(3)]
+    repo = str(_hub_repository(tmp_path / "repo", {"train": ROWS, "test": test_rows}))
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ROWS), model)
+    data, summary = tokenize(tmp_path, "repo", repo, model)
+    assert data == expected and summary["num_lines"] == len(ROWS)
+    assert summary["input"].endswith("(parquet; split train by file names; not read: 1 file(s) of split test)")
+    test_expected, _ = tokenize(tmp_path, "test_jsonl", str(write_jsonl(tmp_path / "test.jsonl", test_rows)), model)
+    assert tokenize(tmp_path, "repo_test", repo, model, split="test")[0] == test_expected
+    with pytest.raises(ValueError, match=r"has no split 'validation' \(--split\): its file names give train, test$"):
+        open_input(repo, split="validation")
+
+
+def test_a_hub_cache_snapshot_of_symlinked_files_is_split_as_well(tmp_path):
+    """``huggingface-cli download`` without ``--local-dir``: the snapshot's files link into ``blobs/``."""
+    snapshot = tmp_path / "datasets--org--chat" / "snapshots" / "3f2a"
+    (snapshot / "data").mkdir(parents=True)
+    blobs = tmp_path / "datasets--org--chat" / "blobs"
+    blobs.mkdir()
+    for split in ("train", "test"):
+        write_table(blobs / f"{split}-blob", ROWS[:2])
+        (snapshot / "data" / f"{split}-00000-of-00001.parquet").symlink_to(blobs / f"{split}-blob")
+    assert open_input(str(snapshot), split="test").files == (snapshot / "data" / "test-00000-of-00001.parquet",)
+
+
+def test_split_names_of_files_and_folders_are_datasets_own(tmp_path):
+    for name in ("names/train.jsonl", "names/dev.jsonl", "names/extra.jsonl", "names/nested/more/train-2.jsonl",
+                 "dirs/train/a.jsonl", "dirs/validation/b.jsonl", "dirs/validation/c.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(tmp_path / name, ROWS[:1])
+    names = tmp_path / "names"
+    assert open_input(str(names)).files == (names / "nested/more/train-2.jsonl", names / "train.jsonl")
+    validation = open_input(str(names), split="validation")
+    assert validation.files == (names / "dev.jsonl",)
+    assert validation.note == "split validation by file names; not read: 2 file(s) of split train, 1 file(s) in no split"
+    dirs = open_input(str(tmp_path / "dirs"), split="validation")
+    assert dirs.files == (tmp_path / "dirs/validation/b.jsonl", tmp_path / "dirs/validation/c.jsonl")
+    (tmp_path / "plain" / "a").mkdir(parents=True)
+    write_jsonl(tmp_path / "plain" / "b.jsonl", ROWS[:1])
+    write_jsonl(tmp_path / "plain" / "a" / "x.jsonl", ROWS[:1])
+    assert open_input(str(tmp_path / "plain")).files == (tmp_path / "plain/a/x.jsonl", tmp_path / "plain/b.jsonl")
+    with pytest.raises(ValueError, match="declares no configs"):
+        open_input(str(tmp_path / "plain"), subset="en")
+
+
+def test_readme_configs_choose_the_files_and_subset_picks_one(tmp_path):
+    """A multi-config repository (smoltalk's layout): every config's files together would repeat rows."""
+    for folder in ("all", "magpie", "code"):
+        (tmp_path / "data" / folder).mkdir(parents=True)
+        write_table(tmp_path / "data" / folder / "train-00000-of-00001.parquet", ROWS[:2])
+    write_table(tmp_path / "data" / "all" / "test-00000-of-00001.parquet", ROWS[2:3])
+    card = ("---\nconfigs:\n- config_name: all\n  data_files:\n  - split: train\n    path: data/all/train-*\n"
+            "  - split: test\n    path: data/all/test-*\n- config_name: magpie\n  data_files: data/magpie/*.parquet\n"
+            "- config_name: code\n  data_dir: data/code\n---\n")
+    (tmp_path / "README.md").write_text(card)
+    spec = str(tmp_path)
+    with pytest.raises(ValueError, match=r"declares configs all, magpie, code in its README.md: --subset picks one$"):
+        open_input(spec)
+    assert open_input(spec, subset="all", split="test").files == (tmp_path / "data/all/test-00000-of-00001.parquet",)
+    assert open_input(spec, subset="magpie").files == (tmp_path / "data/magpie/train-00000-of-00001.parquet",)
+    assert open_input(spec, subset="code").files == (tmp_path / "data/code/train-00000-of-00001.parquet",)
+    with pytest.raises(ValueError, match=r"has no config 'en' \(--subset\)"):
+        open_input(spec, subset="en")
+    (tmp_path / "README.md").write_text(card.replace("- config_name: magpie\n", "- config_name: magpie\n  default: true\n"))
+    chosen = open_input(spec)
+    assert chosen.files == (tmp_path / "data/magpie/train-00000-of-00001.parquet",)
+    assert chosen.note == "split train by its README.md's config 'magpie'; not read: 3 file(s) in no split"
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("absent/data.jsonl", "input file absent/data.jsonl does not exist"),
     ("empty_folder", "holds no .jsonl"),

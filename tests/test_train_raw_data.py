@@ -2,9 +2,10 @@
 
     .venv/bin/python -m pytest -q tests/test_train_raw_data.py
 
-End to end (real torchrun, 2 gloo CPU processes, tiny local models): raw JSON lines and a ShareGPT
-parquet train exactly as process_data.py's output of the same file does (same losses, the same
-tokenized bytes); a resume reuses the cache. Unit level: an edited input makes a new cache, a
+End to end (real torchrun, 2 gloo CPU processes, tiny local models): raw JSON lines, and a dataset
+repository folder of ShareGPT parquet shards with ``--data-split``, train exactly as process_data.py's
+output of the same file (that split's) does (same losses, the same tokenized bytes); a resume reuses
+the cache. Unit level: an edited input makes a new cache, a
 touched one does not; the data-path kinds are told apart. The gates: a failed label audit and data
 of another tokenizer are refused in one line at training time, each with its override. The other
 ranks outwait a rank 0 busy longer than the process group's timeout (a plain collective does not).
@@ -79,16 +80,29 @@ def _refused_in_one_line(result: subprocess.CompletedProcess, *fragments: str) -
     return line
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "sharegpt_parquet"])
+def _sharegpt_repository(root: Path) -> tuple[Path, Path]:
+    """A downloaded dataset repository with ultrachat_200k's split names: ``(folder, its train_sft file)``."""
+    (root / "data").mkdir(parents=True)
+    (root / "README.md").write_text("---\nlicense: mit\n---\n")
+    held_out = [{"conversations": [{"from": "human", "value": "Held out?"}, {"from": "gpt", "value": "Yes."}]}]
+    pq.write_table(pa.Table.from_pylist(held_out), root / "data" / "test_sft-00000-of-00001.parquet")
+    return root, _sharegpt_parquet(root / "data" / "train_sft-00000-of-00001.parquet")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "sharegpt_repository"])
 def test_raw_data_trains_as_its_process_data_output_does(kind, tmp_path, chatml_model):
-    raw = (_write_jsonl(tmp_path / "chat.jsonl", _demo_rows()) if kind == "jsonl"
-           else _sharegpt_parquet(tmp_path / "chat.parquet"))
-    result = _process_data(raw, chatml_model, tmp_path / "tokenized")
+    if kind == "jsonl":
+        raw = raw_file = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows())
+        split = ()
+    else:  # only the split asked for trains: the test_sft rows are left out
+        raw, raw_file = _sharegpt_repository(tmp_path / "repo")
+        split = ("--data-split", "train_sft")
+    result = _process_data(raw_file, chatml_model, tmp_path / "tokenized")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_ok(torchrun(_args(chatml_model, tmp_path / "tokenized", tmp_path / "out_tokenized", "--max-steps", "2")))
 
     out = tmp_path / "out_raw"
-    result = torchrun(_args(chatml_model, raw, out, "--max-steps", "2"))
+    result = torchrun(_args(chatml_model, raw, out, "--max-steps", "2", *split))
     assert_ok(result)
     assert "is raw input; tokenizing it once into" in result.stderr
     assert "label audit:" in result.stderr and "sample " in result.stderr  # what process_data.py prints
@@ -96,7 +110,8 @@ def test_raw_data_trains_as_its_process_data_output_does(kind, tmp_path, chatml_
     assert (cache / "data.jsonl").read_bytes() == (tmp_path / "tokenized" / "data.jsonl").read_bytes()
     losses = [record["loss"] for record in read_metrics(out)]
     assert losses == [record["loss"] for record in read_metrics(tmp_path / "out_tokenized")]
-    if kind == "sharegpt_parquet":
+    if kind == "sharegpt_repository":
+        assert "split train_sft by file names; not read: 1 file(s) of split test_sft" in result.stderr
         return
 
     result = torchrun(_args(chatml_model, raw, out, "--max-steps", "3"))  # resumes at step 2
