@@ -12,8 +12,9 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
                                                        template, only the completion's replies learned;
                                                        strings: no template, prompt masked, completion + EOS
     text               text                            a pretrain row (every token learned)
-    alpaca             instruction, output             [system], user (instruction + newline + input),
-                       (input, system optional)        assistant (output)
+    alpaca             instruction, output             [system], [history's rounds], user (instruction
+                       (input, system, history         + newline + input), assistant (output)
+                       optional)
 
 A row with ``messages`` is read as today whatever else it carries. Otherwise exactly one of the
 other shapes must match: no match is ``missing_messages``, two (an alpaca row with a ``text``
@@ -130,17 +131,31 @@ def _string_or_none(row: dict[str, Any], key: str) -> str | None:
 
 
 def _alpaca(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
-    """One user turn (instruction, then input on the next line, as LLaMA-Factory joins them), one reply."""
+    """One user turn (instruction, then input on the next line, as LLaMA-Factory joins them), one reply,
+    after the earlier rounds of LLaMA-Factory's ``history`` (``[[instruction, reply], ...]``), whose
+    replies are learned too, as every reply of a conversation is."""
     instruction, extra_input = _string_or_none(row, "instruction"), _string_or_none(row, "input")
     output, system = _string_or_none(row, "output"), _string_or_none(rest, "system")
     if instruction is None or output is None:
         raise SampleError("missing_content", f"'{'instruction' if instruction is None else 'output'}' is null")
+    history = _history(rest.pop("history", None))
     rest.pop("input", None)
     rest.pop("system", None)
     messages = [{"role": "system", "content": system}] if system else []
+    for earlier, reply in history:
+        messages += [{"role": "user", "content": earlier}, {"role": "assistant", "content": reply}]
     messages += [{"role": "user", "content": "\n".join(part for part in (instruction, extra_input) if part)},
                  {"role": "assistant", "content": output}]
     return {"messages": messages, **rest}
+
+
+def _history(value: Any) -> list[list[str]]:
+    if value is None:
+        return []
+    if not (isinstance(value, list) and all(isinstance(pair, (list, tuple)) and len(pair) == 2
+                                            and all(isinstance(text, str) for text in pair) for pair in value)):
+        raise SampleError("invalid_history", "'history' must be a list of [instruction, reply] string pairs")
+    return value
 
 
 def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:

@@ -66,12 +66,15 @@ ALPACA_ROWS = [
     {"instruction": "Give three tips for staying healthy.", "input": "",
      "output": "1. Eat well.\n2. Move daily.\n3. Sleep enough."},
     {"instruction": "Add the two numbers.", "input": "2 and 3", "output": "5", "system": "Be brief."},
+    # LLaMA-Factory's multi-round alpaca: the earlier rounds in `history`.
+    {"instruction": "And three plus three?", "input": "", "output": "Six.", "history": [["What is two plus two?", "Four."]]},
 ]
 ALPACA_MESSAGES = [
     {"messages": [{"role": "user", "content": ALPACA_ROWS[0]["instruction"]},
                   {"role": "assistant", "content": ALPACA_ROWS[0]["output"]}]},
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add the two numbers.\n2 and 3"},
                   {"role": "assistant", "content": "5"}]},
+    {"messages": MESSAGES_ROWS[1]["messages"]},
 ]
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Gradient descent minimizes the loss, one step at a time."]
 
@@ -213,6 +216,7 @@ BAD_ROWS = [
     ({"prompt": "a", "completion": 3}, "invalid_prompt_completion"),
     ({"prompt": "a", "completion": "  "}, "empty_completion"),
     ({"instruction": None, "output": "b"}, "missing_content"),
+    ({"instruction": "a", "output": "b", "history": [["only the question"]]}, "invalid_history"),
 ]
 
 
@@ -227,7 +231,7 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
         rejected[1]["detail"]
     assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == len(BAD_ROWS)
     # Rows by the format found, bad ones too; bad JSON, no shape and two shapes have none.
-    assert summary["rows_by_format"] == {"sharegpt": 5, "alpaca": 3, "prompt_completion": 3, "text": 2,
+    assert summary["rows_by_format"] == {"sharegpt": 5, "alpaca": 4, "prompt_completion": 3, "text": 2,
                                          "messages": 1}
     assert summary["audit"]["passed"] and summary["audit"]["num_rejected"] == 0
     with pytest.raises(SystemExit) as err:
