@@ -67,7 +67,7 @@ def is_tokenized(path: str | Path) -> bool:
             try:
                 row = json.loads(line)
             except ValueError:
-                if line.lstrip().startswith(b"["):
+                if line.lstrip().removeprefix(b"\xef\xbb\xbf").startswith(b"["):
                     return False  # the opening of a .json array of raw rows
                 continue
             return isinstance(row, dict) and "input_ids" in row

@@ -38,6 +38,7 @@ TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _BLOCK = 1 << 20
+_BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark Windows tools write first (json.loads of bytes skips it)
 
 
 @dataclass
@@ -256,10 +257,12 @@ def _starts_array(path: Path) -> bool:
     if _kind(path) not in ("json", "gzip json", "unknown"):
         return False
     with _open_binary(path) as f:
-        while block := f.read(4096):
+        block = f.read(4096).removeprefix(_BOM)
+        while block:
             stripped = block.lstrip()
             if stripped:
                 return stripped.startswith(b"[")
+            block = f.read(4096)
     return False
 
 
@@ -336,7 +339,7 @@ def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
     A syntax error stops the run (``ValueError`` naming the line): nothing after it can be read.
     """
     decoder = json.JSONDecoder()
-    with io.TextIOWrapper(_open_binary(path), encoding="utf-8") as reader:
+    with io.TextIOWrapper(_open_binary(path), encoding="utf-8-sig") as reader:
         buf, pos, line = "", 0, 1
 
         def read_on() -> bool:

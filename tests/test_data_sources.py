@@ -114,6 +114,17 @@ def test_file_kind_gives_the_bytes_of_json_lines(tmp_path, tiny_models, kind):
     assert summary["num_lines"] == len(ROWS) and summary["rows_by_format"] == {"messages": len(ROWS)}
 
 
+@pytest.mark.parametrize("kind", ["json_lines", "json_array"])
+def test_a_byte_order_mark_before_the_rows_is_skipped(tmp_path, tiny_models, kind):
+    """Windows tools (PowerShell 5's Out-File, Notepad's 'UTF-8 with BOM') write one; a .json array was
+    then read as one bad JSON line, and nothing was written."""
+    model = tiny_models["qwen25"]
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ROWS), model)
+    path = Path(write_kind(tmp_path, kind, ROWS))
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes().replace(b"\n", b"\r\n"))
+    assert tokenize(tmp_path, kind, str(path), model)[0] == expected
+
+
 def test_csv_of_alpaca_rows_reads_every_column_as_text(tmp_path, tiny_models):
     """pyarrow would guess '0' and '' to be a number and null: csv columns are strings."""
     model = tiny_models["llama3"]

@@ -144,6 +144,8 @@ def test_tokenized_and_raw_sources_are_told_apart(tmp_path, chatml_model):
     assert not is_tokenized(raw) and not is_tokenized(raw.parent)
     (tmp_path / "array.json").write_text(json.dumps(_demo_rows()[:2]))
     assert not is_tokenized(tmp_path / "array.json")
+    (tmp_path / "bom_array.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(_demo_rows()[:2]).encode())
+    assert not is_tokenized(tmp_path / "bom_array.json")
     assert not is_tokenized(_sharegpt_parquet(tmp_path / "chat.parquet"))
     broken_first = tmp_path / "broken_first.jsonl"
     broken_first.write_text("{not json\n" + raw.read_text())
