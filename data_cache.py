@@ -30,12 +30,11 @@ folder with a summary is whole, and one without (a killed run) is tokenized agai
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import shutil
 from pathlib import Path
 
-from data_sources import TABLE_SUFFIXES
+from data_sources import TABLE_SUFFIXES, open_binary
 from utils import logger
 
 CACHE_FOLDER = "tokenized_data"
@@ -60,7 +59,7 @@ def is_tokenized(path: str | Path) -> bool:
         path = candidates[0]
     if not path.is_file() or path.name.lower().endswith(TABLE_SUFFIXES):
         return False
-    with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
+    with open_binary(path) as f:
         for line in f:
             if not line.strip():
                 continue

@@ -7,7 +7,8 @@
 through ``datasets.load_dataset(..., streaming=True)``.
 
     kind                         read by                             numbered by
-    .jsonl / .json lines / .gz   line by line (gzip when .gz)        line
+    .jsonl / .json lines         line by line (decompressed when     line
+      (.gz .zst .bz2 .xz)        the name ends so)
     .json, one array             an incremental JSON decoder        the line an element starts on
     .parquet                     pyarrow.parquet iter_batches        row
     .arrow                       pyarrow.ipc (file or stream)        row
@@ -24,10 +25,12 @@ Any other file name is read as JSON lines (as before).
 
 from __future__ import annotations
 
+import bz2
 import glob
 import gzip
 import io
 import json
+import lzma
 import os
 import re
 from dataclasses import dataclass
@@ -35,7 +38,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
-JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
+# Compressed JSON lines: gzip and the stdlib's bzip2 and xz; zstd (pretraining corpora such as SlimPajama
+# ship .jsonl.zst) through the zstandard package when it is installed.
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bzip2", ".xz": "xz"}
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson") + tuple(base + suffix for suffix in COMPRESSIONS
+                                                        for base in (".jsonl", ".json"))
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _BLOCK = 1 << 20
 _BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark Windows tools write first (json.loads of bytes skips it)
@@ -220,8 +227,9 @@ def _kind(path: Path) -> str:
     name = path.name.lower()
     if name.endswith(TABLE_SUFFIXES):
         return name.rsplit(".", 1)[1]
-    if name.endswith(".gz"):
-        return "gzip json" if name.endswith((".jsonl.gz", ".json.gz")) else "unknown"
+    for suffix, compression in COMPRESSIONS.items():
+        if name.endswith(suffix):
+            return f"{compression} json" if name.endswith((".jsonl" + suffix, ".json" + suffix)) else "unknown"
     return "json" if name.endswith(JSON_SUFFIXES) else "unknown"
 
 
@@ -233,7 +241,7 @@ def _count_rows(path: Path) -> int | None:
         return pq.ParquetFile(path).metadata.num_rows
     if kind == "arrow":
         return sum(batch.num_rows for batch in _arrow_batches(path))
-    if kind in ("csv", "gzip json") or _starts_array(path):
+    if kind == "csv" or kind.endswith(" json") or _starts_array(path):
         return None
     return count_lines(path)
 
@@ -248,15 +256,31 @@ def count_lines(path: Path) -> int:
     return num_lines + (last != b"\n")
 
 
-def _open_binary(path: Path):
-    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+def open_binary(path: Path):
+    """The file's bytes, decompressed by its last suffix (``COMPRESSIONS``); ``ValueError`` (one line)
+    for a zstd file without the zstandard package."""
+    compression = next((name for suffix, name in COMPRESSIONS.items() if path.name.lower().endswith(suffix)), None)
+    if compression == "gzip":
+        return gzip.open(path, "rb")
+    if compression == "bzip2":
+        return bz2.open(path, "rb")
+    if compression == "xz":
+        return lzma.open(path, "rb")
+    if compression == "zstd":
+        try:
+            import zstandard
+        except ImportError:
+            raise ValueError(f"{path} is zstd-compressed: `pip install zstandard` reads it (or decompress it with "
+                             "`zstd -d`)") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
 
 
 def _starts_array(path: Path) -> bool:
     """A JSON file whose first non-blank character is ``[``: one array, not JSON lines."""
-    if _kind(path) not in ("json", "gzip json", "unknown"):
+    if not _kind(path).endswith("json") and _kind(path) != "unknown":
         return False
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         block = f.read(4096).removeprefix(_BOM)
         while block:
             stripped = block.lstrip()
@@ -282,7 +306,7 @@ def _file_chunks(path: Path, chunk_size: int, label: str) -> Iterator[Chunk]:
     elif _starts_array(path):
         yield from _chunked(label, "line", _json_array(path), chunk_size)
     else:
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             yield from _chunked(label, "line", enumerate(f, 1), chunk_size)
 
 
@@ -339,7 +363,7 @@ def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
     A syntax error stops the run (``ValueError`` naming the line): nothing after it can be read.
     """
     decoder = json.JSONDecoder()
-    with io.TextIOWrapper(_open_binary(path), encoding="utf-8-sig") as reader:
+    with io.TextIOWrapper(open_binary(path), encoding="utf-8-sig") as reader:
         buf, pos, line = "", 0, 1
 
         def read_on() -> bool:

@@ -17,7 +17,7 @@ top-level fields (an ``id``, a source tag) are copied to the output row
 unchanged. ShareGPT ``conversations``, TRL ``prompt``/``completion`` and
 ``text``, and alpaca ``instruction``/``input``/``output`` rows are recognised
 row by row and converted (``data_formats.py``). ``--input-file`` is a JSON lines
-file (or ``.json`` array, ``.gz``), ``.parquet``, ``.arrow``, ``.csv``, a
+file (or ``.json`` array, ``.gz``, ``.zst``, ``.bz2``, ``.xz``), ``.parquet``, ``.arrow``, ``.csv``, a
 ``save_to_disk`` folder, a folder (its ``--split``, as datasets splits a dataset
 repository) or glob of such files, or a hub dataset id (``data_sources.py``).
 

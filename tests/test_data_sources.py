@@ -8,8 +8,10 @@ table rows are numbered by row in ``rejected.jsonl`` and ``--strict``; readers s
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import json
+import lzma
 import os
 import subprocess
 import sys
@@ -50,6 +52,17 @@ def write_table(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def _zstd(data: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(data)
+
+
+# kind -> (suffix, compress)
+COMPRESSED = {"jsonl_gz": (".gz", gzip.compress), "jsonl_bz2": (".bz2", bz2.compress),
+              "jsonl_xz": (".xz", lzma.compress), "jsonl_zst": (".zst", _zstd)}
+
+
 def write_kind(tmp_path: Path, kind: str, rows: list[dict]) -> str:
     """``rows`` written as ``kind``; returns the ``--input-file`` value."""
     import datasets
@@ -62,9 +75,9 @@ def write_kind(tmp_path: Path, kind: str, rows: list[dict]) -> str:
         path = tmp_path / "in.json"
         path.write_text(json.dumps(rows, indent=2))
         return str(path)
-    if kind == "jsonl_gz":
-        path = tmp_path / "in.jsonl.gz"
-        path.write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows).encode()))
+    if kind in COMPRESSED:
+        path = tmp_path / f"in.jsonl{COMPRESSED[kind][0]}"
+        path.write_bytes(COMPRESSED[kind][1]("".join(json.dumps(row) + "\n" for row in rows).encode()))
         return str(path)
     if kind in ("parquet", "csv"):
         return str(write_table(tmp_path / f"in.{kind}", rows))
@@ -100,7 +113,7 @@ def tokenize(tmp_path: Path, name: str, input_file: str, model: Path, **override
     return (out / "data.jsonl").read_bytes(), summary
 
 
-KINDS = ["json_lines", "json_array", "jsonl_gz", "parquet", "arrow_file", "arrow_stream", "save_to_disk",
+KINDS = ["json_lines", "json_array", *COMPRESSED, "parquet", "arrow_file", "arrow_stream", "save_to_disk",
          "save_to_disk_dict", "folder", "glob"]
 
 
@@ -123,6 +136,17 @@ def test_a_byte_order_mark_before_the_rows_is_skipped(tmp_path, tiny_models, kin
     path = Path(write_kind(tmp_path, kind, ROWS))
     path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes().replace(b"\n", b"\r\n"))
     assert tokenize(tmp_path, kind, str(path), model)[0] == expected
+
+
+def test_zstd_without_its_package_is_refused_in_one_line(tmp_path, tiny_models):
+    path = write_kind(tmp_path, "jsonl_zst", ROWS)
+    hide = "import sys; sys.modules['zstandard'] = None; import runpy; runpy.run_path('process_data.py', run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", hide, "--input-file", path, "--output-dir", str(tmp_path / "out"),
+                             "--model-name-or-path", str(tiny_models["chatml"]), "--num-proc", "1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (f"process_data.py: error: {path} is zstd-compressed: "
+                                                      "`pip install zstandard` reads it (or decompress it with `zstd -d`)")
 
 
 def test_csv_of_alpaca_rows_reads_every_column_as_text(tmp_path, tiny_models):
