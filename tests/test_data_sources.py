@@ -305,7 +305,7 @@ def test_unreachable_hub_is_refused_in_one_line(tmp_path, tiny_models):
                            "as a hub dataset failed: ") and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("kind", ["json_array", "jsonl_gz"])
+@pytest.mark.parametrize("kind", ["json_array", "jsonl_gz", "jsonl_zst"])
 def test_readers_stream(tmp_path, kind):
     """Memory stays flat: reading a 12 MB input in chunks peaks far below its size."""
     text = "x" * 200
