@@ -111,6 +111,10 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
 
 
 def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
+    if isinstance(row.get("tools"), str):
+        # Tables keep tool schemas as one JSON string (LLaMA-Factory, hub parquet files): as a column of
+        # structs, each schema would gain every other tool's parameters as nulls.
+        row = {**row, "tools": _json_field(row["tools"], "invalid_tools", "'tools'")}
     if fmt == "messages":
         return ChatRow(row)
     rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
@@ -181,9 +185,7 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
             messages.append({"role": "assistant", "content": "", "tool_calls": _tool_calls(index, turn.get("value"))})
         else:
             messages.append({"role": role, "content": turn.get("value")})
-    if isinstance(rest.get("tools"), str):  # LLaMA-Factory keeps the schemas as one JSON string
-        rest["tools"] = _json_field(rest["tools"], "invalid_tools", "'tools'")
-    if isinstance(rest.get("tools"), list):
+    if isinstance(rest.get("tools"), list):  # LLaMA-Factory lists bare function schemas
         rest["tools"] = [tool if not isinstance(tool, dict) or "function" in tool else
                          {"type": "function", "function": tool} for tool in rest["tools"]]
     return {"messages": messages, **rest}

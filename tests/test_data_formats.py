@@ -128,6 +128,21 @@ def test_sharegpt_tool_call_and_observation_are_the_messages_tool_turns(tmp_path
     assert summary["audit"]["num_replies"] == 2  # the tool call and the answer, both learned
 
 
+def test_tools_as_one_json_string_are_the_tools_themselves(tmp_path, tiny_models):
+    """How parquet files on the hub keep tool schemas, in every chat format."""
+    model, template = tiny_models["tools"], str(REAL["qwen2.5"][1])
+    expected, _, _ = tokenize(tmp_path, "messages", [TOOL_ROW], model, chat_template=template)
+    as_string = {**TOOL_ROW, "tools": json.dumps(TOOL_ROW["tools"])}
+    prompt_completion = {"id": "t", "tools": as_string["tools"], "prompt": TOOL_ROW["messages"][:1],
+                         "completion": TOOL_ROW["messages"][1:]}
+    for name, row in (("string", as_string), ("pc", prompt_completion)):
+        data, rejected, _ = tokenize(tmp_path, name, [row], model, chat_template=template)
+        assert not rejected and [row["input_ids"] for row in data] == [row["input_ids"] for row in expected]
+    data, rejected, _ = tokenize(tmp_path, "bad", [as_string, {**TOOL_ROW, "tools": "[{"}], model,
+                                 chat_template=template)
+    assert len(data) == 1 and [(row["line"], row["reason"]) for row in rejected] == [(2, "invalid_tools")]
+
+
 def test_conversational_prompt_turns_are_never_learned(tmp_path, tiny_models, tokenizers_by_name):
     """A multi-turn prompt: its assistant turn is masked, only the completion's reply is learned."""
     model = tiny_models["chatml"]
