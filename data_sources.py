@@ -166,8 +166,7 @@ def _dataset_folder(spec: str, path: Path, split: str, subset: str | None) -> In
     splits = {name: [path / p.relative_to(base) for p in chosen] for name, chosen in splits.items()}
     files = [path / p.relative_to(base) for p in files]  # in --input-file's spelling, for messages
     if split not in splits:
-        raise ValueError(f"input folder {spec} has no split {split!r} (--split): its {by} give "
-                         f"{', '.join(splits) or 'no data file'}")
+        raise ValueError(f"input folder {spec} has no split {split!r} (--split): its {by} give {', '.join(splits)}")
     left = [f"{len(chosen)} file(s) of split {name}" for name, chosen in splits.items() if name != split]
     if num_outside := len(set(files).difference(*splits.values())):
         left.append(f"{num_outside} file(s) in no split")
@@ -214,12 +213,13 @@ def _readme_configs(base: Path) -> dict[str, dict]:
     readme = base / "README.md"
     if not readme.is_file() or not readme.read_text(errors="replace").startswith("---"):
         return {}
+    import yaml
     from datasets.utils.metadata import MetadataConfigs
     from huggingface_hub import DatasetCard
 
     try:
         return dict(MetadataConfigs.from_dataset_card_data(DatasetCard.load(readme).data))
-    except ValueError as err:
+    except (ValueError, yaml.YAMLError) as err:
         raise ValueError(f"cannot read the configs in {readme}: {str(err).strip().splitlines()[0]}") from None
 
 
