@@ -80,8 +80,8 @@ def _hash_file(hasher, path: Path) -> None:
 
 
 def _input_files(source) -> list[Path]:
-    """The files whose bytes are the input: those ``data_sources`` reads (a folder's files of a known
-    kind, not what else lies there), or every file of a ``save_to_disk`` folder."""
+    """The files whose bytes are the input: those ``data_sources`` reads (a folder's files of the split
+    read, not what else lies there), or every file of a ``save_to_disk`` folder."""
     if source.kind == "files":
         return list(source.files)
     return sorted(p for p in Path(source.spec).rglob("*") if p.is_file() and not p.name.startswith("."))
