@@ -34,7 +34,8 @@ import json
 import shutil
 from pathlib import Path
 
-from data_sources import TABLE_SUFFIXES, open_binary
+from data_mix import data_paths
+from data_sources import TABLE_SUFFIXES, held_out_split, open_binary
 from utils import logger
 
 CACHE_FOLDER = "tokenized_data"
@@ -71,6 +72,26 @@ def is_tokenized(path: str | Path) -> bool:
                 continue
             return isinstance(row, dict) and "input_ids" in row
     return True
+
+
+def validation_split(config, source: str) -> str:
+    """The split raw validation source ``source`` is read as: ``--validation-data-split``, else the held-out
+    split of a dataset folder (``validation``, else ``test``), else ``--data-split``.
+
+    Raises:
+        ValueError: the last choice would validate on the rows a ``--data-path`` folder trains on.
+    """
+    if config.validation_data_split is not None:
+        return config.validation_data_split
+    held_out = held_out_split(source, config.data_subset)
+    if held_out is not None:
+        return held_out
+    if Path(source).is_dir() and any(Path(path).resolve() == Path(source).resolve()
+                                     for path in data_paths(config.data_path)):
+        raise ValueError(f"--validation-data-path {source} has no validation or test split, so it would validate on "
+                         f"the rows --data-path trains on (split {config.data_split}); name a held-out split with "
+                         "--validation-data-split, or hold rows out with --validation-split")
+    return config.data_split
 
 
 def _hash_file(hasher, path: Path) -> None:

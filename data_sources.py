@@ -126,6 +126,24 @@ def open_input(spec: str, *, split: str = "train", subset: str | None = None) ->
     raise ValueError(f"input file {spec} does not exist")
 
 
+HELD_OUT_SPLITS = ("validation", "test")  # datasets' names for dev/valid/val and eval/testing files too
+
+
+def held_out_split(spec: str, subset: str | None = None) -> str | None:
+    """The held-out split of a dataset or ``save_to_disk`` folder: ``validation``, else ``test``; None
+    for a file, or a folder that has neither (its names mark no split, say)."""
+    path = Path(spec)
+    if not path.is_dir():
+        return None
+    if (path / "state.json").is_file():
+        return None
+    if (path / "dataset_dict.json").is_file():
+        names = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+    else:
+        names = _folder_splits(spec, path, subset)[0]
+    return next((name for name in HELD_OUT_SPLITS if name in names), None)
+
+
 def _dataset_folder(spec: str, path: Path, split: str, subset: str | None) -> Input:
     """``--split``'s files of a folder, split as ``datasets.load_dataset(folder)`` splits it.
 
@@ -136,6 +154,18 @@ def _dataset_folder(spec: str, path: Path, split: str, subset: str | None) -> In
     and none is the default) or else by their names (``train.jsonl``, ``validation/``...), with
     datasets' own patterns; a folder whose names mark no split is all ``train``.
     """
+    splits, files, by = _folder_splits(spec, path, subset)
+    if split not in splits:
+        raise ValueError(f"input folder {spec} has no split {split!r} (--split): its {by} give {', '.join(splits)}")
+    left = [f"{len(chosen)} file(s) of split {name}" for name, chosen in splits.items() if name != split]
+    if num_outside := len(set(files).difference(*splits.values())):
+        left.append(f"{num_outside} file(s) in no split")
+    note = f"split {split} by {by}" + (f"; not read: {', '.join(left)}" if left else "")
+    return Input(spec, "files", tuple(splits[split]), split, subset, note=note)
+
+
+def _folder_splits(spec: str, path: Path, subset: str | None) -> tuple[dict[str, list[Path]], list[Path], str]:
+    """``({split: its files}, every data file, what decided the splits)``, paths in ``spec``'s spelling."""
     base = Path(os.path.abspath(path))
     files = sorted((p for p in base.rglob("*") if p.is_file() and _kind(p) != "unknown"
                     and not any(part.startswith((".", "__")) for part in p.relative_to(base).parts)),
@@ -163,15 +193,8 @@ def _dataset_folder(spec: str, path: Path, split: str, subset: str | None) -> In
         raise ValueError(f"input folder {spec}: datasets {datasets.__version__} finds none of its {len(files)} data "
                          "files (symlinks and an old fsspec?), so its splits are unknown; give a glob of the files "
                          "to read, or upgrade datasets")
-    splits = {name: [path / p.relative_to(base) for p in chosen] for name, chosen in splits.items()}
-    files = [path / p.relative_to(base) for p in files]  # in --input-file's spelling, for messages
-    if split not in splits:
-        raise ValueError(f"input folder {spec} has no split {split!r} (--split): its {by} give {', '.join(splits)}")
-    left = [f"{len(chosen)} file(s) of split {name}" for name, chosen in splits.items() if name != split]
-    if num_outside := len(set(files).difference(*splits.values())):
-        left.append(f"{num_outside} file(s) in no split")
-    note = f"split {split} by {by}" + (f"; not read: {', '.join(left)}" if left else "")
-    return Input(spec, "files", tuple(splits[split]), split, subset, note=note)
+    spelled = {name: [path / p.relative_to(base) for p in chosen] for name, chosen in splits.items()}
+    return spelled, [path / p.relative_to(base) for p in files], by
 
 
 def _split_patterns(spec: str, base: Path, subset: str | None) -> tuple[dict, str, Path]:

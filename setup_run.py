@@ -337,7 +337,7 @@ def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
         dataset, val_dataset = validation.RowSubset(dataset, train_rows), validation.RowSubset(dataset, val_rows)
         source = f"{config.validation_split:g} of {config.data_path} (seed {config.seed})"
     else:
-        val_dataset = _load_dataset_rank0_first(config, dist_info, path=config.validation_data_path)
+        val_dataset = _load_dataset_rank0_first(config, dist_info, path=config.validation_data_path, held_out=True)
         source = config.validation_data_path
     return dataset, val_dataset, source
 
@@ -386,7 +386,8 @@ def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps
         logger.warning(warning)
 
 
-def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path: str | None = None):
+def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path: str | None = None,
+                              held_out: bool = False):
     """Rank 0 loads first: it tokenizes raw sources once (``data_cache.py``), gates every source (a
     failed label audit) and converts each to arrow; the others then open what it made. Errors exit every rank.
 
@@ -397,7 +398,7 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
     dataset, error, tokenized = None, None, {}
     if dist_info.is_main:
         def load(source: str):
-            tokenized[source] = str(_tokenized_source(config, source))
+            tokenized[source] = str(_tokenized_source(config, source, held_out=held_out))
             loaded = load_arrow(tokenized[source])
             refusal = audit_refusal(loaded, source, allowed_now=config.allow_audit_failures
                                     and tokenized[source] != source)
@@ -429,12 +430,14 @@ def _tokenized_loader(config: TrainConfig):
     return functools.partial(sampler.load_tokenized_dataset, cache_dir=cache_dir), note
 
 
-def _tokenized_source(config: TrainConfig, source: str) -> Path | str:
-    """``source`` itself when it is tokenized, else its cache folder, tokenized now if new (rank 0)."""
+def _tokenized_source(config: TrainConfig, source: str, *, held_out: bool) -> Path | str:
+    """``source`` itself when it is tokenized, else its cache folder, tokenized now if new (rank 0); a
+    ``held_out`` (validation) source is read as its held-out split (``data_cache.validation_split``)."""
     if data_cache.is_tokenized(source):
         return source
     cache_root = Path(config.output_dir) / data_cache.CACHE_FOLDER
-    return data_cache.tokenize_once(config.tokenizing_config(source, output_dir=str(cache_root)))
+    split = data_cache.validation_split(config, source) if held_out else config.data_split
+    return data_cache.tokenize_once(config.tokenizing_config(source, output_dir=str(cache_root), split=split))
 
 
 def _patient_broadcast(value):

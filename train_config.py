@@ -148,6 +148,9 @@ class TrainConfig:
 
     validation_data_path: str | None = config_field(
         None, section="Validation", help="tokenized or raw data file or folder of held-out samples for the validation loss")
+    validation_data_split: str | None = config_field(
+        None, help="raw data: the split of a dataset folder --validation-data-path reads (default: its validation "
+                   "split, else its test split)")
     validation_split: float | None = config_field(
         None, help="hold out this seeded fraction of --data-path for the validation loss (same rows on every "
                    "rank and after resume)")
@@ -312,14 +315,15 @@ class TrainConfig:
             return QLoRA(self.lora) if self.lora.quantize_data_type != "none" else LoRA(self.lora)
         return FineTuningMethod()
 
-    def tokenizing_config(self, input_file: str, *, output_dir: str) -> ProcessDataConfig:
+    def tokenizing_config(self, input_file: str, *, output_dir: str, split: str | None = None) -> ProcessDataConfig:
         """process_data.py's settings for raw ``input_file``: this run's tokenizer and raw-data flags, the
-        rest process_data.py's defaults (``data_cache.py`` writes under ``output_dir``)."""
+        rest process_data.py's defaults (``data_cache.py`` writes under ``output_dir``); ``split``
+        replaces ``--data-split`` (a validation source's)."""
         return ProcessDataConfig(
             input_file=input_file, model_name_or_path=self.model_name_or_path, output_dir=output_dir, overwrite=True,
             chat_template=self.chat_template, end_of_turn_token=self.end_of_turn_token,
             mask_reasoning=self.mask_reasoning, max_sample_num_tokens=self.max_sample_num_tokens,
-            input_format=self.input_format, columns=self.columns, split=self.data_split, subset=self.data_subset,
+            input_format=self.input_format, columns=self.columns, split=split or self.data_split, subset=self.data_subset,
             allow_audit_failures=self.allow_audit_failures,
             logging_level=self.logging_level)
 

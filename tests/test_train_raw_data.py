@@ -23,9 +23,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_cache import is_tokenized, tokenize_once
+from data_cache import is_tokenized, tokenize_once, validation_split
 from fixtures.e2e import ROOT, assert_ok, read_metrics, torchrun, write_tokenized_jsonl
 from process_data import ProcessDataConfig
+from train_config import TrainConfig
 
 DEMO = ROOT / "data" / "demo_chat.jsonl"
 NUM_ROWS = 48
@@ -94,9 +95,10 @@ def test_raw_data_trains_as_its_process_data_output_does(kind, tmp_path, chatml_
     if kind == "jsonl":
         raw = raw_file = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows())
         split = ()
-    else:  # only the split asked for trains: the test_sft rows are left out
+    else:  # only the split asked for trains: the test_sft rows are left out, and validate
         raw, raw_file = _sharegpt_repository(tmp_path / "repo")
-        split = ("--data-split", "train_sft")
+        split = ("--data-split", "train_sft", "--validation-data-path", str(raw), "--validation-data-split", "test_sft",
+                 "--validation-every-n-steps", "1")
     result = _process_data(raw_file, chatml_model, tmp_path / "tokenized")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_ok(torchrun(_args(chatml_model, tmp_path / "tokenized", tmp_path / "out_tokenized", "--max-steps", "2")))
@@ -106,14 +108,18 @@ def test_raw_data_trains_as_its_process_data_output_does(kind, tmp_path, chatml_
     assert_ok(result)
     assert "is raw input; tokenizing it once into" in result.stderr
     assert "label audit:" in result.stderr and "sample " in result.stderr  # what process_data.py prints
-    [cache] = _caches(out)
-    assert (cache / "data.jsonl").read_bytes() == (tmp_path / "tokenized" / "data.jsonl").read_bytes()
-    losses = [record["loss"] for record in read_metrics(out)]
+    caches = _caches(out)  # and the validation split's, for the repository
+    assert len(caches) == 1 + (kind == "sharegpt_repository")
+    assert (tmp_path / "tokenized" / "data.jsonl").read_bytes() in [(c / "data.jsonl").read_bytes() for c in caches]
+    losses = [record["loss"] for record in read_metrics(out) if "loss" in record]  # not the validation records
     assert losses == [record["loss"] for record in read_metrics(tmp_path / "out_tokenized")]
     if kind == "sharegpt_repository":
         assert "split train_sft by file names; not read: 1 file(s) of split test_sft" in result.stderr
+        assert "split test_sft by file names; not read: 1 file(s) of split train_sft" in result.stderr
+        assert len([record for record in read_metrics(out) if "val_loss" in record]) == 2  # every step
         return
 
+    [cache] = caches
     result = torchrun(_args(chatml_model, raw, out, "--max-steps", "3"))  # resumes at step 2
     assert_ok(result)
     assert f"tokenized data: reusing {cache}" in result.stderr and "tokenizing it once" not in result.stderr
@@ -134,6 +140,35 @@ def test_an_edited_input_makes_a_new_cache_and_a_touched_one_does_not(tmp_path, 
     assert sum(1 for _ in (second / "data.jsonl").open()) == 11
     masked = tokenize_once(ProcessDataConfig(**{**config.__dict__, "mask_reasoning": True}))
     assert masked not in (first, second)  # an option that shapes the labels is part of the key
+
+
+def test_a_validation_folder_is_read_as_its_held_out_split(tmp_path):
+    """A repository given as --validation-data-path too validates on its validation (else test) split,
+    never silently on the rows --data-path trains on."""
+    def repository(name: str, splits: tuple[str, ...]) -> str:
+        (tmp_path / name / "data").mkdir(parents=True)
+        for split in splits:
+            _write_jsonl(tmp_path / name / "data" / f"{split}-00000-of-00001.jsonl", _demo_rows()[:1])
+        return str(tmp_path / name)
+
+    def split(data: str, held_out: str, **flags) -> str:
+        config = TrainConfig(output_dir=str(tmp_path / "out"), min_samples_per_checkpoint=1, data_path=data,
+                             validation_data_path=held_out, **flags)
+        return validation_split(config, held_out)
+
+    both = repository("both", ("train", "validation", "test"))
+    test_only = repository("test_only", ("train", "test"))
+    ultrachat = repository("ultrachat", ("train_sft", "test_sft"))
+    assert split(both, both) == "validation" and split(test_only, test_only) == "test"
+    assert split(test_only, test_only, validation_data_split="train") == "train"  # asked for: taken
+    with pytest.raises(ValueError, match=r"has no validation or test split, so it would validate on the rows "
+                                         r"--data-path trains on \(split train_sft\); name a held-out split"):
+        split(ultrachat, ultrachat, data_split="train_sft")
+    assert split(ultrachat, ultrachat, data_split="train_sft", validation_data_split="test_sft") == "test_sft"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    _write_jsonl(plain / "held_out.jsonl", _demo_rows()[:1])
+    assert split(both, str(plain)) == "train"  # a folder whose names mark no split is read whole
 
 
 def test_tokenized_and_raw_sources_are_told_apart(tmp_path, chatml_model):
