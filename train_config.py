@@ -323,9 +323,8 @@ class TrainConfig:
             input_file=input_file, model_name_or_path=self.model_name_or_path, output_dir=output_dir, overwrite=True,
             chat_template=self.chat_template, end_of_turn_token=self.end_of_turn_token,
             mask_reasoning=self.mask_reasoning, max_sample_num_tokens=self.max_sample_num_tokens,
-            input_format=self.input_format, columns=self.columns, split=split or self.data_split, subset=self.data_subset,
-            allow_audit_failures=self.allow_audit_failures,
-            logging_level=self.logging_level)
+            input_format=self.input_format, columns=self.columns, split=split or self.data_split,
+            subset=self.data_subset, allow_audit_failures=self.allow_audit_failures, logging_level=self.logging_level)
 
     @property
     def has_stop_condition(self) -> bool:
