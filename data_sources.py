@@ -19,6 +19,7 @@ through ``datasets.load_dataset(..., streaming=True)``.
                                  as datasets splits a folder)
     glob of the above            each file in name order             per file
     org/name (not a local path)  datasets.load_dataset (--split, --subset, streaming)   row
+                                 (offline: the hub cache's copy, as a folder)        per file
 
 Any other file name is read as JSON lines (as before).
 """
@@ -122,8 +123,31 @@ def open_input(spec: str, *, split: str = "train", subset: str | None = None) ->
             raise ValueError(f"input pattern {spec} matches no file")
         return Input(spec, "files", files, split, subset)
     if _HUB_ID.fullmatch(spec) and not path.is_absolute() and _kind(path) == "unknown":
-        return Input(spec, "hub", split=split, subset=subset)
+        return _hub_input(spec, split, subset)
     raise ValueError(f"input file {spec} does not exist")
+
+
+def _hub_input(spec: str, split: str, subset: str | None) -> Input:
+    """A hub dataset id, streamed through ``datasets.load_dataset``; offline (``HF_HUB_OFFLINE`` or
+    ``HF_DATASETS_OFFLINE``), the copy ``huggingface-cli download`` left in the hub cache, read as a
+    dataset folder: datasets itself cannot load that copy offline, and clusters' compute nodes often are.
+    """
+    import datasets
+
+    if not datasets.config.HF_HUB_OFFLINE:
+        return Input(spec, "hub", split=split, subset=subset)
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        snapshot = snapshot_download(spec, repo_type="dataset", local_files_only=True)
+    except (OSError, ValueError):  # LocalEntryNotFoundError: no copy in the cache
+        raise ValueError(f"input {spec}: the hub is off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE) and "
+                         f"{constants.HF_HUB_CACHE} holds no copy "
+                         f"of it; download it where the hub is reachable (huggingface-cli download --repo-type "
+                         f"dataset {spec}) or pass a local path") from None
+    source = _dataset_folder(snapshot, Path(snapshot), split, subset)
+    source.note = f"the hub cache's copy of {spec}, offline; {source.note}"
+    return source
 
 
 HELD_OUT_SPLITS = ("validation", "test")  # datasets' names for dev/valid/val and eval/testing files too

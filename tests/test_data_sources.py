@@ -290,6 +290,7 @@ def test_hub_id_is_loaded_through_load_dataset_with_split_and_subset(tmp_path, t
         return real_load_dataset("parquet", data_files=str(local), split="train", streaming=kwargs["streaming"])
 
     monkeypatch.setattr(datasets, "load_dataset", hub)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # online, whatever the shell says
     monkeypatch.chdir(tmp_path)  # "org/chat-data" is no local path here
     data, summary = tokenize(tmp_path, "hub", "org/chat-data", model, split="validation", subset="en")
     assert data == expected
@@ -297,15 +298,55 @@ def test_hub_id_is_loaded_through_load_dataset_with_split_and_subset(tmp_path, t
     assert summary["input"] == "hub dataset org/chat-data (split validation, subset en)"
 
 
-def test_unreachable_hub_is_refused_in_one_line(tmp_path, tiny_models):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "process_data.py"), "--input-file", "no-such-org/no-such-data",
-                             "--output-dir", str(tmp_path / "out"), "--model-name-or-path", str(tiny_models["chatml"]),
-                             "--num-proc", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("process_data.py: error: input no-such-org/no-such-data is no local path and loading it "
-                           "as a hub dataset failed: ") and "Traceback" not in result.stderr
+def test_unreachable_hub_is_refused_in_one_line(tmp_path, tiny_models, monkeypatch):
+    import datasets
+
+    def unreachable(path, name=None, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (ConnectTimeout)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # online, whatever the shell says
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^input org/chat-data is no local path and loading it as a hub dataset "
+                                         r"failed: Couldn't reach 'org/chat-data' on the Hub \(ConnectTimeout\)"):
+        tokenize(tmp_path, "hub", "org/chat-data", tiny_models["chatml"])
+
+
+def _offline_process_data(tmp_path: Path, model: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "process_data.py"), "--input-file", "org/chat-data",
+                           "--output-dir", str(tmp_path / "out"), "--model-name-or-path", str(model), "--num-proc", "1",
+                           "--num-printed-samples", "0", *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_offline_a_hub_id_reads_the_hub_caches_copy(tmp_path, tiny_models):
+    """What ``huggingface-cli download --repo-type dataset org/chat-data`` leaves in the cache, files linked
+    into blobs/: datasets.load_dataset cannot load it offline, process_data.py reads it as a dataset folder."""
+    model = tiny_models["qwen25"]
+    result = _offline_process_data(tmp_path, model)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "process_data.py: error: input org/chat-data: the hub is off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE) and "
+        f"{tmp_path / 'hf_home' / 'hub'} holds no copy of it; download it where the hub is reachable "
+        "(huggingface-cli download --repo-type dataset org/chat-data) or pass a local path")
+
+    cache = tmp_path / "hf_home" / "hub" / "datasets--org--chat-data"
+    repo = _hub_repository(tmp_path / "repo", {"train": ROWS, "test": ROWS[:2]})
+    (cache / "refs").mkdir(parents=True)
+    (cache / "refs" / "main").write_text("3f2a")
+    (cache / "blobs").mkdir()
+    for file in sorted(repo.rglob("*.parquet")):
+        (cache / "blobs" / file.name).write_bytes(file.read_bytes())
+        link = cache / "snapshots" / "3f2a" / file.relative_to(repo)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(cache / "blobs" / file.name)
+    result = _offline_process_data(tmp_path, model, "--overwrite")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "the hub cache's copy of org/chat-data, offline; split train by file names; not read: 1 file(s) of " \
+           "split test" in result.stderr
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ROWS), model)
+    assert (tmp_path / "out" / "data.jsonl").read_bytes() == expected
 
 
 @pytest.mark.parametrize("kind", ["json_array", "jsonl_gz", "jsonl_zst"])
