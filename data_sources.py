@@ -46,6 +46,8 @@ JSON_SUFFIXES = (".jsonl", ".json", ".ndjson") + tuple(base + suffix for suffix 
                                                         for base in (".jsonl", ".json"))
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _BLOCK = 1 << 20
+# The flags that choose a split and a config, as process_data.py and train.py name them.
+SPLIT_FLAG, SUBSET_FLAG = "--split, train.py's --data-split", "--subset, train.py's --data-subset"
 _BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark Windows tools write first (json.loads of bytes skips it)
 
 
@@ -180,7 +182,7 @@ def _dataset_folder(spec: str, path: Path, split: str, subset: str | None) -> In
     """
     splits, files, by = _folder_splits(spec, path, subset)
     if split not in splits:
-        raise ValueError(f"input folder {spec} has no split {split!r} (--split): its {by} give {', '.join(splits)}")
+        raise ValueError(f"input folder {spec} has no split {split!r} ({SPLIT_FLAG}): its {by} give {', '.join(splits)}")
     left = [f"{len(chosen)} file(s) of split {name}" for name, chosen in splits.items() if name != split]
     if num_outside := len(set(files).difference(*splits.values())):
         left.append(f"{num_outside} file(s) in no split")
@@ -228,16 +230,16 @@ def _split_patterns(spec: str, base: Path, subset: str | None) -> tuple[dict, st
     configs = _readme_configs(base)
     if not configs:
         if subset is not None:
-            raise ValueError(f"--subset {subset}: input folder {spec} declares no configs (in a README.md)")
+            raise ValueError(f"{subset!r} ({SUBSET_FLAG}): input folder {spec} declares no configs (in a README.md)")
         return _data_patterns(base), "file names", base
     if subset is None:
         defaults = [name for name, config in configs.items() if config.get("default")]
         if len(configs) > 1 and len(defaults) != 1:
             raise ValueError(f"input folder {spec} declares configs {', '.join(configs)} in its README.md: "
-                             "--subset picks one")
+                             f"pick one ({SUBSET_FLAG})")
         subset = defaults[0] if defaults else next(iter(configs))
     if subset not in configs:
-        raise ValueError(f"input folder {spec} has no config {subset!r} (--subset): its README.md declares "
+        raise ValueError(f"input folder {spec} has no config {subset!r} ({SUBSET_FLAG}): its README.md declares "
                          f"{', '.join(configs)}")
     config = configs[subset]
     root = base / config.get("data_dir", "")
@@ -464,7 +466,7 @@ def _load_saved(source: Input):
     loaded = datasets.load_from_disk(source.spec)
     if isinstance(loaded, datasets.DatasetDict):
         if source.split not in loaded:
-            raise ValueError(f"{source.spec} has no split {source.split!r} (--split); it has {', '.join(loaded)}")
+            raise ValueError(f"{source.spec} has no split {source.split!r} ({SPLIT_FLAG}); it has {', '.join(loaded)}")
         loaded = loaded[source.split]
     return loaded
 

@@ -200,7 +200,7 @@ def test_a_dataset_repository_folder_reads_only_the_split_asked_for(tmp_path, ti
     assert summary["input"].endswith("(parquet; split train by file names; not read: 1 file(s) of split test)")
     test_expected, _ = tokenize(tmp_path, "test_jsonl", str(write_jsonl(tmp_path / "test.jsonl", test_rows)), model)
     assert tokenize(tmp_path, "repo_test", repo, model, split="test")[0] == test_expected
-    with pytest.raises(ValueError, match=r"has no split 'validation' \(--split\): its file names give train, test$"):
+    with pytest.raises(ValueError, match=r"has no split 'validation' \(--split, train.py's --data-split\): its file names give train, test$"):
         open_input(repo, split="validation")
 
 
@@ -232,7 +232,7 @@ def test_split_names_of_files_and_folders_are_datasets_own(tmp_path):
     write_jsonl(tmp_path / "plain" / "b.jsonl", ROWS[:1])
     write_jsonl(tmp_path / "plain" / "a" / "x.jsonl", ROWS[:1])
     assert open_input(str(tmp_path / "plain")).files == (tmp_path / "plain/a/x.jsonl", tmp_path / "plain/b.jsonl")
-    with pytest.raises(ValueError, match="declares no configs"):
+    with pytest.raises(ValueError, match=r"^'en' \(--subset, train.py's --data-subset\): input folder .* declares no configs"):
         open_input(str(tmp_path / "plain"), subset="en")
 
 
@@ -247,12 +247,12 @@ def test_readme_configs_choose_the_files_and_subset_picks_one(tmp_path):
             "- config_name: code\n  data_dir: data/code\n---\n")
     (tmp_path / "README.md").write_text(card)
     spec = str(tmp_path)
-    with pytest.raises(ValueError, match=r"declares configs all, magpie, code in its README.md: --subset picks one$"):
+    with pytest.raises(ValueError, match=r"declares configs all, magpie, code in its README.md: pick one \(--subset, train.py's --data-subset\)$"):
         open_input(spec)
     assert open_input(spec, subset="all", split="test").files == (tmp_path / "data/all/test-00000-of-00001.parquet",)
     assert open_input(spec, subset="magpie").files == (tmp_path / "data/magpie/train-00000-of-00001.parquet",)
     assert open_input(spec, subset="code").files == (tmp_path / "data/code/train-00000-of-00001.parquet",)
-    with pytest.raises(ValueError, match=r"has no config 'en' \(--subset\)"):
+    with pytest.raises(ValueError, match=r"has no config 'en' \(--subset, train.py's --data-subset\)"):
         open_input(spec, subset="en")
     (tmp_path / "README.md").write_text(card.replace("- config_name: magpie\n", "- config_name: magpie\n  default: true\n"))
     chosen = open_input(spec)
