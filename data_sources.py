@@ -116,7 +116,7 @@ def open_input(spec: str, *, split: str = "train", subset: str | None = None) ->
     if path.is_file():
         return Input(spec, "files", (path,), split, subset)
     if path.is_dir():
-        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        if _is_saved(path):
             return Input(spec, "saved", split=split, subset=subset)
         return _dataset_folder(spec, path, split, subset)
     if any(char in spec for char in "*?["):
@@ -144,9 +144,8 @@ def _hub_input(spec: str, split: str, subset: str | None) -> Input:
         snapshot = snapshot_download(spec, repo_type="dataset", local_files_only=True)
     except (OSError, ValueError):  # LocalEntryNotFoundError: no copy in the cache
         raise ValueError(f"input {spec}: the hub is off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE) and "
-                         f"{constants.HF_HUB_CACHE} holds no copy "
-                         f"of it; download it where the hub is reachable (huggingface-cli download --repo-type "
-                         f"dataset {spec}) or pass a local path") from None
+                         f"{constants.HF_HUB_CACHE} holds no copy of it; download it where the hub is reachable "
+                         f"(huggingface-cli download --repo-type dataset {spec}) or pass a local path") from None
     source = _dataset_folder(snapshot, Path(snapshot), split, subset)
     source.note = f"the hub cache's copy of {spec}, offline; {source.note}"
     return source
@@ -161,13 +160,17 @@ def held_out_split(spec: str, subset: str | None = None) -> str | None:
     path = Path(spec)
     if not path.is_dir():
         return None
-    if (path / "state.json").is_file():
-        return None
-    if (path / "dataset_dict.json").is_file():
-        names = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+    if _is_saved(path):  # a DatasetDict lists its splits; one Dataset has none
+        splits = path / "dataset_dict.json"
+        names = json.loads(splits.read_text()).get("splits", []) if splits.is_file() else []
     else:
         names = _folder_splits(spec, path, subset)[0]
     return next((name for name in HELD_OUT_SPLITS if name in names), None)
+
+
+def _is_saved(path: Path) -> bool:
+    """A ``save_to_disk`` folder: of one Dataset (``state.json``) or a DatasetDict (``dataset_dict.json``)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
 def _dataset_folder(spec: str, path: Path, split: str, subset: str | None) -> Input:
