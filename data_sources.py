@@ -216,6 +216,8 @@ def _folder_splits(spec: str, path: Path, subset: str | None) -> tuple[dict[str,
         chosen = [p for p in files if str(p) in matched]
         if chosen:
             splits[str(name)] = chosen
+    if not splits and by != "file names":
+        raise ValueError(f"input folder {spec}: {by} names none of its {len(files)} data files (its data_files)")
     if not splits:
         import datasets
 

@@ -258,6 +258,10 @@ def test_readme_configs_choose_the_files_and_subset_picks_one(tmp_path):
     chosen = open_input(spec)
     assert chosen.files == (tmp_path / "data/magpie/train-00000-of-00001.parquet",)
     assert chosen.note == "split train by its README.md's config 'magpie'; not read: 3 file(s) in no split"
+    (tmp_path / "README.md").write_text("---\nconfigs:\n- config_name: gone\n  data_files: data/gone/*.parquet\n---\n")
+    with pytest.raises(ValueError, match=r"^input folder .*: its README.md's config 'gone' names none of its 4 data "
+                                         r"files \(its data_files\)$"):
+        open_input(spec)
     (tmp_path / "README.md").write_text("---\nconfigs: [\n  - config_name: all\n---\n")
     with pytest.raises(ValueError, match=r"^cannot read the configs in .*README.md: while parsing a flow node$"):
         open_input(spec)
