@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 import jinja2
 
@@ -139,7 +139,7 @@ _MASKED = f"{IGNORE_INDEX},"
 
 def parse_row(line: bytes) -> tuple[list[dict], dict[str, Any]]:
     """``parse_chat_row`` without the tools."""
-    messages, _, extra = parse_chat_row(line)
+    messages, _, extra, _ = parse_chat_row(line)
     return messages, extra
 
 
@@ -156,19 +156,20 @@ def load_row(line: bytes) -> dict[str, Any]:
     return row
 
 
-def parse_chat_row(line: bytes) -> tuple[list[dict], list[dict] | None, dict[str, Any]]:
+def parse_chat_row(line: bytes) -> tuple[list[dict], list[dict] | None, dict[str, Any], tuple[int, ...]]:
     """Parse and validate one JSONL line in the ``messages`` format (``load_row`` + ``check_row``)."""
     return check_row(load_row(line))
 
 
-def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[str, Any]]:
+def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[str, Any], tuple[int, ...]]:
     """Validate one row in the ``messages`` format.
 
     Returns:
-        ``(messages, tools, extra)``: the messages (keys with ``None`` values
-        dropped, as ``apply_chat_template`` does; a tool-call-only turn gets
-        ``content ''``), the row's ``tools`` (JSON schemas, passed to the
-        template, not copied to the output) and the row's other fields.
+        ``(messages, tools, extra, unlearned)``: the messages (keys with ``None`` values
+        dropped, as ``apply_chat_template`` does; a tool-call-only turn gets ``content ''``; text
+        parts joined into one string; tool-call arguments given as a JSON string parsed), the row's
+        ``tools`` (JSON schemas, passed to the template, not copied to the output), the row's other
+        fields, and the indices of the assistant turns marked ``"weight": 0`` (shown, not learned).
 
     Raises:
         SampleError: with the reason the row is unusable.
@@ -183,7 +184,7 @@ def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[
     reserved = [key for key in OUTPUT_FIELDS if key in row]
     if reserved:
         raise SampleError("reserved_field", f"input field(s) {reserved} would be overwritten by the output")
-    clean = []
+    clean, unlearned = [], []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise SampleError("message_not_an_object", f"message {index} is a {type(message).__name__}")
@@ -191,16 +192,17 @@ def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[
         if role not in VALID_ROLES:
             raise SampleError("unknown_role", f"message {index} has role {role!r}; allowed: {', '.join(VALID_ROLES)}")
         message = {key: value for key, value in message.items() if value is not None}
+        if "weight" in message and not _learned(index, role, message.pop("weight")):
+            unlearned.append(index)
         tool_calls = message.get("tool_calls")
         if tool_calls is not None:
-            _check_tool_calls(index, role, tool_calls)
+            message["tool_calls"] = _checked_tool_calls(index, role, tool_calls)
             # A turn that only calls a tool: templates index message['content'], so give it ''.
             message.setdefault("content", "")
         if message.get("content") is None:
             raise SampleError("missing_content", f"message {index} ({role}) has no content")
         if not isinstance(message["content"], str):
-            raise SampleError("non_string_content",
-                              f"message {index} ({role}) content is a {type(message['content']).__name__}")
+            message["content"] = _text_of_parts(index, role, message["content"])
         if role == "assistant" and not message["content"].strip() and not tool_calls:
             raise SampleError("empty_assistant_reply", f"message {index} is an empty assistant reply")
         for key in _REASONING_FIELDS:
@@ -218,10 +220,41 @@ def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[
     if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
         raise SampleError("invalid_tools", "'tools' must be a list of JSON schema objects")
     extra = {key: value for key, value in row.items() if key not in ("messages", "tools")}
-    return clean, tools or None, extra
+    return clean, tools or None, extra, tuple(unlearned)
 
 
-def _check_tool_calls(index: int, role: str, tool_calls: Any) -> None:
+def _learned(index: int, role: str, weight: Any) -> bool:
+    """OpenAI's fine-tuning ``weight``: 0 shows an assistant turn without learning it, 1 (the default)
+    learns it. Other roles are never learned (a pretrain message always is), which their weight must
+    not contradict."""
+    if weight not in (0, 1):
+        raise SampleError("invalid_weight", f"message {index} ({role}) has weight {weight!r}; expected 0 or 1")
+    learned = role in ("assistant", "pretrain")
+    if role != "assistant" and weight != learned:
+        raise SampleError("invalid_weight", f"message {index} ({role}) has weight {weight!r}: only assistant turns "
+                                            "are chosen by weight; a pretrain message is always learned, others never")
+    return bool(weight)
+
+
+def _text_of_parts(index: int, role: str, content: Any) -> str:
+    """Content as OpenAI's list of text parts: the texts joined by newlines, as vLLM serves them to a
+    template that takes string content (the way it serves this toolkit's checkpoints)."""
+    if not isinstance(content, list):
+        raise SampleError("non_string_content", f"message {index} ({role}) content is a {type(content).__name__}")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise SampleError("non_text_content", f"message {index} ({role}) has a content part of type {kind!r}; "
+                                                  "only text parts ({\"type\": \"text\", \"text\": ...}) are trained on")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _checked_tool_calls(index: int, role: str, tool_calls: Any) -> list[dict]:
+    """The turn's tool calls, arguments given as a JSON string (OpenAI's format) parsed into their
+    object, as vLLM does before rendering: templates write ``arguments | tojson``, which would quote
+    the string a second time. Missing or empty arguments become ``{}``, as there."""
     if role != "assistant":
         raise SampleError("invalid_tool_calls",
                           f"message {index} ({role}) has tool_calls; only assistant turns call tools")
@@ -232,6 +265,21 @@ def _check_tool_calls(index: int, role: str, tool_calls: Any) -> None:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise SampleError("invalid_tool_calls", f"message {index}: each tool call needs "
                                                     "{\"function\": {\"name\": ..., \"arguments\": ...}}")
+    if all(isinstance(call["function"].get("arguments"), (dict, list)) for call in tool_calls):
+        return tool_calls
+    parsed = []
+    for call in tool_calls:
+        arguments = call["function"].get("arguments")
+        if arguments is None or isinstance(arguments, str) and not arguments.strip():
+            arguments = {}
+        elif isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as err:
+                raise SampleError("invalid_tool_calls", f"message {index}: the arguments of tool call "
+                                                        f"{call['function']['name']!r} are not JSON: {err}") from None
+        parsed.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return parsed
 
 
 # ----------------------------------------------------------------------------
@@ -251,7 +299,7 @@ def reasoning_text(message: dict) -> str:
 
 def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tuple[str, ...],
                eos_token: str | None = None, special_tokens: tuple[str, ...] = (),
-               mask_reasoning: bool = False, first_learned: int = 0) -> tuple[str, list[CharSpan], str]:
+               mask_reasoning: bool = False, masked: Container[int] = ()) -> tuple[str, list[CharSpan], str]:
     """The learned character spans of every assistant turn, by the learning rule (module docstring).
 
     Turns are located in the rendering of the whole conversation (``sentinel_turn_spans``); where a
@@ -268,7 +316,7 @@ def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tup
         special_tokens: the tokenizer's added tokens; a generation prompt is matched in pieces
             that end at one of them (or a newline), never inside one.
         mask_reasoning: leave each turn's reasoning text (``reasoning_text``) out of its span.
-        first_learned: assistant turns before this message index stay masked (a prompt's turns).
+        masked: the indices of assistant turns that stay masked (a prompt's turns, ``weight`` 0).
 
     Returns:
         ``(full_text, spans, rule)``: sorted, disjoint ``[start, end)`` spans in ``full_text``, a
@@ -285,7 +333,7 @@ def turn_spans(render: Renderer, messages: list[dict], *, end_of_turn: str | tup
         rule, turns = "incremental", incremental_turn_spans(render, messages, full, ends=ends)
     spans: list[CharSpan] = []
     for i, (start, end) in turns:
-        if i < first_learned:
+        if i in masked:
             continue
         message = messages[i]
         for call in message.get("tool_calls", ()):
@@ -806,16 +854,16 @@ class ChatEncoder:
         return texts[0]
 
     def reply_spans(self, messages: list[dict], tools: list[dict] | None = None, *,
-                    first_learned: int = 0) -> tuple[str, list[CharSpan], str]:
+                    masked: Container[int] = ()) -> tuple[str, list[CharSpan], str]:
         """The full rendered text, the learned character spans and the rule that located them
-        (assistant turns before message ``first_learned`` stay masked)."""
+        (the assistant turns in ``masked`` stay masked)."""
         if not self.renders_tool_calls and any("tool_calls" in message for message in messages):
             raise SampleError("tool_calls_not_rendered", "the chat template does not render tool_calls; "
                                                          "pass --chat-template with one that does")
         render = self.render if tools is None else (lambda msgs, gen: self.render(msgs, gen, tools))
         return turn_spans(render, messages, end_of_turn=self.end_of_turn_tokens, eos_token=self.eos_token,
                           special_tokens=self.added_tokens, mask_reasoning=self.mask_reasoning,
-                          first_learned=first_learned)
+                          masked=masked)
 
     def encode_rows(self, rows: list[bytes | ChatRow]) -> list[Sample | SampleError]:
         """Encode a chunk of rows; one ``Sample`` or ``SampleError`` per row, in order.
@@ -828,17 +876,18 @@ class ChatEncoder:
         for index, row in enumerate(rows):
             try:
                 chat_row = ChatRow(load_row(row)) if isinstance(row, bytes) else row
-                messages, tools, extra = check_row(chat_row.fields)
+                messages, tools, extra, masked = check_row(chat_row.fields)
             except SampleError as err:
                 results[index] = err
                 continue
             if messages[0]["role"] == "pretrain":
                 pending.append((index, messages[0]["content"], None, extra, None, chat_row.num_prompt_chars, False))
                 continue
-            first_learned = chat_row.num_prompt_messages
-            has_reply = any(message["role"] == "assistant" for message in messages[first_learned:])
+            if chat_row.num_prompt_messages:
+                masked = (*range(chat_row.num_prompt_messages), *masked)
+            has_reply = any(message["role"] == "assistant" and i not in masked for i, message in enumerate(messages))
             try:
-                text, spans, rule = self.reply_spans(messages, tools, first_learned=first_learned)
+                text, spans, rule = self.reply_spans(messages, tools, masked=masked)
             except SampleError as err:
                 err.audit = True  # a well-formed conversation the template (or the masking) failed on
                 results[index] = err

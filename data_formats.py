@@ -7,7 +7,7 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
     messages           messages                        itself (other fields copied, as always)
     sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt -> assistant,
                                                        function_call -> an assistant tool call,
-                                                       observation / tool -> tool
+                                                       observation / tool -> tool; a turn's weight kept
     prompt_completion  prompt, completion              lists of messages: prompt + completion through the
                                                        template, only the completion's replies learned;
                                                        strings: no template, prompt masked, completion + EOS
@@ -182,9 +182,12 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
             raise SampleError("unknown_role", f"turn {index} has from {turn.get('from')!r}; allowed: "
                                               f"{', '.join(SHAREGPT_ROLES)}")
         if turn["from"] == "function_call":
-            messages.append({"role": "assistant", "content": "", "tool_calls": _tool_calls(index, turn.get("value"))})
+            message = {"role": "assistant", "content": "", "tool_calls": _tool_calls(index, turn.get("value"))}
         else:
-            messages.append({"role": role, "content": turn.get("value")})
+            message = {"role": role, "content": turn.get("value")}
+        if turn.get("weight") is not None:  # 0 or 1 per turn, as in OpenAI's format (null in OpenHermes)
+            message["weight"] = turn["weight"]
+        messages.append(message)
     if isinstance(rest.get("tools"), list):  # LLaMA-Factory lists bare function schemas
         rest["tools"] = [tool if not isinstance(tool, dict) or "function" in tool else
                          {"type": "function", "function": tool} for tool in rest["tools"]]

@@ -156,6 +156,79 @@ def test_conversational_prompt_turns_are_never_learned(tmp_path, tiny_models, to
         "Four.<|im_end|>Six.<|im_end|>"
 
 
+# ----------------------------------------------------------------------------
+# OpenAI's fine-tuning format: per-reply weight, text parts, arguments as a JSON string
+
+# OpenAI's own example of `weight`: the first reply shown, only the second learned.
+WEIGHTED = [{"role": "system", "content": "Marv is a factual chatbot that is also sarcastic."},
+            {"role": "user", "content": "What's the capital of France?"},
+            {"role": "assistant", "content": "Paris", "weight": 0},
+            {"role": "user", "content": "Can you be more sarcastic?"},
+            {"role": "assistant", "content": "Paris, as if everyone doesn't know that already.", "weight": 1}]
+
+
+def _learned(row: dict) -> set[int]:
+    return {i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX}
+
+
+def test_weight_0_shows_a_reply_without_learning_it(tmp_path, real):
+    model, template = real
+    plain = [{key: value for key, value in m.items() if key != "weight"} for m in WEIGHTED]
+    swapped = [dict(m, weight=1 - m["weight"]) if "weight" in m else m for m in WEIGHTED]
+    data, rejected, summary = tokenize(tmp_path, "weighted", [{"messages": WEIGHTED}, {"messages": swapped}], model,
+                                       chat_template=template)
+    (everything,), _, _ = tokenize(tmp_path, "plain", [{"messages": plain}], model, chat_template=template)
+    (last_only,), _, _ = tokenize(tmp_path, "pc", [{"prompt": plain[:4], "completion": plain[4:]}], model,
+                                  chat_template=template)
+    assert not rejected and all(row["input_ids"] == everything["input_ids"] for row in data)
+    first_only = _learned(everything) - _learned(last_only)
+    assert first_only and _learned(last_only) and _learned(data[0]) == _learned(last_only)
+    assert _learned(data[1]) == first_only and data[0]["labels"] == last_only["labels"]
+    assert summary["audit"]["passed"] and summary["audit"]["num_replies"] == 2
+    # ShareGPT turns carry the same weight (OpenHermes-2.5 writes null on every turn: the default).
+    sharegpt = [{"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                                    "value": m["content"], "weight": m.get("weight")} for m in messages]}
+                for messages in (WEIGHTED, swapped, plain)]
+    converted, rejected, _ = tokenize(tmp_path, "sharegpt", sharegpt, model, chat_template=template)
+    assert not rejected and tokens(converted) == tokens(data + [everything])
+
+
+def test_content_as_text_parts_is_its_text(tmp_path, real):
+    """OpenAI's list of text parts: one part is its text, several are joined by newlines as vLLM joins them."""
+    model, template = real
+    as_parts = [{**row, "messages": [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                                     for m in row["messages"]]} for row in MESSAGES_ROWS]
+    two_parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Read this:"},
+                                                           {"type": "text", "text": "Paris is in France."}]},
+                              {"role": "assistant", "content": "Done."}]}
+    joined = {"messages": [{"role": "user", "content": "Read this:\nParis is in France."},
+                           {"role": "assistant", "content": "Done."}]}
+    expected, _, _ = tokenize(tmp_path, "messages", MESSAGES_ROWS + [joined], model, chat_template=template)
+    data, rejected, _ = tokenize(tmp_path, "parts", as_parts + [two_parts], model, chat_template=template)
+    assert not rejected and tokens(data) == tokens(expected)
+
+
+def test_tool_call_arguments_as_a_json_string_are_the_object(tmp_path, real):
+    """OpenAI's format writes arguments as a JSON string; templates write ``arguments | tojson``, which would
+    quote it again. Parsed first, as vLLM does when it serves the model, the row is the object's row."""
+    from transformers import AutoTokenizer
+
+    model, template = real
+    call = {"type": "function", "function": {**CALL, "arguments": json.dumps(CALL["arguments"])}}
+    as_string = {**TOOL_ROW, "messages": [TOOL_ROW["messages"][0], {**TOOL_ROW["messages"][1], "tool_calls": [call]},
+                                          *TOOL_ROW["messages"][2:]]}
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = Path(template).read_text()
+    assert tok.apply_chat_template(as_string["messages"], tools=TOOL_ROW["tools"], tokenize=False) != \
+        tok.apply_chat_template(TOOL_ROW["messages"], tools=TOOL_ROW["tools"], tokenize=False)  # quoted twice
+    no_arguments = [{**TOOL_ROW, "messages": [TOOL_ROW["messages"][0], {**TOOL_ROW["messages"][1], "tool_calls": [
+        {"type": "function", "function": {"name": CALL["name"], **extra}}]}, *TOOL_ROW["messages"][2:]]}
+        for extra in ({"arguments": {}}, {"arguments": ""}, {"arguments": None}, {})]
+    expected, _, _ = tokenize(tmp_path, "object", [TOOL_ROW, no_arguments[0]], model, chat_template=template)
+    data, rejected, _ = tokenize(tmp_path, "string", [as_string] + no_arguments[1:], model, chat_template=template)
+    assert not rejected and tokens(data) == tokens(expected[:1] + expected[1:] * 3)
+
+
 @pytest.fixture(scope="module")
 def tokenizers_by_name(tiny_models):
     from transformers import AutoTokenizer
@@ -224,7 +297,19 @@ BAD_ROWS = [
     ({"prompt": [{"role": "user", "content": "a"}], "completion": []}, "empty_messages"),
     ({"instruction": "a", "input": "", "output": 3}, "non_string_content"),
     ({"text": 5}, "non_string_content"),
-    ({"conversations": [{"from": "human", "value": ["x"]}, {"from": "gpt", "value": "y"}]}, "non_string_content"),
+    ({"conversations": [{"from": "human", "value": 7}, {"from": "gpt", "value": "y"}]}, "non_string_content"),
+    ({"conversations": [{"from": "human", "value": ["x"]}, {"from": "gpt", "value": "y"}]}, "non_text_content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+                   {"role": "assistant", "content": "A cat."}]}, "non_text_content"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "weight": 0.5}]},
+     "invalid_weight"),
+    ({"messages": [{"role": "user", "content": "x", "weight": 1}, {"role": "assistant", "content": "y"}]},
+     "invalid_weight"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "weight": 0}]},
+     "no_loss_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{'city': 'Paris'}"}}]}]}, "invalid_tool_calls"),
     ({"conversations": [{"from": "bard", "value": "x"}]}, "unknown_role"),
     ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{"}]},
      "invalid_tool_calls"),
@@ -246,8 +331,8 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
         rejected[1]["detail"]
     assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == len(BAD_ROWS)
     # Rows by the format found, bad ones too; bad JSON, no shape and two shapes have none.
-    assert summary["rows_by_format"] == {"sharegpt": 5, "alpaca": 4, "prompt_completion": 3, "text": 2,
-                                         "messages": 1}
+    assert summary["rows_by_format"] == {"sharegpt": 6, "alpaca": 4, "prompt_completion": 3, "text": 2,
+                                         "messages": 6}
     assert summary["audit"]["passed"] and summary["audit"]["num_rejected"] == 0
     with pytest.raises(SystemExit) as err:
         main([*argv, "--output-dir", str(tmp_path / "strict"), "--strict"])
