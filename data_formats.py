@@ -9,7 +9,8 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
                                                        function_call -> an assistant tool call,
                                                        observation / tool -> tool; a turn's weight kept
     prompt_completion  prompt, completion              lists of messages: prompt + completion through the
-                                                       template, only the completion's replies learned;
+                                                       template, only the completion's replies learned (a
+                                                       string completion is one reply);
                                                        strings: no template, prompt masked, completion + EOS
     text               text                            a pretrain row (every token learned)
     alpaca             instruction, output             [system], [history's rounds], user (instruction
@@ -215,7 +216,13 @@ def _tool_calls(index: int, value: Any) -> list[dict]:
 
 
 def _prompt_completion(prompt: Any, completion: Any, rest: dict[str, Any]) -> ChatRow:
-    """TRL's prompt/completion: conversational (lists of messages) or plain strings."""
+    """TRL's prompt/completion: conversational (lists of messages) or plain strings. A string completion
+    after a conversational prompt (Llama-Nemotron's post-training data: ``input`` messages, ``output``
+    text) is the assistant's reply."""
+    if isinstance(prompt, list) and isinstance(completion, str):
+        if not completion.strip():
+            raise SampleError("empty_completion", "the completion is empty")
+        completion = [{"role": "assistant", "content": completion}]
     if isinstance(prompt, list) and isinstance(completion, list):
         if not completion:
             raise SampleError("empty_messages", "'completion' is empty")
@@ -226,5 +233,5 @@ def _prompt_completion(prompt: Any, completion: Any, rest: dict[str, Any]) -> Ch
         return ChatRow({"messages": [{"role": "pretrain", "content": prompt + completion}], **rest},
                        num_prompt_chars=len(prompt))
     raise SampleError("invalid_prompt_completion", f"'prompt' is a {type(prompt).__name__} and 'completion' a "
-                                                   f"{type(completion).__name__}: both strings or both lists of "
-                                                   "messages")
+                                                   f"{type(completion).__name__}: both strings, both lists of "
+                                                   "messages, or a list of messages and the reply's string")

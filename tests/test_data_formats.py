@@ -229,6 +229,19 @@ def test_tool_call_arguments_as_a_json_string_are_the_object(tmp_path, real):
     assert not rejected and tokens(data) == tokens(expected[:1] + expected[1:] * 3)
 
 
+def test_a_string_completion_after_a_conversational_prompt_is_its_reply(tmp_path, real):
+    """Llama-Nemotron's post-training rows: ``input`` messages and ``output`` the reply's text."""
+    model, template = real
+    turns = MESSAGES_ROWS[1]["messages"]
+    row = {"input": turns[:3], "output": turns[3]["content"], "reasoning": "off", "category": "math"}
+    expected, _, _ = tokenize(tmp_path, "lists", [{"prompt": turns[:3], "completion": turns[3:]}], model,
+                              chat_template=template)
+    data, rejected, summary = tokenize(tmp_path, "nemotron", [row], model, chat_template=template,
+                                       columns="prompt=input,completion=output")
+    assert not rejected and tokens(data) == tokens(expected) and summary["rows_by_format"] == {"prompt_completion": 1}
+    assert (data[0]["reasoning"], data[0]["category"]) == ("off", "math")
+
+
 @pytest.fixture(scope="module")
 def tokenizers_by_name(tiny_models):
     from transformers import AutoTokenizer
@@ -314,6 +327,8 @@ BAD_ROWS = [
     ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{"}]},
      "invalid_tool_calls"),
     ({"prompt": "a", "completion": 3}, "invalid_prompt_completion"),
+    ({"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}, "invalid_prompt_completion"),
+    ({"prompt": [{"role": "user", "content": "a"}], "completion": " "}, "empty_completion"),
     ({"prompt": "a", "completion": "  "}, "empty_completion"),
     ({"instruction": None, "output": "b"}, "missing_content"),
     ({"instruction": "a", "output": "b", "history": [["only the question"]]}, "invalid_history"),
@@ -331,7 +346,7 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
         rejected[1]["detail"]
     assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == len(BAD_ROWS)
     # Rows by the format found, bad ones too; bad JSON, no shape and two shapes have none.
-    assert summary["rows_by_format"] == {"sharegpt": 6, "alpaca": 4, "prompt_completion": 3, "text": 2,
+    assert summary["rows_by_format"] == {"sharegpt": 6, "alpaca": 4, "prompt_completion": 5, "text": 2,
                                          "messages": 6}
     assert summary["audit"]["passed"] and summary["audit"]["num_rejected"] == 0
     with pytest.raises(SystemExit) as err:
