@@ -166,7 +166,8 @@ def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[
 
     Returns:
         ``(messages, tools, extra, unlearned)``: the messages (keys with ``None`` values
-        dropped, as ``apply_chat_template`` does; a tool-call-only turn gets ``content ''``; text
+        dropped, as ``apply_chat_template`` does, and empty ``tool_calls`` lists; a tool-call-only
+        turn gets ``content ''``; text
         parts joined into one string; tool-call arguments given as a JSON string parsed), the row's
         ``tools`` (JSON schemas, passed to the template, not copied to the output), the row's other
         fields, and the indices of the assistant turns marked ``"weight": 0`` (shown, not learned).
@@ -195,6 +196,9 @@ def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[
         if "weight" in message and not _learned(index, role, message.pop("weight")):
             unlearned.append(index)
         tool_calls = message.get("tool_calls")
+        if tool_calls == []:  # what serialisers write for "no calls"; vLLM drops it too
+            del message["tool_calls"]
+            tool_calls = None
         if tool_calls is not None:
             message["tool_calls"] = _checked_tool_calls(index, role, tool_calls)
             # A turn that only calls a tool: templates index message['content'], so give it ''.
@@ -259,7 +263,7 @@ def _checked_tool_calls(index: int, role: str, tool_calls: Any) -> list[dict]:
         raise SampleError("invalid_tool_calls",
                           f"message {index} ({role}) has tool_calls; only assistant turns call tools")
     if not isinstance(tool_calls, list) or not tool_calls:
-        raise SampleError("invalid_tool_calls", f"message {index} tool_calls must be a non-empty list")
+        raise SampleError("invalid_tool_calls", f"message {index} tool_calls must be a list")
     for call in tool_calls:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):

@@ -229,6 +229,16 @@ def test_tool_call_arguments_as_a_json_string_are_the_object(tmp_path, real):
     assert not rejected and tokens(data) == tokens(expected[:1] + expected[1:] * 3)
 
 
+def test_an_empty_tool_calls_list_is_no_call(tmp_path, real):
+    """``"tool_calls": []`` beside a reply, as serialisers write "no calls": the reply's row (vLLM drops it too)."""
+    model, template = real
+    with_empty = [{**row, "messages": [{**m, "tool_calls": []} if m["role"] == "assistant" else m
+                                       for m in row["messages"]]} for row in MESSAGES_ROWS]
+    expected, _, _ = tokenize(tmp_path, "messages", MESSAGES_ROWS, model, chat_template=template)
+    data, rejected, _ = tokenize(tmp_path, "empty", with_empty, model, chat_template=template)
+    assert not rejected and tokens(data) == tokens(expected)
+
+
 def test_a_string_completion_after_a_conversational_prompt_is_its_reply(tmp_path, real):
     """Llama-Nemotron's post-training rows: ``input`` messages and ``output`` the reply's text."""
     model, template = real
