@@ -83,14 +83,15 @@ def row_format(row: dict[str, Any], input_format: str = "auto") -> str:
     return fmt
 
 
-def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | None = None
-             ) -> tuple[str, ChatRow]:
+def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | None = None,
+             from_table: bool = False) -> tuple[str, ChatRow]:
     """Convert one input row.
 
     Args:
         raw: a JSON line (``bytes``) or a parsed row (a table row, a JSON array element).
         input_format: ``"auto"`` (detect per row) or one of ``FORMATS``.
         columns: input column -> accepted name (``parse_columns``), applied first.
+        from_table: ``raw`` is an Arrow table's row (``_without_struct_nulls``).
 
     Returns:
         ``(format, chat_row)``.
@@ -104,11 +105,41 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     if columns:
         row = {columns.get(key, key): value for key, value in row.items()}
     fmt = row_format(row, input_format)
+    if from_table:
+        row = _without_struct_nulls(row)
     try:
         return fmt, _convert(fmt, row)
     except SampleError as err:
         err.row_format = fmt
         raise
+
+
+def _without_struct_nulls(row: dict[str, Any]) -> dict[str, Any]:
+    """A table row with the tool schemas and tool calls it has, not those of other rows.
+
+    A column of structs holds every field any row has: a row's tool schema gains the other tools'
+    parameters and its call's arguments the other calls' argument names, all ``None``, which a
+    template would write as ``null`` and the model learn to call with. A table cannot tell such a
+    ``None`` from a JSON null, so inside these two every ``None`` goes (a JSON string, parsed later,
+    keeps its nulls)."""
+    if isinstance(row.get("tools"), list):
+        row = {**row, "tools": _no_nulls(row["tools"])}
+    for key in ("messages", "prompt", "completion", "conversations"):
+        turns = row.get(key)
+        if isinstance(turns, list) and any(isinstance(turn, dict) and isinstance(turn.get("tool_calls"), list)
+                                           for turn in turns):
+            row = {**row, key: [{**turn, "tool_calls": _no_nulls(turn["tool_calls"])}
+                                if isinstance(turn, dict) and isinstance(turn.get("tool_calls"), list) else turn
+                                for turn in turns]}
+    return row
+
+
+def _no_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _no_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_no_nulls(item) for item in value]
+    return value
 
 
 def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:

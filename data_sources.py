@@ -61,6 +61,12 @@ class Chunk:
     numbers: list[int]  # 1-based, one per row
     rows: list[Any]
 
+    @property
+    def from_table(self) -> bool:
+        """Rows of an Arrow table (parquet, arrow, csv, ``save_to_disk``, hub): a struct column gives
+        each row every field any row has, the ones it lacks as ``None``."""
+        return self.unit == "row"
+
 
 @dataclass
 class Input:

@@ -241,13 +241,14 @@ def _process_chunk(chunk: Chunk) -> ChunkResult:
     return encode_chunk(_ENCODER, chunk, config=_CONFIG)
 
 
-def convert_rows(rows: list, config: ProcessDataConfig) -> list[tuple[str, ChatRow] | SampleError]:
-    """Each input row in the ``messages`` format, with the format it was read as, or why it cannot be."""
+def convert_rows(chunk: Chunk, config: ProcessDataConfig) -> list[tuple[str, ChatRow] | SampleError]:
+    """Each row of the chunk in the ``messages`` format, with the format it was read as, or why it cannot be."""
     columns = parse_columns(config.columns)
     converted: list[tuple[str, ChatRow] | SampleError] = []
-    for raw in rows:
+    for raw in chunk.rows:
         try:
-            converted.append(read_row(raw, input_format=config.input_format, columns=columns))
+            converted.append(read_row(raw, input_format=config.input_format, columns=columns,
+                                      from_table=chunk.from_table))
         except SampleError as err:
             converted.append(err)
     return converted
@@ -261,7 +262,7 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
     first_rejection = None
     num_pretrain = 0
     audit, input_errors = ChunkAudit(), ChunkAudit()
-    converted = convert_rows(chunk.rows, config)
+    converted = convert_rows(chunk, config)
     encoded = iter(encoder.encode_rows([item[1] for item in converted if not isinstance(item, SampleError)]))
     named = chunk.file != config.input_file  # one of several files: rejected rows say which
     for offset, item in enumerate(converted):
@@ -349,7 +350,7 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
     scan = _Scan()
     with contextlib.closing(source.chunks(min(config.chunk_size, _SCAN_ROWS))) as chunks:
         for chunk in chunks:
-            for number, raw, item in zip(chunk.numbers, chunk.rows, convert_rows(chunk.rows, config)):
+            for number, raw, item in zip(chunk.numbers, chunk.rows, convert_rows(chunk, config)):
                 scan.num_rows += not (isinstance(raw, bytes) and not raw.strip())
                 if isinstance(item, SampleError):
                     if item.row_format is not None:
@@ -404,7 +405,7 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
     if not tokenizer.chat_template:
         with contextlib.closing(source.chunks(config.chunk_size)) as chunks:
             for chunk in chunks:
-                for number, item in zip(chunk.numbers, convert_rows(chunk.rows, config)):
+                for number, item in zip(chunk.numbers, convert_rows(chunk, config)):
                     messages = None if isinstance(item, SampleError) else item[1].fields["messages"]
                     if (isinstance(messages, list) and messages and isinstance(messages[0], dict)
                             and messages[0].get("role") != "pretrain"):

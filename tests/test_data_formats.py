@@ -239,6 +239,34 @@ def test_an_empty_tool_calls_list_is_no_call(tmp_path, real):
     assert not rejected and tokens(data) == tokens(expected)
 
 
+def test_a_table_row_has_its_own_tools_and_arguments_not_the_columns(tmp_path, real):
+    """Parquet's struct columns give each row's tool schema the other tools' parameters and each call the
+    other calls' argument names, as nulls: dropped, the rows are their JSON lines' rows. A JSON string keeps
+    its nulls (a table cannot tell them apart, a string can)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model, template = real
+    search = {"name": "search", "description": "Search the web", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}, "top_k": {"type": "integer"}}, "required": ["query"]}}
+
+    def row(tool: dict, call: dict, arguments) -> dict:
+        return {"tools": [{"type": "function", "function": tool}], "messages": [
+            TOOL_ROW["messages"][0], {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": call["name"], "arguments": arguments}}]},
+            *TOOL_ROW["messages"][2:]]}
+
+    rows = [row(TOOL, CALL, CALL["arguments"]), row(search, {"name": "search"}, {"query": "cats", "top_k": 3})]
+    with_null = [row(TOOL, CALL, json.dumps({"city": "Paris", "unit": None}))] * 2
+    for name, table_rows in (("structs", rows), ("strings", with_null)):
+        pq.write_table(pa.Table.from_pylist(table_rows), tmp_path / f"{name}.parquet")
+        expected, _, _ = tokenize(tmp_path, name, table_rows, model, chat_template=template)
+        out = tmp_path / f"out-{name}-parquet"
+        process_data(ProcessDataConfig(input_file=str(tmp_path / f"{name}.parquet"), model_name_or_path=str(model),
+                                       output_dir=str(out), num_proc=1, num_printed_samples=0, chat_template=template))
+        assert tokens(read_jsonl(out / "data.jsonl")) == tokens(expected), name
+
+
 def test_a_string_completion_after_a_conversational_prompt_is_its_reply(tmp_path, real):
     """Llama-Nemotron's post-training rows: ``input`` messages and ``output`` the reply's text."""
     model, template = real
