@@ -39,6 +39,9 @@ COLUMNS = ("messages", "conversations", "prompt", "completion", "text", "instruc
            "tools")
 ACCEPTED = "; ".join(f"{name} ({' + '.join(keys)})" for name, keys in SHAPES.items())
 
+# The column holding a format's conversation, which is never a string of text (a prompt may be).
+_TURNS = {"messages": "messages", "sharegpt": "conversations"}
+
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "function_call": "assistant", "observation": "tool", "tool": "tool"}
 
@@ -147,6 +150,10 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
         # Tables keep tool schemas as one JSON string (LLaMA-Factory, hub parquet files): as a column of
         # structs, each schema would gain every other tool's parameters as nulls.
         row = {**row, "tools": _json_field(row["tools"], "invalid_tools", "'tools'")}
+    turns = _TURNS.get(fmt)
+    if turns and isinstance(row[turns], str):
+        # A CSV cell holds no list: a conversation there (or in any table column of strings) is JSON text.
+        row = {**row, turns: _json_field(row[turns], "messages_not_a_list", f"'{turns}' is a string and")}
     if fmt == "messages":
         return ChatRow(row)
     rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}

@@ -267,6 +267,26 @@ def test_a_table_row_has_its_own_tools_and_arguments_not_the_columns(tmp_path, r
         assert tokens(read_jsonl(out / "data.jsonl")) == tokens(expected), name
 
 
+def test_a_conversation_in_a_csv_cell_is_its_json_text(tmp_path, real):
+    """A CSV cell holds no list: conversations exported to CSV are JSON strings, read as the lists they hold."""
+    import csv
+
+    model, template = real
+    for name, rows, key in (("messages", MESSAGES_ROWS, "messages"), ("sharegpt", SHAREGPT_ROWS, "conversations")):
+        path = tmp_path / f"{name}.csv"
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["id", key, "system"])
+            writer.writeheader()
+            writer.writerows({"id": row["id"], key: json.dumps(row[key]), "system": row.get("system", "")}
+                             for row in rows)
+        expected, _, _ = tokenize(tmp_path, name, rows, model, chat_template=template)
+        out = tmp_path / f"out-{name}-csv"
+        summary = process_data(ProcessDataConfig(input_file=str(path), model_name_or_path=str(model),
+                                                 output_dir=str(out), num_proc=1, num_printed_samples=0,
+                                                 chat_template=template))
+        assert tokens(read_jsonl(out / "data.jsonl")) == tokens(expected) and summary["num_written"] == len(rows)
+
+
 def test_a_string_completion_after_a_conversational_prompt_is_its_reply(tmp_path, real):
     """Llama-Nemotron's post-training rows: ``input`` messages and ``output`` the reply's text."""
     model, template = real
