@@ -16,7 +16,8 @@ The cache folder is named by a fingerprint of everything that decides its bytes:
 * the tokenizer as loaded (its serialised Rust tokenizer, special tokens) and the chat template
   used (``--chat-template``'s text or the tokenizer's own);
 * the options: ``--max-sample-num-tokens``, ``--end-of-turn-token``, ``--mask-reasoning``,
-  ``--input-format``, ``--columns``, the split and subset (``--data-split``, ``--data-subset``);
+  ``--input-format``, ``--columns``, the split and subset (``--data-split``, ``--data-subset``),
+  ``--text-sample-by``;
 * the code that turns rows into tokens and labels (the source of ``process_data.py``,
   ``chat_masking.py``, ``data_formats.py``, ``data_sources.py``) and the transformers and tokenizers
   versions that render and encode: a fix to the masking never trains on labels the old code made.
@@ -35,7 +36,7 @@ import shutil
 from pathlib import Path
 
 from data_mix import data_paths
-from data_sources import TABLE_SUFFIXES, held_out_split, open_binary
+from data_sources import TABLE_SUFFIXES, held_out_split, is_text, open_binary
 from utils import logger
 
 CACHE_FOLDER = "tokenized_data"
@@ -58,7 +59,7 @@ def is_tokenized(path: str | Path) -> bool:
         if len(candidates) != 1:
             return False
         path = candidates[0]
-    if not path.is_file() or path.name.lower().endswith(TABLE_SUFFIXES):
+    if not path.is_file() or path.name.lower().endswith(TABLE_SUFFIXES) or is_text(path):
         return False
     with open_binary(path) as f:
         for line in f:
@@ -131,7 +132,8 @@ def fingerprint(config, source, tokenizer, chat_template: str | None) -> str:
         hasher.update(f"\0file {name}\0".encode())
         _hash_file(hasher, path)
     options = {name: getattr(config, name) for name in ("max_sample_num_tokens", "end_of_turn_token", "mask_reasoning",
-                                                        "input_format", "columns", "split", "subset")}
+                                                        "input_format", "columns", "split", "subset",
+                                                        "text_sample_by")}
     hasher.update(json.dumps({
         "options": options,
         "tokenizer": tokenizer.backend_tokenizer.to_str(),

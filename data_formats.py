@@ -158,12 +158,22 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
         return ChatRow(row)
     rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
     if fmt == "text":
-        return ChatRow({"messages": [{"role": "pretrain", "content": row["text"]}], **rest})
+        return ChatRow({"messages": [{"role": "pretrain", "content": _decoded(row["text"])}], **rest})
     if fmt == "alpaca":
         return ChatRow(_alpaca(row, rest))
     if fmt == "sharegpt":
         return ChatRow(_sharegpt(row, rest))
     return _prompt_completion(row["prompt"], row["completion"], rest)
+
+
+def _decoded(text: Any) -> Any:
+    """A text file's row arrives as bytes (``data_sources._text_rows``): decoded here, in the workers."""
+    if not isinstance(text, bytes):
+        return text
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SampleError("invalid_utf8", f"the text is not UTF-8: {err}") from None
 
 
 def _string_or_none(row: dict[str, Any], key: str) -> str | None:

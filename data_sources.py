@@ -13,6 +13,9 @@ through ``datasets.load_dataset(..., streaming=True)``.
     .parquet                     pyarrow.parquet iter_batches        row
     .arrow                       pyarrow.ipc (file or stream)        row
     .csv                         pyarrow.csv, every column a string  row
+    .txt (.gz .zst .bz2 .xz)     rows of text, as datasets' text     line (a paragraph's first)
+                                 builder reads them (--text-sample-by
+                                 line, paragraph or document)
     save_to_disk folder          datasets.load_from_disk (--split)   row
     folder of the above          --split's files, at any depth       per file
                                  (README.md configs or file names,
@@ -44,6 +47,10 @@ TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bzip2", ".xz": "xz"}
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson") + tuple(base + suffix for suffix in COMPRESSIONS
                                                         for base in (".jsonl", ".json"))
+TEXT_SUFFIXES = (".txt",) + tuple(".txt" + suffix for suffix in COMPRESSIONS)
+# A text file's rows, as datasets' text builder's sample_by: each line, each block between blank lines,
+# or the whole file.
+TEXT_SAMPLE_BY = ("line", "paragraph", "document")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _BLOCK = 1 << 20
 # The flags that choose a split and a config, as process_data.py and train.py name them.
@@ -78,6 +85,7 @@ class Input:
     split: str = "train"
     subset: str | None = None
     note: str = ""  # how a folder's split was chosen, and what it left out
+    text_sample_by: str = "line"  # a text file's rows (TEXT_SAMPLE_BY)
 
     def describe(self) -> str:
         if self.kind == "hub":
@@ -86,6 +94,9 @@ class Input:
             return f"datasets folder {self.spec} (split {self.split})"
         kinds = sorted({_kind(path) for path in self.files})
         note = f"; {self.note}" if self.note else ""
+        if any(kind.endswith("text") for kind in kinds):
+            note += f"; a row per {'file' if self.text_sample_by == 'document' else self.text_sample_by} of text " \
+                    "(--text-sample-by)"
         if len(self.files) == 1:
             return f"{self.files[0]} ({kinds[0]}{note})"
         return f"{len(self.files)} files from {self.spec} ({', '.join(kinds)}{note})"
@@ -113,11 +124,18 @@ class Input:
             yield from _hub_chunks(self, chunk_size)
         else:
             for path in self.files:  # a file named by --input-file keeps its spelling in messages
-                yield from _file_chunks(path, chunk_size, self.spec if self.files == (Path(self.spec),) else str(path))
+                yield from _file_chunks(path, chunk_size, self.spec if self.files == (Path(self.spec),) else str(path),
+                                        self.text_sample_by)
 
 
-def open_input(spec: str, *, split: str = "train", subset: str | None = None) -> Input:
+def open_input(spec: str, *, split: str = "train", subset: str | None = None, text_sample_by: str = "line") -> Input:
     """Resolve ``--input-file``; ``ValueError`` (one line) when it names nothing readable."""
+    source = _open_input(spec, split, subset)
+    source.text_sample_by = text_sample_by
+    return source
+
+
+def _open_input(spec: str, split: str, subset: str | None) -> Input:
     path = Path(spec)
     if path.is_file():
         return Input(spec, "files", (path,), split, subset)
@@ -206,8 +224,11 @@ def _folder_splits(spec: str, path: Path, subset: str | None) -> tuple[dict[str,
                     and not any(part.startswith((".", "__")) for part in p.relative_to(base).parts)),
                    key=lambda p: p.relative_to(base).parts)
     if not files:
-        raise ValueError(f"input folder {spec} holds no {', '.join(JSON_SUFFIXES + TABLE_SUFFIXES)} file "
-                         "and is no datasets save_to_disk folder")
+        raise ValueError(f"input folder {spec} holds no {', '.join(JSON_SUFFIXES + TABLE_SUFFIXES + TEXT_SUFFIXES)} "
+                         "file and is no datasets save_to_disk folder")
+    # As datasets reads a folder as its most common kind: a LICENSE.txt beside the data is no data (and is
+    # counted among the files in no split).
+    data = [p for p in files if not _kind(p).endswith("text")] or files
     patterns, by, root = _split_patterns(spec, base, subset)
     from datasets.data_files import resolve_pattern
 
@@ -219,15 +240,15 @@ def _folder_splits(spec: str, path: Path, subset: str | None) -> tuple[dict[str,
                 matched.update(resolve_pattern(pattern, str(root)))
             except FileNotFoundError:
                 continue
-        chosen = [p for p in files if str(p) in matched]
+        chosen = [p for p in data if str(p) in matched]
         if chosen:
             splits[str(name)] = chosen
     if not splits and by != "file names":
-        raise ValueError(f"input folder {spec}: {by} names none of its {len(files)} data files (its data_files)")
+        raise ValueError(f"input folder {spec}: {by} names none of its {len(data)} data files (its data_files)")
     if not splits:
         import datasets
 
-        raise ValueError(f"input folder {spec}: datasets {datasets.__version__} finds none of its {len(files)} data "
+        raise ValueError(f"input folder {spec}: datasets {datasets.__version__} finds none of its {len(data)} data "
                          "files (symlinks and an old fsspec?), so its splits are unknown; give a glob of the files "
                          "to read, or upgrade datasets")
     spelled = {name: [path / p.relative_to(base) for p in chosen] for name, chosen in splits.items()}
@@ -289,8 +310,30 @@ def _kind(path: Path) -> str:
         return name.rsplit(".", 1)[1]
     for suffix, compression in COMPRESSIONS.items():
         if name.endswith(suffix):
-            return f"{compression} json" if name.endswith((".jsonl" + suffix, ".json" + suffix)) else "unknown"
+            if name.endswith((".jsonl" + suffix, ".json" + suffix)):
+                return f"{compression} json"
+            return f"{compression} text" if name.endswith(".txt" + suffix) else "unknown"
+    if name.endswith(".txt"):
+        return "text"
     return "json" if name.endswith(JSON_SUFFIXES) else "unknown"
+
+
+def is_text(path: Path) -> bool:
+    """A text file (``TEXT_SUFFIXES``) that holds text, not JSON lines or a JSON array under a .txt name
+    (read as JSON, as before .txt was a kind of its own)."""
+    if not _kind(path).endswith("text"):
+        return False
+    with open_binary(path) as f:
+        for line in f:
+            line = line.removeprefix(_BOM).strip()
+            if line:
+                if line.startswith(b"["):
+                    return False
+                try:
+                    return not isinstance(json.loads(line), dict)
+                except ValueError:
+                    return True
+    return True
 
 
 def _count_rows(path: Path) -> int | None:
@@ -301,7 +344,7 @@ def _count_rows(path: Path) -> int | None:
         return pq.ParquetFile(path).metadata.num_rows
     if kind == "arrow":
         return sum(batch.num_rows for batch in _arrow_batches(path))
-    if kind == "csv" or kind.endswith(" json") or _starts_array(path):
+    if kind == "csv" or kind.endswith((" json", "text")) or _starts_array(path):
         return None
     return count_lines(path)
 
@@ -338,7 +381,7 @@ def open_binary(path: Path):
 
 def _starts_array(path: Path) -> bool:
     """A JSON file whose first non-blank character is ``[``: one array, not JSON lines."""
-    if not _kind(path).endswith("json") and _kind(path) != "unknown":
+    if _kind(path).endswith(("parquet", "arrow", "csv")):
         return False
     with open_binary(path) as f:
         block = f.read(4096).removeprefix(_BOM)
@@ -350,7 +393,7 @@ def _starts_array(path: Path) -> bool:
     return False
 
 
-def _file_chunks(path: Path, chunk_size: int, label: str) -> Iterator[Chunk]:
+def _file_chunks(path: Path, chunk_size: int, label: str, text_sample_by: str) -> Iterator[Chunk]:
     kind = _kind(path)
     if kind == "parquet":
         import pyarrow.parquet as pq
@@ -363,6 +406,8 @@ def _file_chunks(path: Path, chunk_size: int, label: str) -> Iterator[Chunk]:
         yield from _batched_tables(label, _arrow_batches(path), chunk_size)
     elif kind == "csv":
         yield from _batched_tables(label, _csv_batches(path), chunk_size)
+    elif is_text(path):
+        yield from _chunked(label, "line", _text_rows(path, text_sample_by), chunk_size)
     elif _starts_array(path):
         yield from _chunked(label, "line", _json_array(path), chunk_size)
     else:
@@ -415,6 +460,34 @@ def _csv_batches(path: Path):
     header = pacsv.open_csv(path).schema.names
     options = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
     return pacsv.open_csv(path, convert_options=options)
+
+
+def _text_rows(path: Path, sample_by: str) -> Iterator[tuple[int, dict]]:
+    """``(line, {"text": ...})`` rows of a text file, as datasets' text builder makes them: each line
+    (``line``), each block of lines between blank lines (``paragraph``) or the whole file
+    (``document``), without the final line break; blank lines are separators, not rows. The text
+    stays bytes here: the workers decode it (``data_formats``), and bad UTF-8 is one bad row."""
+    with open_binary(path) as f:
+        if sample_by == "document":
+            text = f.read().removeprefix(_BOM).rstrip(b"\r\n")
+            if text.strip():
+                yield 1, {"text": text}
+            return
+        first, block = 0, []
+        for number, line in enumerate(f, 1):
+            if number == 1:
+                line = line.removeprefix(_BOM)
+            if not line.strip():
+                if block:
+                    yield first, {"text": b"".join(block).rstrip(b"\r\n")}
+                    block = []
+            elif sample_by == "line":
+                yield number, {"text": line.rstrip(b"\r\n")}
+            else:
+                first = first if block else number
+                block.append(line)
+        if block:
+            yield first, {"text": b"".join(block).rstrip(b"\r\n")}
 
 
 def _json_array(path: Path) -> Iterator[tuple[int, Any]]:

@@ -17,8 +17,8 @@ top-level fields (an ``id``, a source tag) are copied to the output row
 unchanged. ShareGPT ``conversations``, TRL ``prompt``/``completion`` and
 ``text``, and alpaca ``instruction``/``input``/``output`` rows are recognised
 row by row and converted (``data_formats.py``). ``--input-file`` is a JSON lines
-file (or ``.json`` array, ``.gz``, ``.zst``, ``.bz2``, ``.xz``), ``.parquet``, ``.arrow``, ``.csv``, a
-``save_to_disk`` folder, a folder (its ``--split``, as datasets splits a dataset
+file (or ``.json`` array, ``.gz``, ``.zst``, ``.bz2``, ``.xz``), ``.parquet``, ``.arrow``, ``.csv``,
+``.txt`` (text rows, one per ``--text-sample-by`` line, paragraph or file), a ``save_to_disk`` folder, a folder (its ``--split``, as datasets splits a dataset
 repository) or glob of such files, or a hub dataset id (``data_sources.py``).
 
 Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
@@ -62,7 +62,7 @@ from typing import Any
 
 from chat_masking import ChatEncoder, ChatRow, SampleError
 from data_formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row
-from data_sources import Chunk, Input, open_input
+from data_sources import TEXT_SAMPLE_BY, Chunk, Input, open_input
 from leftovers import remove_dead_leftovers, temporary_name
 from utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
 
@@ -73,7 +73,7 @@ def _default_num_proc() -> int:
 
 @dataclass
 class ProcessDataConfig:
-    input_file: str = config_field(help="input rows: JSON lines (.json array, .gz), .parquet, .arrow, .csv, a "
+    input_file: str = config_field(help="input rows: JSON lines (.json array, .gz), .parquet, .arrow, .csv, .txt, a "
                                         "folder or glob of them, or a hub dataset id")
     model_name_or_path: str = config_field(help="Hugging Face tokenizer with a chat template (local folder or hub id)")
     output_dir: str | None = config_field(None, help="output folder: data.jsonl, summary.json, rejected.jsonl")
@@ -102,6 +102,9 @@ class ProcessDataConfig:
                                             "README.md configs) or a save_to_disk folder")
     subset: str | None = config_field(None, help="configuration (subset) of a hub dataset id or of a dataset "
                                                  "folder's README.md")
+    text_sample_by: str = config_field("line", choices=list(TEXT_SAMPLE_BY),
+                                       help="a .txt file's rows, each learned whole and ended by EOS: each line (as "
+                                            "datasets reads text), each paragraph, or the whole file")
     max_rejected_fraction: float = config_field(0.01, help="label audit: fail when more than this fraction of the "
                                                            "conversations cannot be masked by the template")
     allow_audit_failures: bool = config_field(False, help="label audit: write the dataset and exit 0 even when a "
@@ -376,7 +379,8 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
     Returns:
         ``(tokenizer, source, scan)``: the loaded tokenizer, the input and what its first rows show.
     """
-    source = open_input(config.input_file, split=config.split, subset=config.subset)
+    source = open_input(config.input_file, split=config.split, subset=config.subset,
+                        text_sample_by=config.text_sample_by)
     scan = _scan(source, config)
     if not scan.num_rows:
         raise ValueError(f"input file {config.input_file} is empty")

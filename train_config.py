@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from data_formats import INPUT_FORMATS
+from data_sources import TEXT_SAMPLE_BY
 from finetune_method import FineTuningMethod
 from lora import ALL_LINEAR, LoRA, LoraSettings
 from osft import OSFT, UPCAST_DTYPES, OSFTSettings, num_frozen_directions
@@ -77,6 +78,9 @@ class TrainConfig:
                                                  "(process_data.py's --split)")
     data_subset: str | None = config_field(None, help="raw data: the config (subset) of a dataset folder's README.md "
                                                       "(process_data.py's --subset)")
+    text_sample_by: str = config_field("line", choices=list(TEXT_SAMPLE_BY),
+                                       help="raw data: a .txt file's rows: each line, paragraph or the whole file "
+                                            "(as process_data.py's)")
     allow_audit_failures: bool = config_field(
         False, help="raw data: train even when the label audit fails (process_data.py output: its own flag, "
                     "recorded in summary.json, decides)")
@@ -324,7 +328,8 @@ class TrainConfig:
             chat_template=self.chat_template, end_of_turn_token=self.end_of_turn_token,
             mask_reasoning=self.mask_reasoning, max_sample_num_tokens=self.max_sample_num_tokens,
             input_format=self.input_format, columns=self.columns, split=split or self.data_split,
-            subset=self.data_subset, allow_audit_failures=self.allow_audit_failures, logging_level=self.logging_level)
+            subset=self.data_subset, text_sample_by=self.text_sample_by, allow_audit_failures=self.allow_audit_failures,
+            logging_level=self.logging_level)
 
     @property
     def has_stop_condition(self) -> bool:

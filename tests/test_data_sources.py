@@ -401,3 +401,63 @@ def test_json_array_syntax_error_names_the_line(tmp_path):
     path.write_text('[\n  {"text": "a"},\n  {"text": "b"\n  {"text": "c"}\n]\n')
     with pytest.raises(ValueError, match=r"bad.json:3: invalid JSON in the array"):
         list(open_input(str(path)).chunks(10))
+
+
+# ----------------------------------------------------------------------------
+# Text files: rows of text, as datasets' text builder makes them
+
+CORPUS = ("The first paragraph's first line.\nIts second line.\n\nA paragraph of one line.\n\n"
+          "Ünïcode in the last paragraph,\nwhich ends the file with a line break.\n")
+
+
+@pytest.mark.parametrize("sample_by", ["line", "paragraph", "document"])
+@pytest.mark.parametrize("suffix", [".txt", ".txt.gz"])
+def test_a_text_file_gives_datasets_text_rows(tmp_path, tiny_models, sample_by, suffix):
+    """Each line, paragraph or the whole file is one text row, as ``load_dataset("text", sample_by=...)``
+    reads it, except that blank lines are no rows and a row does not end with the file's line break."""
+    import datasets
+
+    plain = tmp_path / "corpus.txt"
+    plain.write_text(CORPUS, encoding="utf-8")
+    path = tmp_path / f"corpus{suffix}"
+    if suffix != ".txt":
+        path.write_bytes(gzip.compress(CORPUS.encode()))
+    theirs = datasets.load_dataset("text", data_files=str(plain), sample_by=sample_by, split="train",
+                                   cache_dir=str(tmp_path / "hf"))["text"]
+    rows = [{"text": text.removesuffix("\n")} for text in theirs if text.strip()]
+    model = tiny_models["llama3"]
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", rows), model)
+    data, summary = tokenize(tmp_path, "text", str(path), model, text_sample_by=sample_by)
+    assert data == expected and summary["rows_by_format"] == {"text": len(rows)}
+    assert len(rows) == {"line": 5, "paragraph": 3, "document": 1}[sample_by] and not summary["num_rejected"]
+
+
+def test_a_text_files_bad_utf8_is_one_bad_row_and_json_under_a_txt_name_stays_json(tmp_path, tiny_models):
+    model = tiny_models["llama3"]
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"Good line one.\n\xff\xfe not UTF-8\nGood line three.\n")
+    data, summary = tokenize(tmp_path, "bad", str(path), model)
+    rejected = [json.loads(line) for line in (tmp_path / "out-bad" / "rejected.jsonl").read_text().splitlines()]
+    assert len(data.splitlines()) == 2 and [(r["line"], r["reason"]) for r in rejected] == [(2, "invalid_utf8")]
+    # JSON lines and a JSON array named .txt were read as JSON before .txt was a kind: still are.
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ROWS), model)
+    for name, text in (("lines", "".join(json.dumps(row) + "\n" for row in ROWS)), ("array", json.dumps(ROWS))):
+        (tmp_path / f"{name}.txt").write_text(text)
+        assert tokenize(tmp_path, name, str(tmp_path / f"{name}.txt"), model)[0] == expected
+
+
+def test_a_text_file_beside_data_files_is_no_data(tmp_path):
+    """As datasets reads a folder as its most common kind: a LICENSE.txt beside parquet shards is left out
+    (and counted), a folder of text files is read."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    write_table(folder / "part-0.parquet", ROWS[:3])
+    (folder / "LICENSE.txt").write_text("MIT License\n")
+    source = open_input(str(folder))
+    assert source.files == (folder / "part-0.parquet",) and "1 file(s) in no split" in source.describe()
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (texts / name).write_text(f"{name} line\n")
+    rows = [row for chunk in open_input(str(texts)).chunks(8) for row in chunk.rows]
+    assert rows == [{"text": b"a.txt line"}, {"text": b"b.txt line"}]

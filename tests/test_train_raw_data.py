@@ -188,6 +188,12 @@ def test_tokenized_and_raw_sources_are_told_apart(tmp_path, chatml_model):
     truncated = tmp_path / "truncated.jsonl"
     truncated.write_text(tokenized.read_text()[:30])
     assert is_tokenized(truncated)  # the tokenized reader names the broken line
+    corpus = tmp_path / "corpus.txt"  # text for continued pretraining: no line is JSON, none is tokens
+    corpus.write_text("Once upon a time.\nThe end.\n")
+    assert not is_tokenized(corpus)
+    tokenized_txt = tmp_path / "tokenized.txt"
+    tokenized_txt.write_text(tokenized.read_text())
+    assert is_tokenized(tokenized_txt)  # JSON lines under a .txt name stay JSON lines
 
 
 # ----------------------------------------------------------------------------
