@@ -145,6 +145,26 @@ def test_real_template(loaded, name, conversation, with_tools):
         assert learned == [expected]
 
 
+@pytest.mark.parametrize("name", sorted(name for name, template in TEMPLATES.items() if template.tools))
+def test_openai_fine_tuning_row_is_its_plain_row(loaded, name):
+    """A row as OpenAI's fine-tuning files write it (arguments as a JSON string, content as text parts,
+    ``"tool_calls": []`` beside a reply, ``"weight": 1``) gives the tokens and labels of the plain row under
+    every real template that renders tools, whatever the template does with a string."""
+    _, encoder = loaded(name)
+    plain = CONVERSATIONS["tool_call"]
+    openai = [{**m, "content": [{"type": "text", "text": m["content"]}]} if m["role"] == "user" else
+              {**m, "tool_calls": [{**call, "function": {**call["function"],
+                                                         "arguments": json.dumps(call["function"]["arguments"])}}
+                                   for call in m["tool_calls"]]} if m.get("tool_calls") else
+              {**m, "tool_calls": [], "weight": 1} if m["role"] == "assistant" else m for m in plain]
+    samples = encoder.encode_rows([json.dumps({"messages": messages, "tools": TOOLS}).encode()
+                                   for messages in (plain, openai)])
+    if isinstance(samples[0], SampleError):
+        assert isinstance(samples[1], SampleError) and samples[1].reason == samples[0].reason
+        return
+    assert (samples[1].input_ids, samples[1].labels) == (samples[0].input_ids, samples[0].labels)
+
+
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_real_template_pretrain_row(loaded, name):
     tok, encoder = loaded(name)
