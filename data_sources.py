@@ -327,8 +327,8 @@ def is_text(path: Path) -> bool:
         for line in f:
             line = line.removeprefix(_BOM).strip()
             if line:
-                if line.startswith(b"["):
-                    return False
+                if line.startswith(b"[") and line[1:].lstrip()[:1] in (b"", b"{", b"]"):
+                    return False  # an array of rows opens; "[1] Introduction" is text
                 try:
                     return not isinstance(json.loads(line), dict)
                 except ValueError:

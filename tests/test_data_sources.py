@@ -439,6 +439,9 @@ def test_a_text_files_bad_utf8_is_one_bad_row_and_json_under_a_txt_name_stays_js
     data, summary = tokenize(tmp_path, "bad", str(path), model)
     rejected = [json.loads(line) for line in (tmp_path / "out-bad" / "rejected.jsonl").read_text().splitlines()]
     assert len(data.splitlines()) == 2 and [(r["line"], r["reason"]) for r in rejected] == [(2, "invalid_utf8")]
+    bracket = tmp_path / "notes.txt"  # text that opens with a bracket is text
+    bracket.write_text("[1] Introduction\nText.\n")
+    assert tokenize(tmp_path, "bracket", str(bracket), model)[1]["num_written"] == 2
     # JSON lines and a JSON array named .txt were read as JSON before .txt was a kind: still are.
     expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ROWS), model)
     for name, text in (("lines", "".join(json.dumps(row) + "\n" for row in ROWS)), ("array", json.dumps(ROWS))):
