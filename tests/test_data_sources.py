@@ -464,3 +464,20 @@ def test_a_text_file_beside_data_files_is_no_data(tmp_path):
         (texts / name).write_text(f"{name} line\n")
     rows = [row for chunk in open_input(str(texts)).chunks(8) for row in chunk.rows]
     assert rows == [{"text": b"a.txt line"}, {"text": b"b.txt line"}]
+
+
+@pytest.mark.parametrize("sample_by", ["line", "paragraph"])
+def test_a_text_file_streams(tmp_path, sample_by):
+    path = tmp_path / "corpus.txt"
+    with path.open("w") as f:
+        for i in range(25_000):
+            f.write(f"{i} " + "y" * 400 + ("\n\n" if i % 5 == 4 else "\n"))
+    num_rows = 0
+    tracemalloc.start()
+    try:
+        for chunk in open_input(str(path), text_sample_by=sample_by).chunks(64):
+            num_rows += len(chunk.rows)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert num_rows == {"line": 25_000, "paragraph": 5_000}[sample_by] and peak < 6_000_000, peak
