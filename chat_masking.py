@@ -156,6 +156,14 @@ def load_row(line: bytes) -> dict[str, Any]:
     return row
 
 
+def json_field(value: str, reason: str, what: str) -> Any:
+    """A field that holds JSON as text, parsed; ``SampleError(reason)`` saying ``what`` is not JSON."""
+    try:
+        return json.loads(value)
+    except ValueError as err:
+        raise SampleError(reason, f"{what} is not JSON: {err}") from None
+
+
 def parse_chat_row(line: bytes) -> tuple[list[dict], list[dict] | None, dict[str, Any], tuple[int, ...]]:
     """Parse and validate one JSONL line in the ``messages`` format (``load_row`` + ``check_row``)."""
     return check_row(load_row(line))
@@ -277,11 +285,8 @@ def _checked_tool_calls(index: int, role: str, tool_calls: Any) -> list[dict]:
         if arguments is None or isinstance(arguments, str) and not arguments.strip():
             arguments = {}
         elif isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError as err:
-                raise SampleError("invalid_tool_calls", f"message {index}: the arguments of tool call "
-                                                        f"{call['function']['name']!r} are not JSON: {err}") from None
+            arguments = json_field(arguments, "invalid_tool_calls",
+                                   f"message {index}: the arguments string of tool call {call['function']['name']!r}")
         parsed.append({**call, "function": {**call["function"], "arguments": arguments}})
     return parsed
 

@@ -24,10 +24,9 @@ column) is ``ambiguous_format``; ``--input-format`` picks one. ``--columns`` ren
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from chat_masking import ChatRow, SampleError, load_row
+from chat_masking import ChatRow, SampleError, json_field, load_row
 
 FORMATS = ("messages", "sharegpt", "prompt_completion", "text", "alpaca")
 INPUT_FORMATS = ("auto",) + FORMATS
@@ -149,11 +148,11 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
     if isinstance(row.get("tools"), str):
         # Tables keep tool schemas as one JSON string (LLaMA-Factory, hub parquet files): as a column of
         # structs, each schema would gain every other tool's parameters as nulls.
-        row = {**row, "tools": _json_field(row["tools"], "invalid_tools", "'tools'")}
+        row = {**row, "tools": json_field(row["tools"], "invalid_tools", "'tools'")}
     turns = _TURNS.get(fmt)
     if turns and isinstance(row[turns], str):
         # A CSV cell holds no list: a conversation there (or in any table column of strings) is JSON text.
-        row = {**row, turns: _json_field(row[turns], "messages_not_a_list", f"'{turns}' is a string and")}
+        row = {**row, turns: json_field(row[turns], "messages_not_a_list", f"'{turns}' is a string and")}
     if fmt == "messages":
         return ChatRow(row)
     rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
@@ -243,17 +242,10 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
     return {"messages": messages, **rest}
 
 
-def _json_field(value: str, reason: str, what: str) -> Any:
-    try:
-        return json.loads(value)
-    except ValueError as err:
-        raise SampleError(reason, f"{what} is not JSON: {err}") from None
-
-
 def _tool_calls(index: int, value: Any) -> list[dict]:
     """A ShareGPT ``function_call`` turn's value (``{"name", "arguments"}`` or a list, maybe as a JSON
     string) as OpenAI ``tool_calls``."""
-    calls = _json_field(value, "invalid_tool_calls", f"turn {index} (function_call)") if isinstance(value, str) \
+    calls = json_field(value, "invalid_tool_calls", f"turn {index} (function_call)") if isinstance(value, str) \
         else value
     calls = calls if isinstance(calls, list) else [calls]
     if not all(isinstance(call, dict) and "name" in call for call in calls):
