@@ -173,12 +173,12 @@ def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[
     """Validate one row in the ``messages`` format.
 
     Returns:
-        ``(messages, tools, extra, unlearned)``: the messages (keys with ``None`` values
-        dropped, as ``apply_chat_template`` does, and empty ``tool_calls`` lists; a tool-call-only
-        turn gets ``content ''``; text
-        parts joined into one string; tool-call arguments given as a JSON string parsed), the row's
-        ``tools`` (JSON schemas, passed to the template, not copied to the output), the row's other
-        fields, and the indices of the assistant turns marked ``"weight": 0`` (shown, not learned).
+        ``(messages, tools, extra, unlearned)``: the messages (keys with ``None`` values dropped, as
+        ``apply_chat_template`` does, and empty ``tool_calls`` lists; a tool-call-only turn gets
+        ``content ''``; text parts joined into one string; tool-call arguments given as a JSON string
+        parsed), the row's ``tools`` (JSON schemas, passed to the template, not copied to the output),
+        the row's other fields, and the indices of the assistant turns marked ``"weight": 0`` (shown,
+        not learned).
 
     Raises:
         SampleError: with the reason the row is unusable.
@@ -258,7 +258,7 @@ def _text_of_parts(index: int, role: str, content: Any) -> str:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if kind != "text" or not isinstance(part.get("text"), str):
             raise SampleError("non_text_content", f"message {index} ({role}) has a content part of type {kind!r}; "
-                                                  "only text parts ({\"type\": \"text\", \"text\": ...}) are trained on")
+                                                  'only text parts ({"type": "text", "text": ...}) are trained on')
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -128,12 +128,14 @@ def _without_struct_nulls(row: dict[str, Any]) -> dict[str, Any]:
         row = {**row, "tools": _no_nulls(row["tools"])}
     for key in ("messages", "prompt", "completion", "conversations"):
         turns = row.get(key)
-        if isinstance(turns, list) and any(isinstance(turn, dict) and isinstance(turn.get("tool_calls"), list)
-                                           for turn in turns):
-            row = {**row, key: [{**turn, "tool_calls": _no_nulls(turn["tool_calls"])}
-                                if isinstance(turn, dict) and isinstance(turn.get("tool_calls"), list) else turn
+        if isinstance(turns, list) and any(map(_calls_tools, turns)):
+            row = {**row, key: [{**turn, "tool_calls": _no_nulls(turn["tool_calls"])} if _calls_tools(turn) else turn
                                 for turn in turns]}
     return row
+
+
+def _calls_tools(turn: Any) -> bool:
+    return isinstance(turn, dict) and isinstance(turn.get("tool_calls"), list)
 
 
 def _no_nulls(value: Any) -> Any:

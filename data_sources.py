@@ -209,7 +209,8 @@ def _dataset_folder(spec: str, path: Path, split: str, subset: str | None) -> In
     """
     splits, files, by = _folder_splits(spec, path, subset)
     if split not in splits:
-        raise ValueError(f"input folder {spec} has no split {split!r} ({SPLIT_FLAG}): its {by} give {', '.join(splits)}")
+        raise ValueError(f"input folder {spec} has no split {split!r} ({SPLIT_FLAG}): its {by} give "
+                         f"{', '.join(splits)}")
     left = [f"{len(chosen)} file(s) of split {name}" for name, chosen in splits.items() if name != split]
     if num_outside := len(set(files).difference(*splits.values())):
         left.append(f"{num_outside} file(s) in no split")

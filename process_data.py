@@ -18,8 +18,9 @@ unchanged. ShareGPT ``conversations``, TRL ``prompt``/``completion`` and
 ``text``, and alpaca ``instruction``/``input``/``output`` rows are recognised
 row by row and converted (``data_formats.py``). ``--input-file`` is a JSON lines
 file (or ``.json`` array, ``.gz``, ``.zst``, ``.bz2``, ``.xz``), ``.parquet``, ``.arrow``, ``.csv``,
-``.txt`` (text rows, one per ``--text-sample-by`` line, paragraph or file), a ``save_to_disk`` folder, a folder (its ``--split``, as datasets splits a dataset
-repository) or glob of such files, or a hub dataset id (``data_sources.py``).
+``.txt`` (text rows, one per ``--text-sample-by`` line, paragraph or file), a ``save_to_disk``
+folder, a folder (its ``--split``, as datasets splits a dataset repository) or glob of such files,
+or a hub dataset id (``data_sources.py``).
 
 Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
 ``F.summary.json``, ``F.rejected.jsonl``):
