@@ -112,6 +112,24 @@ class Sample:
     def labels(self) -> list[int]:
         return labels_from_token_spans(self.input_ids, self.token_spans)
 
+    def pieces(self, max_tokens: int) -> list[Sample]:
+        """This sample, or, when it is longer than ``max_tokens`` (only a fully learned one may be),
+        its consecutive pieces of at most ``max_tokens`` tokens, each opening with the last token of
+        the one before. A sample's first token is never a target, so every token the whole sample
+        would predict is predicted by exactly one piece::
+
+            input_ids  a b c d e f g h EOS,  max_tokens 4:  [a b c d] [d e f g] [g h EOS]
+        """
+        num_tokens = len(self.input_ids)
+        if num_tokens <= max_tokens:
+            return [self]
+        if self.token_spans != [(0, num_tokens)] or max_tokens < 2:
+            raise ValueError(f"only a fully learned sample splits into pieces of >= 2 tokens, got spans "
+                             f"{self.token_spans[:3]} and max_tokens {max_tokens}")
+        return [Sample(ids, [(0, len(ids))], len(ids), is_pretrain=True, extra=self.extra)
+                for start in range(0, num_tokens - 1, max_tokens - 1)
+                for ids in (self.input_ids[start:start + max_tokens],)]
+
     def to_json_line(self, id_strings: list[str]) -> bytes:
         """The output row, compact. ``id_strings[i] == str(i)``: joining cached strings is ~6x
         faster than ``json.dumps`` on long int lists, which dominated the writing cost.
@@ -803,7 +821,8 @@ class ChatEncoder:
 
     Args:
         tokenizer: a fast tokenizer; its chat template renders the rows.
-        max_sample_num_tokens: longer samples are rejected.
+        max_sample_num_tokens: longer samples are rejected, except fully learned text when
+            ``split_long_text``: kept whole, for ``Sample.pieces`` to cut.
         end_of_turn_token: the string(s) that end an assistant turn; ``None``
             finds them from the template's rendering (``detect_end_of_turn``).
         probe_tools: the rows' ``tools``, so that the probe renders as the rows will.
@@ -816,7 +835,7 @@ class ChatEncoder:
     masking_method = "sentinel"
 
     def __init__(self, tokenizer, *, max_sample_num_tokens: int, end_of_turn_token: str | tuple[str, ...] | None = None,
-                 mask_reasoning: bool = False, probe_tools: list[dict] | None = None):
+                 mask_reasoning: bool = False, probe_tools: list[dict] | None = None, split_long_text: bool = False):
         from transformers.utils.chat_template_utils import render_jinja_template
 
         self.tokenizer = tokenizer
@@ -824,6 +843,7 @@ class ChatEncoder:
         self.eos_token = tokenizer.eos_token
         self.eos_token_id = tokenizer.eos_token_id
         self.max_sample_num_tokens = max_sample_num_tokens
+        self.split_long_text = split_long_text
         self.mask_reasoning = mask_reasoning
         self.chat_template = tokenizer.get_chat_template() if tokenizer.chat_template else None
         self.renders_tool_calls = bool(self.chat_template) and "tool_calls" in self.chat_template
@@ -924,8 +944,11 @@ class ChatEncoder:
         else:
             token_spans = [token_span(encoding, len(input_ids), len(text), span) for span in spans]
         if len(input_ids) > self.max_sample_num_tokens:
-            return SampleError("too_long", f"{len(input_ids)} tokens > --max-sample-num-tokens "
-                                           f"{self.max_sample_num_tokens}")
+            is_text = spans is None and first == 0
+            if not (is_text and self.split_long_text):
+                hint = "; --split-long-text cuts a text row into pieces instead" if is_text else ""
+                return SampleError("too_long", f"{len(input_ids)} tokens > --max-sample-num-tokens "
+                                               f"{self.max_sample_num_tokens}{hint}")
         num_loss = sum(t1 - t0 for t0, t1 in token_spans)
         if num_loss == 0:
             # Audit finding only where a reply was there to learn; a conversation without one is bad input.

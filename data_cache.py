@@ -131,9 +131,9 @@ def fingerprint(config, source, tokenizer, chat_template: str | None) -> str:
         name = str(path.relative_to(root)) if path != root and path.is_relative_to(root) else path.name
         hasher.update(f"\0file {name}\0".encode())
         _hash_file(hasher, path)
-    options = {name: getattr(config, name) for name in ("max_sample_num_tokens", "end_of_turn_token", "mask_reasoning",
-                                                        "input_format", "columns", "split", "subset",
-                                                        "text_sample_by")}
+    options = {name: getattr(config, name) for name in ("max_sample_num_tokens", "split_long_text",
+                                                        "end_of_turn_token", "mask_reasoning", "input_format",
+                                                        "columns", "split", "subset", "text_sample_by")}
     hasher.update(json.dumps({
         "options": options,
         "tokenizer": tokenizer.backend_tokenizer.to_str(),

@@ -81,6 +81,9 @@ class ProcessDataConfig:
     output_file: str | None = config_field(None, help="single output JSONL (older form); the summary and "
                                                       "rejected files go beside it")
     max_sample_num_tokens: int = config_field(2147483647, help="longer samples are rejected (and counted)")
+    split_long_text: bool = config_field(False, help="cut a text (pretrain) row longer than --max-sample-num-tokens "
+                                                     "into pieces of at most that many tokens, each opening with the "
+                                                     "last token of the one before, instead of rejecting it")
     chat_template: str | None = config_field(None, help="jinja file that replaces the tokenizer's chat template")
     end_of_turn_token: str | None = config_field(None, help="the string that ends an assistant turn (default: "
                                                             "the special token the template writes after a reply)")
@@ -119,6 +122,8 @@ class ProcessDataConfig:
             errors.append(f"--output-file must end in .jsonl, got {self.output_file!r}")
         if self.max_sample_num_tokens < 1:
             errors.append(f"--max-sample-num-tokens must be >= 1, got {self.max_sample_num_tokens}")
+        elif self.split_long_text and self.max_sample_num_tokens < 2:
+            errors.append("--split-long-text needs --max-sample-num-tokens >= 2 (a piece of one token predicts nothing)")
         if self.num_proc < 1:
             errors.append(f"--num-proc must be >= 1, got {self.num_proc}")
         if self.chunk_size < 1:
@@ -174,6 +179,8 @@ class ChunkResult:
     audit: ChunkAudit  # the label audit's counts, its findings (rejected by the template or masking) included
     input_errors: ChunkAudit  # rows rejected for their input (bad JSON, shape, content), examples by reason
     formats: Counter  # rows by the format they were read as
+    num_split_rows: int = 0  # text rows longer than --max-sample-num-tokens, cut (--split-long-text)
+    num_pieces: int = 0  # the samples they were cut into
 
 
 NUM_AUDIT_EXAMPLES = 3  # decoded examples kept per rejection reason and per broken rule
@@ -237,7 +244,8 @@ def make_encoder(config: ProcessDataConfig, tokenizer, *, end_of_turn: str | tup
                  probe_tools: list[dict] | None = None) -> ChatEncoder:
     """The encoder; ``probe_tools`` (the rows' tools) make tool-only templates renderable when probing."""
     return ChatEncoder(tokenizer, max_sample_num_tokens=config.max_sample_num_tokens, end_of_turn_token=end_of_turn,
-                       mask_reasoning=config.mask_reasoning, probe_tools=probe_tools)
+                       mask_reasoning=config.mask_reasoning, probe_tools=probe_tools,
+                       split_long_text=config.split_long_text)
 
 
 def _process_chunk(chunk: Chunk) -> ChunkResult:
@@ -264,7 +272,7 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
     reasons: Counter = Counter()
     formats: Counter = Counter()
     first_rejection = None
-    num_pretrain = 0
+    num_pretrain = num_split_rows = num_pieces = 0
     audit, input_errors = ChunkAudit(), ChunkAudit()
     converted = convert_rows(chunk, config)
     encoded = iter(encoder.encode_rows([item[1] for item in converted if not isinstance(item, SampleError)]))
@@ -294,12 +302,17 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
                     json.dumps(raw, ensure_ascii=False, default=str)
                 kept.add_example(result.reason, {chunk.unit: number, "detail": result.detail, "text": _cut(text.strip())})
             continue
-        line = result.to_json_line(encoder.id_strings)
-        data.append(line)
-        row_bytes.append(len(line))
-        lengths.append(len(result.input_ids))
-        num_loss.append(result.num_loss_counted_tokens)
-        num_pretrain += result.is_pretrain
+        pieces = result.pieces(encoder.max_sample_num_tokens)
+        if len(pieces) > 1:
+            num_split_rows += 1
+            num_pieces += len(pieces)
+        for piece in pieces:
+            line = piece.to_json_line(encoder.id_strings)
+            data.append(line)
+            row_bytes.append(len(line))
+            lengths.append(len(piece.input_ids))
+            num_loss.append(piece.num_loss_counted_tokens)
+        num_pretrain += result.is_pretrain * len(pieces)
         if not result.is_pretrain:
             audit.num_chat_tokens += len(result.input_ids)
             audit.num_chat_loss_tokens += result.num_loss_counted_tokens
@@ -312,7 +325,8 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
                                                   f"{result.num_replies} replies have no learned end-of-turn",
                     "text": _cut(render_labels(encoder.tokenizer, result.input_ids, result.labels, "<|mAsK|>"))})
     return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss,
-                       num_pretrain, reasons, first_rejection, audit, input_errors, formats)
+                       num_pretrain, reasons, first_rejection, audit, input_errors, formats, num_split_rows,
+                       num_pieces)
 
 
 # ----------------------------------------------------------------------------
@@ -548,6 +562,7 @@ class _Totals:
         self.formats: Counter = Counter()
         self.num_rows = 0
         self.num_pretrain = 0
+        self.num_split_rows = self.num_pieces = 0
         self.audit = ChunkAudit()
         self.input_errors = ChunkAudit()
 
@@ -558,8 +573,10 @@ class _Totals:
             self.row_offsets.append(self.row_offsets[-1] + size)
         self.reasons.update(chunk.reasons)
         self.formats.update(chunk.formats)
-        self.num_rows += len(chunk.lengths) + sum(chunk.reasons.values())
+        self.num_rows += len(chunk.lengths) - chunk.num_pieces + chunk.num_split_rows + sum(chunk.reasons.values())
         self.num_pretrain += chunk.num_pretrain
+        self.num_split_rows += chunk.num_split_rows
+        self.num_pieces += chunk.num_pieces
         self.audit.merge(chunk.audit)
         self.input_errors.merge(chunk.input_errors)
 
@@ -587,6 +604,8 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed) 
         "num_written": num_written,
         "num_chat": num_written - totals.num_pretrain,
         "num_pretrain": totals.num_pretrain,
+        "num_split_rows": totals.num_split_rows,
+        "num_split_samples": totals.num_pieces,
         "num_rejected": sum(totals.reasons.values()),
         "rejected_by_reason": dict(sorted(totals.reasons.items())),
         "input": source.describe(),
@@ -694,6 +713,9 @@ def _log_summary(summary: dict[str, Any]) -> None:
     if summary["len"]:
         logger.info("len: p50 %.0f, p90 %.0f, p99 %.0f, max %d", summary["len"]["p50"], summary["len"]["p90"],
                     summary["len"]["p99"], summary["len"]["max"])
+    if summary["num_split_rows"]:
+        logger.info("cut %d text rows longer than --max-sample-num-tokens into %d samples (--split-long-text)",
+                    summary["num_split_rows"], summary["num_split_samples"])
     errors = summary["input_errors"]
     if errors["num_rows"]:
         _log_examples("input error example", errors["examples"])

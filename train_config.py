@@ -71,6 +71,9 @@ class TrainConfig:
     mask_reasoning: bool = config_field(False, help="raw data: mask reasoning instead of learning it with the reply")
     max_sample_num_tokens: int = config_field(2147483647, help="raw data: longer samples are rejected when "
                                                                "tokenizing (and counted)")
+    split_long_text: bool = config_field(False, help="raw data: cut a text (pretrain) row longer than "
+                                                     "--max-sample-num-tokens into pieces instead of rejecting it "
+                                                     "(as process_data.py's)")
     input_format: str = config_field("auto", choices=list(INPUT_FORMATS),
                                      help="raw data: row format; auto recognises each row's from its keys")
     columns: str | None = config_field(None, help="raw data: rename input columns first, NAME=COLUMN,...")
@@ -327,6 +330,7 @@ class TrainConfig:
             input_file=input_file, model_name_or_path=self.model_name_or_path, output_dir=output_dir, overwrite=True,
             chat_template=self.chat_template, end_of_turn_token=self.end_of_turn_token,
             mask_reasoning=self.mask_reasoning, max_sample_num_tokens=self.max_sample_num_tokens,
+            split_long_text=self.split_long_text,
             input_format=self.input_format, columns=self.columns, split=split or self.data_split,
             subset=self.data_subset, text_sample_by=self.text_sample_by, allow_audit_failures=self.allow_audit_failures,
             logging_level=self.logging_level)

@@ -567,6 +567,58 @@ def test_every_bad_line_is_counted_and_listed(tiny_models, tokenizers, tmp_path)
     assert summary["rejected_by_reason"]["too_long"] == 1 and summary["num_lines"] == len(rows)
 
 
+@given(num_tokens=st.integers(1, 60), max_tokens=st.integers(2, 12))
+def test_pieces_of_a_long_text_predict_each_token_once(num_tokens, max_tokens):
+    """A sample's first token is never a target: the pieces' targets are exactly the whole sample's."""
+    ids = list(range(100, 100 + num_tokens))
+    pieces = Sample(ids, [(0, num_tokens)], num_tokens, is_pretrain=True, extra={"id": "x"}).pieces(max_tokens)
+    assert all(1 <= len(p.input_ids) <= max_tokens and p.labels == p.input_ids for p in pieces)
+    assert all(p.extra == {"id": "x"} and p.is_pretrain for p in pieces)
+    targets = [token for piece in pieces for token in piece.input_ids[1:]]
+    assert targets == ids[1:] and pieces[0].input_ids[0] == ids[0]
+    assert all(a.input_ids[-1] == b.input_ids[0] for a, b in zip(pieces, pieces[1:]))
+    assert (len(pieces) == 1) == (num_tokens <= max_tokens)
+
+
+def test_only_a_fully_learned_sample_splits():
+    chat = Sample([1, 2, 3, 4, 5], [(2, 5)], 3, is_pretrain=False, extra={})
+    assert chat.pieces(5) == [chat]
+    with pytest.raises(ValueError, match="only a fully learned sample"):
+        chat.pieces(4)
+
+
+def test_split_long_text_keeps_every_token_of_a_long_text_row(tiny_models, tokenizers, tmp_path):
+    """Without the flag a text row over the limit is too_long (and the detail names the flag); with it,
+    the row's pieces hold its tokens, and conversations over the limit stay too_long either way."""
+    tok = tokenizers["chatml"]
+    limit = len(tok.apply_chat_template(GOOD["messages"])["input_ids"]) - 1
+    text = "The quick brown fox jumps over the lazy dog. " * limit
+    whole = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    rows = [{"id": "doc", "text": text}, GOOD, {"id": "short", "text": "Short."}]
+    (tmp_path / "reject").mkdir()
+    (tmp_path / "split").mkdir()
+    data, rejected, summary = run(tmp_path / "reject", tiny_models["chatml"], rows, max_sample_num_tokens=limit,
+                                  max_rejected_fraction=1.0)
+    assert [(r["line"], r["reason"]) for r in rejected] == [(1, "too_long"), (2, "too_long")]
+    assert "--split-long-text" in rejected[0]["detail"] and "--split-long-text" not in rejected[1]["detail"]
+    data, rejected, summary = run(tmp_path / "split", tiny_models["chatml"], rows, max_sample_num_tokens=limit,
+                                  max_rejected_fraction=1.0, split_long_text=True)
+    assert [(r["line"], r["reason"]) for r in rejected] == [(2, "too_long")]
+    pieces = [row for row in data if row["id"] == "doc"]
+    assert len(pieces) > 2 and all(row["len"] <= limit and row["labels"] == row["input_ids"] for row in pieces)
+    assert pieces[0]["input_ids"] + [t for row in pieces[1:] for t in row["input_ids"][1:]] == whole
+    assert [row["id"] for row in data] == ["doc"] * len(pieces) + ["short"]
+    assert summary["num_lines"] == 3 and summary["num_written"] == len(pieces) + 1
+    assert summary["num_split_rows"] == 1 and summary["num_split_samples"] == len(pieces)
+    assert summary["num_pretrain"] == summary["num_written"] and summary["num_rejected"] == 1
+
+
+def test_split_long_text_needs_room_for_a_target(tmp_path):
+    with pytest.raises(ValueError, match="--split-long-text needs --max-sample-num-tokens >= 2"):
+        ProcessDataConfig(input_file="x.jsonl", model_name_or_path="m", output_dir=str(tmp_path),
+                          max_sample_num_tokens=1, split_long_text=True)
+
+
 def test_template_refusal_does_not_stop_the_run(tiny_models, tmp_path):
     not_alternating = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                                     {"role": "assistant", "content": "c"}]}

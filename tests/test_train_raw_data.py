@@ -27,6 +27,7 @@ from data_cache import is_tokenized, tokenize_once, validation_split
 from fixtures.e2e import ROOT, assert_ok, read_metrics, torchrun, write_tokenized_jsonl
 from process_data import ProcessDataConfig
 from train_config import TrainConfig
+from utils import parse_config
 
 DEMO = ROOT / "data" / "demo_chat.jsonl"
 NUM_ROWS = 48
@@ -140,6 +141,13 @@ def test_an_edited_input_makes_a_new_cache_and_a_touched_one_does_not(tmp_path, 
     assert sum(1 for _ in (second / "data.jsonl").open()) == 11
     masked = tokenize_once(ProcessDataConfig(**{**config.__dict__, "mask_reasoning": True}))
     assert masked not in (first, second)  # an option that shapes the labels is part of the key
+    train = parse_config(TrainConfig, ["--data-path", str(raw), "--model-name-or-path", str(chatml_model),
+                                       "--output-dir", str(tmp_path / "out"), "--min-samples-per-checkpoint", "1",
+                                       "--max-sample-num-tokens", "4096", "--split-long-text"])
+    cut = train.tokenizing_config(str(raw), output_dir=str(tmp_path / "cache"))
+    assert cut.split_long_text and cut.max_sample_num_tokens == 4096
+    whole = tokenize_once(ProcessDataConfig(**{**cut.__dict__, "split_long_text": False}))
+    assert tokenize_once(cut) not in (first, second, masked, whole)
 
 
 def test_a_validation_folder_is_read_as_its_held_out_split(tmp_path):
