@@ -116,6 +116,56 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
         raise
 
 
+# Names public datasets give these columns. Only a refusal's hint reads them (suggest_columns), and
+# it offers only a mapping under which the row then converts: nothing is renamed unasked.
+_PROMPT_NAMES = ("instruction", "question", "query", "problem", "prompt", "input", "user")
+_ANSWER_NAMES = ("response", "answer", "output", "completion", "solution", "target", "assistant")
+_TEXT_NAMES = ("content", "document", "body", "article", "passage")
+
+
+def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None = None,
+                    from_table: bool = False) -> list[tuple[str, str]]:
+    """``--columns`` values (with ``columns``, the one given, kept in front) under which a row of no
+    accepted shape converts, each with the format it is then read as: a column of role/content
+    turns as ``messages`` (from/value: ``conversations``), a question-like and an answer-like string
+    column as alpaca (through the chat template) and as plain prompt/completion (no template), or one
+    text-like column as ``text``. Empty when none converts."""
+    try:
+        row = load_row(raw) if isinstance(raw, bytes) else raw
+    except SampleError:
+        return []
+    if not isinstance(row, dict):
+        return []
+    mapping = parse_columns(columns)
+    row = {mapping.get(key, key): value for key, value in row.items()}
+    candidates = []
+    for key, value in row.items():
+        first = value[0] if isinstance(value, list) and value else None
+        if isinstance(first, dict) and {"role", "content"} <= first.keys():
+            candidates.append({"messages": key})
+        elif isinstance(first, dict) and {"from", "value"} <= first.keys():
+            candidates.append({"conversations": key})
+    strings = [key for key, value in row.items() if isinstance(value, str)]
+    prompt = next((key for key in _PROMPT_NAMES if key in strings), None)
+    answer = next((key for key in _ANSWER_NAMES if key in strings and key != prompt), None)
+    if prompt and answer:
+        context = {"input": "context"} if "context" in strings and "input" not in row else {}
+        candidates.append({"instruction": prompt, "output": answer, **context})
+        if prompt != "instruction":  # an instruction's row may hold more (input, context) than a prompt would
+            candidates.append({"prompt": prompt, "completion": answer})
+    candidates += [{"text": key} for key in _TEXT_NAMES if key in strings][:1]
+    found = []
+    for candidate in candidates:
+        renames = {column: name for name, column in candidate.items() if name != column}
+        try:
+            fmt, _ = read_row(row, input_format=input_format, columns=renames, from_table=from_table)
+        except SampleError:
+            continue
+        found.append((",".join([*filter(None, [columns]), *(f"{name}={column}" for column, name in renames.items())]),
+                      fmt))
+    return found
+
+
 def _without_struct_nulls(row: dict[str, Any]) -> dict[str, Any]:
     """A table row with the tool schemas and tool calls it has, not those of other rows.
 

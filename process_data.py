@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from chat_masking import ChatEncoder, ChatRow, SampleError
-from data_formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row
+from data_formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row, suggest_columns
 from data_sources import TEXT_SAMPLE_BY, Chunk, Input, open_input
 from leftovers import remove_dead_leftovers, temporary_name
 from utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
@@ -352,6 +352,7 @@ class _Scan:
     formats: Counter = dataclasses.field(default_factory=Counter)  # rows of a recognised format
     unknown: list[str] = dataclasses.field(default_factory=list)  # first detail of a row of no accepted format
     tools: list[dict] | None = None  # the first row's tools
+    suggestions: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # --columns for the first unknown
     calls_tools: bool = False
 
     @property
@@ -361,6 +362,7 @@ class _Scan:
         return self.tools or (_PROBE_TOOL if self.calls_tools else None)
 
 
+_FORMAT_NOTES = {"alpaca": " (through the chat template)", "prompt_completion": " (plain text, no chat template)"}
 _SHAPE_REASONS = ("missing_messages", "ambiguous_format", "missing_field")
 
 
@@ -375,6 +377,8 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
                         scan.formats[item.row_format] += 1
                     elif item.reason in _SHAPE_REASONS and not scan.unknown:
                         scan.unknown.append(f"{chunk.file} {chunk.unit} {number}: {item.detail}")
+                        scan.suggestions = suggest_columns(raw, input_format=config.input_format,
+                                                           columns=config.columns, from_table=chunk.from_table)
                     continue
                 scan.formats[item[0]] += 1
                 messages, tools = item[1].fields.get("messages"), item[1].fields.get("tools")
@@ -400,8 +404,11 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
     if not scan.num_rows:
         raise ValueError(f"input file {config.input_file} is empty")
     if not scan.formats and scan.unknown:
+        accepted = "" if ACCEPTED in scan.unknown[0] else f"; accepted: {ACCEPTED}"
         raise ValueError(f"no row of an accepted format in the first {scan.num_rows} rows of {config.input_file} "
-                         f"({scan.unknown[0]}); accepted: {ACCEPTED}; --columns maps other column names")
+                         f"({scan.unknown[0]}){accepted}; --columns maps other column names"
+                         + "".join(f"{'; ' if i else ': '}--columns {text} reads it as {fmt}{_FORMAT_NOTES.get(fmt, '')}"
+                                   for i, (text, fmt) in enumerate(scan.suggestions)))
     if not config.overwrite:
         for path in paths.all():
             if path.exists() and path.stat().st_size > 0:

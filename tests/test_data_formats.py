@@ -413,6 +413,40 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
     assert "\n" not in str(err.value)
 
 
+# Row shapes of public datasets, from their cards: lmsys-chat-1m, databricks-dolly-15k, nvidia/HelpSteer2,
+# bigcode/the-stack, a ShareGPT export under another name; and a row nothing maps.
+OTHER_SHAPES = {
+    "lmsys": ({"conversation_id": "c1", "model": "vicuna-13b", "conversation": MESSAGES_ROWS[1]["messages"], "turn": 2},
+              [("messages=conversation", "messages")]),
+    "dolly": ({"instruction": "Name a colour.", "context": "Colours: red, blue.", "response": "Red.",
+               "category": "closed_qa"}, [("output=response,input=context", "alpaca")]),
+    "helpsteer": ({"prompt": "Name a colour.", "response": "Red.", "helpfulness": 3},
+                  [("instruction=prompt,output=response", "alpaca"), ("completion=response", "prompt_completion")]),
+    "stack": ({"content": "def f():\n    return 1\n", "lang": "Python"}, [("text=content", "text")]),
+    "dialog": ({"id": 7, "dialog": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]},
+               [("conversations=dialog", "sharegpt")]),
+    "nothing": ({"id": 7, "score": 0.5}, []),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(OTHER_SHAPES))
+def test_the_refusal_offers_the_columns_that_read_the_file(tmp_path, tiny_models, shape):
+    """Each --columns the refusal offers converts every row as the format it names; no offer is made
+    that does not, and the accepted formats are listed once."""
+    row, offers = OTHER_SHAPES[shape]
+    input_file = write_jsonl(tmp_path / "in.jsonl", [row] * 3)
+    argv = ["--input-file", str(input_file), "--model-name-or-path", str(tiny_models["chatml"]), "--num-proc", "1"]
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--output-dir", str(tmp_path / "out")])
+    message = str(err.value)
+    assert message.count("alpaca (instruction + output)") == 1 and "\n" not in message
+    assert message.count(" reads it as ") == len(offers)
+    for columns, fmt in offers:
+        assert f"--columns {columns} reads it as {fmt}" in message
+        summary = main([*argv, "--output-dir", str(tmp_path / columns), "--columns", columns])
+        assert summary["num_written"] == 3 and summary["rows_by_format"] == {fmt: 3}
+
+
 def test_a_file_of_no_accepted_format_is_refused_in_one_line(tmp_path, tiny_models):
     input_file = write_jsonl(tmp_path / "in.jsonl", [{"question": "q", "answer": "a"}] * 3)
     argv = ["--input-file", str(input_file), "--model-name-or-path", str(tiny_models["chatml"]), "--num-proc", "1"]
