@@ -50,7 +50,10 @@ import jinja2
 
 from utils import IGNORE_INDEX
 
-VALID_ROLES = ("system", "user", "assistant", "tool", "pretrain")
+VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "pretrain")
+# OpenAI's newer name for the system message: a template that names the role gets it as is, any
+# other the system message it knows (``ChatEncoder``).
+_NAMES_DEVELOPER = re.compile(r"""(['"])developer\1""")
 OUTPUT_FIELDS = ("input_ids", "labels", "len", "num_loss_counted_tokens")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Message fields transformers copies into each other before rendering (``_alias_reasoning_fields``);
@@ -847,6 +850,7 @@ class ChatEncoder:
         self.mask_reasoning = mask_reasoning
         self.chat_template = tokenizer.get_chat_template() if tokenizer.chat_template else None
         self.renders_tool_calls = bool(self.chat_template) and "tool_calls" in self.chat_template
+        self.developer_as_system = not (self.chat_template and _NAMES_DEVELOPER.search(self.chat_template))
         self._render_jinja_template = render_jinja_template
         compiled = _compile_template(self.chat_template) if self.chat_template else None
         self.id_strings = [str(i) for i in range(max(len(tokenizer), self.backend.get_vocab_size(with_added_tokens=True)))]
@@ -914,6 +918,10 @@ class ChatEncoder:
                 continue
             if chat_row.num_prompt_messages:
                 masked = (*range(chat_row.num_prompt_messages), *masked)
+            if self.developer_as_system:
+                for message in messages:  # check_row's own copies
+                    if message["role"] == "developer":
+                        message["role"] = "system"
             has_reply = any(message["role"] == "assistant" and i not in masked for i, message in enumerate(messages))
             try:
                 text, spans, rule = self.reply_spans(messages, tools, masked=masked)

@@ -404,6 +404,29 @@ def test_generation_markers_change_nothing(tokenizers, tmp_path):
     assert encode(encoder, messages).labels == plain.labels
 
 
+def test_a_template_that_names_the_developer_role_gets_it(tokenizers, tmp_path):
+    """A ``developer`` message is the system message unless the template names the role: then the
+    template gets it as it is, and renders it as it chooses."""
+    generic = ("{%- for message in messages %}"
+               "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+               "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    naming = generic.replace("{%- for message in messages %}",
+                             "{%- for message in messages %}{%- if message.role == 'developer' %}"
+                             "{{- '<|im_start|>system\\n# Developer\\n' + message['content'] + '<|im_end|>\\n' }}"
+                             "{%- continue %}{%- endif %}")
+    developer = [{"role": "developer", "content": "Be brief."}, *CONVERSATIONS["single_turn"]]
+    system = [{**developer[0], "role": "system"}, *developer[1:]]
+    texts = {}
+    for name, template in (("generic", generic), ("naming", naming)):
+        tok = _tokenizer_with_template(tokenizers["chatml"], template, tmp_path / name)
+        encoder = ChatEncoder(tok, max_sample_num_tokens=1 << 30)
+        texts[name] = tok.decode(encode(encoder, developer).input_ids)
+        assert encoder.developer_as_system == (name == "generic")
+        assert (encode(encoder, developer).labels == encode(encoder, system).labels) == (name == "generic")
+    assert texts["generic"].startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert texts["naming"].startswith("<|im_start|>system\n# Developer\nBe brief.<|im_end|>")
+
+
 def test_template_rendering_old_turns_differently(tokenizers, tmp_path):
     """Like Qwen3: a <think> block only in the last assistant turn, so a turn's own render is not
     a prefix of the full render; the turn is learned as the full render shows it."""

@@ -166,6 +166,23 @@ def test_openai_fine_tuning_row_is_its_plain_row(loaded, name):
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_a_developer_message_is_the_system_message(loaded, name):
+    """OpenAI's ``developer`` role, under every real template: the system row's tokens and labels. gpt-oss's
+    template names the role and gets it as is (and reads it as the system message); the others would
+    drop it (Qwen2.5), write a header the model never saw (Llama 3.1) or refuse it (Mistral)."""
+    _, encoder = loaded(name)
+    system = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"},
+              {"role": "assistant", "content": "Bonjour !"}]
+    developer = [{**system[0], "role": "developer"}, *system[1:]]
+    assert encoder.developer_as_system == (name != "gpt-oss")
+    samples = encoder.encode_rows([json.dumps({"messages": messages}).encode() for messages in (system, developer)])
+    if isinstance(samples[0], SampleError):
+        assert isinstance(samples[1], SampleError) and samples[1].reason == samples[0].reason
+        return
+    assert (samples[1].input_ids, samples[1].labels) == (samples[0].input_ids, samples[0].labels)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_real_template_pretrain_row(loaded, name):
     tok, encoder = loaded(name)
     content = "The quick brown fox 🙂 jumps."
