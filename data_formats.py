@@ -121,6 +121,7 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
 _PROMPT_NAMES = ("instruction", "question", "query", "problem", "prompt", "input", "user")
 _ANSWER_NAMES = ("response", "answer", "output", "completion", "solution", "target", "assistant")
 _TEXT_NAMES = ("content", "document", "body", "article", "passage")
+_SYSTEM_NAMES = ("system", "system_prompt", "system_message")
 
 
 def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None = None,
@@ -150,7 +151,8 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
     answer = next((key for key in _ANSWER_NAMES if key in strings and key != prompt), None)
     if prompt and answer:
         context = {"input": "context"} if "context" in strings and "input" not in row else {}
-        candidates.append({"instruction": prompt, "output": answer, **context})
+        system = {"system": next((key for key in _SYSTEM_NAMES if key in strings), "system")}
+        candidates.append({"instruction": prompt, "output": answer, **context, **system})
         if prompt != "instruction":  # an instruction's row may hold more (input, context) than a prompt would
             candidates.append({"prompt": prompt, "completion": answer})
     candidates += [{"text": key} for key in _TEXT_NAMES if key in strings][:1]

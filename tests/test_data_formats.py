@@ -413,13 +413,16 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
     assert "\n" not in str(err.value)
 
 
-# Row shapes of public datasets, from their cards: lmsys-chat-1m, databricks-dolly-15k, nvidia/HelpSteer2,
-# bigcode/the-stack, a ShareGPT export under another name; and a row nothing maps.
+# Row shapes of public datasets, from their cards: lmsys-chat-1m, databricks-dolly-15k, Open-Orca/OpenOrca,
+# nvidia/HelpSteer2, bigcode/the-stack, a ShareGPT export under another name; and a row nothing maps.
 OTHER_SHAPES = {
     "lmsys": ({"conversation_id": "c1", "model": "vicuna-13b", "conversation": MESSAGES_ROWS[1]["messages"], "turn": 2},
               [("messages=conversation", "messages")]),
     "dolly": ({"instruction": "Name a colour.", "context": "Colours: red, blue.", "response": "Red.",
                "category": "closed_qa"}, [("output=response,input=context", "alpaca")]),
+    "openorca": ({"id": "niv.1", "system_prompt": "You are a helpful assistant.", "question": "Name a colour.",
+                  "response": "Red."}, [("instruction=question,output=response,system=system_prompt", "alpaca"),
+                                        ("prompt=question,completion=response", "prompt_completion")]),
     "helpsteer": ({"prompt": "Name a colour.", "response": "Red.", "helpfulness": 3},
                   [("instruction=prompt,output=response", "alpaca"), ("completion=response", "prompt_completion")]),
     "stack": ({"content": "def f():\n    return 1\n", "lang": "Python"}, [("text=content", "text")]),
