@@ -123,7 +123,8 @@ class ProcessDataConfig:
         if self.max_sample_num_tokens < 1:
             errors.append(f"--max-sample-num-tokens must be >= 1, got {self.max_sample_num_tokens}")
         elif self.split_long_text and self.max_sample_num_tokens < 2:
-            errors.append("--split-long-text needs --max-sample-num-tokens >= 2 (a piece of one token predicts nothing)")
+            errors.append("--split-long-text needs --max-sample-num-tokens >= 2 "
+                          "(a piece of one token predicts nothing)")
         if self.num_proc < 1:
             errors.append(f"--num-proc must be >= 1, got {self.num_proc}")
         if self.chunk_size < 1:
@@ -405,10 +406,11 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
         raise ValueError(f"input file {config.input_file} is empty")
     if not scan.formats and scan.unknown:
         accepted = "" if ACCEPTED in scan.unknown[0] else f"; accepted: {ACCEPTED}"
+        offers = "; ".join(f"--columns {text} reads it as {fmt}{_FORMAT_NOTES.get(fmt, '')}"
+                           for text, fmt in scan.suggestions)
         raise ValueError(f"no row of an accepted format in the first {scan.num_rows} rows of {config.input_file} "
                          f"({scan.unknown[0]}){accepted}; --columns maps other column names"
-                         + "".join(f"{'; ' if i else ': '}--columns {text} reads it as {fmt}{_FORMAT_NOTES.get(fmt, '')}"
-                                   for i, (text, fmt) in enumerate(scan.suggestions)))
+                         + (f": {offers}" if offers else ""))
     if not config.overwrite:
         for path in paths.all():
             if path.exists() and path.stat().st_size > 0:
@@ -640,6 +642,7 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed) 
             "end_of_turn_tokens": list(encoder.end_of_turn_tokens),
             "mask_reasoning": config.mask_reasoning,
             "masking": encoder.masking_method,
+            "developer_messages_as": "system" if encoder.developer_as_system else "developer",
         },
         "audit": _audit(config, totals),
         "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},

@@ -422,6 +422,10 @@ def test_a_template_that_names_the_developer_role_gets_it(tokenizers, tmp_path):
         encoder = ChatEncoder(tok, max_sample_num_tokens=1 << 30)
         texts[name] = tok.decode(encode(encoder, developer).input_ids)
         assert encoder.developer_as_system == (name == "generic")
+        rows = write_jsonl(tmp_path / "developer.jsonl", [{"messages": developer}])
+        summary = process_data(ProcessDataConfig(input_file=str(rows), model_name_or_path=str(tmp_path / name),
+                                                 num_proc=1, output_dir=str(tmp_path / f"out-{name}")))
+        assert summary["tokenizer"]["developer_messages_as"] == ("system" if name == "generic" else "developer")
         assert (encode(encoder, developer).labels == encode(encoder, system).labels) == (name == "generic")
     assert texts["generic"].startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert texts["naming"].startswith("<|im_start|>system\n# Developer\nBe brief.<|im_end|>")
