@@ -81,9 +81,8 @@ class ProcessDataConfig:
     output_file: str | None = config_field(None, help="single output JSONL (older form); the summary and "
                                                       "rejected files go beside it")
     max_sample_num_tokens: int = config_field(2147483647, help="longer samples are rejected (and counted)")
-    split_long_text: bool = config_field(False, help="cut a text (pretrain) row longer than --max-sample-num-tokens "
-                                                     "into pieces of at most that many tokens, each opening with the "
-                                                     "last token of the one before, instead of rejecting it")
+    split_long_text: bool = config_field(False, help="cut a text row longer than --max-sample-num-tokens into "
+                                                     "pieces (overlapping by one token) instead of rejecting it")
     chat_template: str | None = config_field(None, help="jinja file that replaces the tokenizer's chat template")
     end_of_turn_token: str | None = config_field(None, help="the string that ends an assistant turn (default: "
                                                             "the special token the template writes after a reply)")

@@ -71,9 +71,8 @@ class TrainConfig:
     mask_reasoning: bool = config_field(False, help="raw data: mask reasoning instead of learning it with the reply")
     max_sample_num_tokens: int = config_field(2147483647, help="raw data: longer samples are rejected when "
                                                                "tokenizing (and counted)")
-    split_long_text: bool = config_field(False, help="raw data: cut a text (pretrain) row longer than "
-                                                     "--max-sample-num-tokens into pieces instead of rejecting it "
-                                                     "(as process_data.py's)")
+    split_long_text: bool = config_field(False, help="raw data: cut a text row longer than "
+                                                     "--max-sample-num-tokens into pieces instead of rejecting it")
     input_format: str = config_field("auto", choices=list(INPUT_FORMATS),
                                      help="raw data: row format; auto recognises each row's from its keys")
     columns: str | None = config_field(None, help="raw data: rename input columns first, NAME=COLUMN,...")
