@@ -7,7 +7,8 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
     messages           messages                        itself (other fields copied, as always)
     sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt -> assistant,
                                                        function_call -> an assistant tool call,
-                                                       observation / tool -> tool; a turn's weight kept
+                                                       observation / tool -> tool; a turn's weight kept;
+                                                       an {input, output} turn (Capybara) -> user, assistant
     prompt_completion  prompt, completion              lists of messages: prompt + completion through the
                                                        template, only the completion's replies learned (a
                                                        string completion is one reply);
@@ -128,7 +129,7 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
                     from_table: bool = False) -> list[tuple[str, str]]:
     """``--columns`` values (with ``columns``, the one given, kept in front) under which a row of no
     accepted shape converts, each with the format it is then read as: a column of role/content
-    turns as ``messages`` (from/value: ``conversations``), a question-like and an answer-like string
+    turns as ``messages`` (from/value or input/output: ``conversations``), a question-like and an answer-like string
     column as alpaca (through the chat template) and as plain prompt/completion (no template), or one
     text-like column as ``text``. Empty when none converts."""
     try:
@@ -144,7 +145,7 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
         first = value[0] if isinstance(value, list) and value else None
         if isinstance(first, dict) and {"role", "content"} <= first.keys():
             candidates.append({"messages": key})
-        elif isinstance(first, dict) and {"from", "value"} <= first.keys():
+        elif isinstance(first, dict) and ({"from", "value"} <= first.keys() or {"input", "output"} <= first.keys()):
             candidates.append({"conversations": key})
     strings = [key for key, value in row.items() if isinstance(value, str)]
     prompt = next((key for key in _PROMPT_NAMES if key in strings), None)
@@ -278,6 +279,9 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
             raise SampleError("message_not_an_object", f"turn {index} is a {type(turn).__name__}")
         if "from" not in turn and "role" in turn:  # a 'conversations' column in the messages format
             messages.append(turn)
+            continue
+        if "from" not in turn and {"input", "output"} <= turn.keys():  # LDJnr/Capybara: one exchange a turn
+            messages += [{"role": "user", "content": turn["input"]}, {"role": "assistant", "content": turn["output"]}]
             continue
         role = SHAREGPT_ROLES.get(turn.get("from"))
         if role is None:

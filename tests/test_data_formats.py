@@ -120,6 +120,20 @@ def test_format_gives_the_tokens_of_its_messages_rows(tmp_path, real, fmt):
     assert summary["rows_by_format"] == {fmt: len(rows)}
 
 
+def test_capybaras_input_output_exchanges_are_user_and_assistant_turns(tmp_path, real):
+    """LDJnr/Capybara (and Pure-Dove, Verified-Camel) hold a conversation as ``{input, output}`` exchanges."""
+    model, template = real
+    turns = MESSAGES_ROWS[1]["messages"]
+    capybara = {"source": "GPT4LLM", "conversation": [{"input": turns[i]["content"], "output": turns[i + 1]["content"]}
+                                                      for i in range(0, len(turns), 2)]}
+    expected, _, _ = tokenize(tmp_path, "messages", [{"source": "GPT4LLM", "messages": turns}], model,
+                              chat_template=template)
+    data, rejected, summary = tokenize(tmp_path, "capybara", [capybara], model, chat_template=template,
+                                       columns="conversations=conversation")
+    assert not rejected and tokens(data) == tokens(expected) and data[0]["source"] == "GPT4LLM"
+    assert summary["rows_by_format"] == {"sharegpt": 1}
+
+
 def test_sharegpt_tool_call_and_observation_are_the_messages_tool_turns(tmp_path, tiny_models):
     model, template = tiny_models["tools"], str(REAL["qwen2.5"][1])
     expected, _, _ = tokenize(tmp_path, "messages", [TOOL_ROW], model, chat_template=template)
@@ -414,7 +428,8 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
 
 
 # Row shapes of public datasets, from their cards: lmsys-chat-1m, databricks-dolly-15k, Open-Orca/OpenOrca,
-# nvidia/HelpSteer2, bigcode/the-stack, a ShareGPT export under another name; and a row nothing maps.
+# nvidia/HelpSteer2, bigcode/the-stack, a ShareGPT export under another name, LDJnr/Capybara; and a row nothing
+# maps.
 OTHER_SHAPES = {
     "lmsys": ({"conversation_id": "c1", "model": "vicuna-13b", "conversation": MESSAGES_ROWS[1]["messages"], "turn": 2},
               [("messages=conversation", "messages")]),
@@ -428,6 +443,9 @@ OTHER_SHAPES = {
     "stack": ({"content": "def f():\n    return 1\n", "lang": "Python"}, [("text=content", "text")]),
     "dialog": ({"id": 7, "dialog": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]},
                [("conversations=dialog", "sharegpt")]),
+    "capybara": ({"source": "Airoboros", "conversation": [{"input": "Hi", "output": "Hello."},
+                                                           {"input": "Bye", "output": "Goodbye."}]},
+                 [("conversations=conversation", "sharegpt")]),
     "nothing": ({"id": 7, "score": 0.5}, []),
 }
 
