@@ -124,8 +124,7 @@ GPU_SIZES = Sizes(shape="Qwen2.5-1.5B", budgets=(16384, 32768), median_len=600, 
                   # bench_32k's four runs took 150 s on an H100 (2026-11-25) and hit its old limit by seconds.
                   # levers: one 10-minute device call, less the wheels' offline install and start-up; a
                   # train.py run costs 25-40 s of start-up plus its steps there, so the sweep is ordered.
-                  # osft: the default SVDs took 20 s there; if gesvd must redo all 196 (unmeasured, perhaps a
-                  # second each at 1536 x 8960), start-up alone takes minutes.
+                  # osft: 151 s on an H100 (2026-11-26), start-up 55 s with gesvd redoing all 196 SVDs.
                   limits_s=dict(environment=60, matmul_peak=60, gpu_tests=150, exactness=150, bench_32k=240,
                                 bench_16k=300, levers=540, lora=200, osft=420, long_context=420))
 CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, max_len=256, num_steps=1,
