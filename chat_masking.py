@@ -59,6 +59,13 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Message fields transformers copies into each other before rendering (``_alias_reasoning_fields``);
 # messages carrying any of them take the slower, exact library path.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Whether a turn is learned, as files written for other trainers mark it: OpenAI's ``weight`` (0 / 1) and
+# the ``train`` / ``training`` booleans that axolotl's ``message_field_training`` commonly names. Templates
+# ignore unknown keys, so a mark that were not read would silently learn a reply its author masked.
+_TRAINING_MARKS = ("weight", "train", "training")
+_SPAN_MARKS = ("train_detail", "training_detail")  # axolotl's character spans inside a turn
+LEARNING_MARKS = _TRAINING_MARKS + _SPAN_MARKS
+_ANY_MARK = frozenset(LEARNING_MARKS)
 _NO_REASONING_FIELD = frozenset(_REASONING_FIELDS).isdisjoint  # of a message dict: none of its keys is one
 
 # What a chat template may raise on a conversation it refuses: raise_exception()
@@ -222,7 +229,7 @@ def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[
         if role not in VALID_ROLES:
             raise SampleError("unknown_role", f"message {index} has role {role!r}; allowed: {', '.join(VALID_ROLES)}")
         message = {key: value for key, value in message.items() if value is not None}
-        if "weight" in message and not _learned(index, role, message.pop("weight")):
+        if not _ANY_MARK.isdisjoint(message) and not _learned(index, role, message):
             unlearned.append(index)
         tool_calls = message.get("tool_calls")
         if tool_calls == []:  # what serialisers write for "no calls"; vLLM drops it too
@@ -256,17 +263,32 @@ def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[
     return clean, tools or None, extra, tuple(unlearned)
 
 
-def _learned(index: int, role: str, weight: Any) -> bool:
-    """OpenAI's fine-tuning ``weight``: 0 shows an assistant turn without learning it, 1 (the default)
-    learns it. Other roles are never learned (a pretrain message always is), which their weight must
-    not contradict."""
-    if weight not in (0, 1):
-        raise SampleError("invalid_weight", f"message {index} ({role}) has weight {weight!r}; expected 0 or 1")
+def _learned(index: int, role: str, message: dict[str, Any]) -> bool:
+    """Whether an assistant turn is learned, by its marks (``_TRAINING_MARKS``, removed from ``message``):
+    OpenAI's fine-tuning ``weight`` 0 shows the turn without learning it, 1 (the default) learns it;
+    ``train`` / ``training`` say the same as false / true. Other roles are never learned (a pretrain
+    message always is), which their marks must not contradict."""
+    spans = [key for key in _SPAN_MARKS if key in message]
+    if spans:
+        raise SampleError("invalid_weight", f"message {index} ({role}) has {spans[0]}: marks inside a turn are not "
+                                            "supported; mark the whole turn (train, training or weight)")
+    weights = set()
+    for key in _TRAINING_MARKS:
+        if key not in message:
+            continue
+        mark = message.pop(key)
+        if key == "weight" and mark not in (0, 1) or key != "weight" and not isinstance(mark, bool):
+            expected = "0 or 1" if key == "weight" else "true or false"
+            raise SampleError("invalid_weight", f"message {index} ({role}) has {key} {mark!r}; expected {expected}")
+        weights.add(int(mark))
     learned = role in ("assistant", "pretrain")
-    if role != "assistant" and weight != learned:
-        raise SampleError("invalid_weight", f"message {index} ({role}) has weight {weight!r}: only assistant turns "
-                                            "are chosen by weight; a pretrain message is always learned, others never")
-    return bool(weight)
+    if len(weights) > 1:
+        raise SampleError("invalid_weight", f"message {index} ({role}) has marks that disagree on learning it")
+    if role != "assistant" and weights - {learned}:
+        raise SampleError("invalid_weight", f"message {index} ({role}) is marked to be "
+                                            f"{'not learned' if learned else 'learned'}: only assistant turns are "
+                                            "chosen by weight; a pretrain message is always learned, others never")
+    return weights != {0}
 
 
 def _text_of_parts(index: int, role: str, content: Any) -> str:

@@ -7,7 +7,8 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
     messages           messages                        itself (other fields copied, as always)
     sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt -> assistant,
                                                        function_call -> an assistant tool call,
-                                                       observation / tool -> tool; a turn's weight kept;
+                                                       observation / tool -> tool; a turn's learning marks
+                                                       (weight, train, training) kept;
                                                        an {input, output} turn (Capybara) -> user, assistant
     prompt_completion  prompt, completion              lists of messages: prompt + completion through the
                                                        template, only the completion's replies learned (a
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chat_masking import ChatRow, SampleError, json_field, load_row
+from chat_masking import LEARNING_MARKS, ChatRow, SampleError, json_field, load_row
 
 FORMATS = ("messages", "sharegpt", "prompt_completion", "text", "alpaca")
 INPUT_FORMATS = ("auto",) + FORMATS
@@ -291,8 +292,8 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
             message = {"role": "assistant", "content": "", "tool_calls": _tool_calls(index, turn.get("value"))}
         else:
             message = {"role": role, "content": turn.get("value")}
-        if turn.get("weight") is not None:  # 0 or 1 per turn, as in OpenAI's format (null in OpenHermes)
-            message["weight"] = turn["weight"]
+        # weight 0 / 1 as in OpenAI's format (null in OpenHermes), or axolotl's train / training booleans
+        message.update({key: turn[key] for key in LEARNING_MARKS if turn.get(key) is not None})
         messages.append(message)
     if isinstance(rest.get("tools"), list):  # LLaMA-Factory lists bare function schemas
         rest["tools"] = [tool if not isinstance(tool, dict) or "function" in tool else

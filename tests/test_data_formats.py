@@ -207,6 +207,23 @@ def test_weight_0_shows_a_reply_without_learning_it(tmp_path, real):
     assert not rejected and tokens(converted) == tokens(data + [everything])
 
 
+def test_axolotl_train_marks_choose_replies_as_weight_does(tmp_path, real):
+    """axolotl's per-turn booleans (``message_field_training: train`` or ``training``) learn what the same
+    weights learn; unread, the masked first reply would be learned silently."""
+    model, template = real
+    marked = {key: [{**{k: v for k, v in m.items() if k != "weight"}, **({key: bool(m["weight"])} if "weight" in m
+                                                                         else {})} for m in WEIGHTED]
+              for key in ("train", "training")}
+    weighted, _, _ = tokenize(tmp_path, "weighted", [{"messages": WEIGHTED}], model, chat_template=template)
+    rows = [{"messages": marked["train"]}, {"messages": marked["training"]},
+            {"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                                "value": m["content"], **({"train": m["train"]} if "train" in m else {})}
+                               for m in marked["train"]]}]
+    data, rejected, summary = tokenize(tmp_path, "marked", rows, model, chat_template=template)
+    assert not rejected and tokens(data) == tokens(weighted * 3)
+    assert summary["audit"]["passed"]
+
+
 def test_content_as_text_parts_is_its_text(tmp_path, real):
     """OpenAI's list of text parts: one part is its text, several are joined by newlines as vLLM joins them."""
     model, template = real
@@ -393,6 +410,14 @@ BAD_ROWS = [
      "invalid_weight"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "weight": 0}]},
      "no_loss_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "train": "no"}]},
+     "invalid_weight"),
+    ({"messages": [{"role": "user", "content": "x", "training": True}, {"role": "assistant", "content": "y"}]},
+     "invalid_weight"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "train": True,
+                                                      "weight": 0}]}, "invalid_weight"),
+    ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y", "train_detail": [
+        {"begin_offset": 0, "end_offset": 0, "train": False}]}]}, "invalid_weight"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{'city': 'Paris'}"}}]}]}, "invalid_tool_calls"),
     ({"conversations": [{"from": "bard", "value": "x"}]}, "unknown_role"),
@@ -418,8 +443,8 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
         rejected[1]["detail"]
     assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == len(BAD_ROWS)
     # Rows by the format found, bad ones too; bad JSON, no shape and two shapes have none.
-    assert summary["rows_by_format"] == {"sharegpt": 6, "alpaca": 4, "prompt_completion": 5, "text": 2,
-                                         "messages": 6}
+    assert summary["rows_by_format"] == {"sharegpt": 7, "alpaca": 4, "prompt_completion": 5, "text": 2,
+                                         "messages": 9}
     assert summary["audit"]["passed"] and summary["audit"]["num_rejected"] == 0
     with pytest.raises(SystemExit) as err:
         main([*argv, "--output-dir", str(tmp_path / "strict"), "--strict"])
