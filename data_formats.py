@@ -5,6 +5,7 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
 
     format             a row has                       becomes
     messages           messages                        itself (other fields copied, as always)
+                                                       OpenAI's legacy functions / function_call -> tools
     sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt -> assistant,
                                                        function_call -> an assistant tool call,
                                                        observation / tool -> tool; a turn's learning marks
@@ -210,7 +211,7 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
         # A CSV cell holds no list: a conversation there (or in any table column of strings) is JSON text.
         row = {**row, turns: json_field(row[turns], "messages_not_a_list", f"'{turns}' is a string and")}
     if fmt == "messages":
-        return ChatRow(row)
+        return ChatRow(_openai_functions(row) if _uses_functions(row) else row)
     rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
     if fmt == "text":
         return ChatRow({"messages": [{"role": "pretrain", "content": _decoded(row["text"])}], **rest})
@@ -219,6 +220,38 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
     if fmt == "sharegpt":
         return ChatRow(_sharegpt(row, rest))
     return _prompt_completion(row["prompt"], row["completion"], rest)
+
+
+def _uses_functions(row: dict[str, Any]) -> bool:
+    """OpenAI's fine-tuning files before tools: ``functions``, ``function_call`` turns, ``function`` results."""
+    return "functions" in row or isinstance(row["messages"], list) and any(
+        isinstance(m, dict) and (m.get("function_call") is not None or m.get("role") == "function")
+        for m in row["messages"])
+
+
+def _openai_functions(row: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's legacy function calling as the tools format it became: ``functions`` -> ``tools``, an
+    assistant's ``function_call`` -> its one tool call, a ``function`` message -> a ``tool`` message."""
+    row = dict(row)
+    functions = row.pop("functions", None)
+    if functions is not None:
+        if row.get("tools") is not None:
+            raise SampleError("invalid_tools", "the row has both 'functions' (OpenAI's legacy format) and 'tools'")
+        if not isinstance(functions, list):
+            raise SampleError("invalid_tools", "'functions' must be a list of JSON schema objects")
+        row["tools"] = [{"type": "function", "function": schema} for schema in functions]
+    messages = []
+    for index, message in enumerate(row["messages"]):
+        if isinstance(message, dict) and message.get("function_call") is not None:
+            if message.get("tool_calls"):
+                raise SampleError("invalid_tool_calls", f"message {index} has both function_call and tool_calls")
+            message = {key: value for key, value in message.items() if key != "function_call"} | {
+                "tool_calls": _tool_calls(index, message["function_call"])}
+        elif isinstance(message, dict) and message.get("role") == "function":
+            message = {**message, "role": "tool"}
+        messages.append(message)
+    row["messages"] = messages
+    return row
 
 
 def _decoded(text: Any) -> Any:

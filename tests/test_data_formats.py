@@ -142,6 +142,23 @@ def test_sharegpt_tool_call_and_observation_are_the_messages_tool_turns(tmp_path
     assert summary["audit"]["num_replies"] == 2  # the tool call and the answer, both learned
 
 
+def test_openai_legacy_functions_are_the_tools_format(tmp_path, real):
+    """OpenAI's fine-tuning files from before tools (``functions``, ``function_call``, ``function`` results)
+    give the tokens of the same conversation in the tools format."""
+    model, template = real
+    named = {**TOOL_ROW, "messages": [{**m, "name": "get_weather"} if m["role"] == "tool" else m
+                                      for m in TOOL_ROW["messages"]]}
+    legacy = {"id": "t", "functions": [TOOL], "messages": [
+        TOOL_ROW["messages"][0],
+        {"role": "assistant", "content": None, "function_call": {**CALL, "arguments": json.dumps(CALL["arguments"])}},
+        {"role": "function", "name": "get_weather", "content": "sunny, 21 C"},
+        TOOL_ROW["messages"][3]]}
+    expected, _, _ = tokenize(tmp_path, "messages", [named], model, chat_template=template)
+    data, rejected, summary = tokenize(tmp_path, "legacy", [legacy], model, chat_template=template)
+    assert not rejected and tokens(data) == tokens(expected) and data[0]["id"] == "t" and "functions" not in data[0]
+    assert summary["audit"]["num_replies"] == 2  # the call and the answer, both learned
+
+
 def test_tools_as_one_json_string_are_the_tools_themselves(tmp_path, tiny_models):
     """How parquet files on the hub keep tool schemas, in every chat format."""
     model, template = tiny_models["tools"], str(REAL["qwen2.5"][1])
@@ -421,6 +438,10 @@ BAD_ROWS = [
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{'city': 'Paris'}"}}]}]}, "invalid_tool_calls"),
     ({"conversations": [{"from": "bard", "value": "x"}]}, "unknown_role"),
+    ({"functions": [TOOL], "tools": [{"type": "function", "function": TOOL}], "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, "invalid_tools"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "function_call": {"arguments": "{}"}}]},
+     "invalid_tool_calls"),
     ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{"}]},
      "invalid_tool_calls"),
     ({"prompt": "a", "completion": 3}, "invalid_prompt_completion"),
@@ -444,7 +465,7 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
     assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == len(BAD_ROWS)
     # Rows by the format found, bad ones too; bad JSON, no shape and two shapes have none.
     assert summary["rows_by_format"] == {"sharegpt": 7, "alpaca": 4, "prompt_completion": 5, "text": 2,
-                                         "messages": 9}
+                                         "messages": 11}
     assert summary["audit"]["passed"] and summary["audit"]["num_rejected"] == 0
     with pytest.raises(SystemExit) as err:
         main([*argv, "--output-dir", str(tmp_path / "strict"), "--strict"])
