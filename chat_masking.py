@@ -117,6 +117,7 @@ class Sample:
     rule: str | None = None  # how the replies were located: "sentinel", "incremental"; None for pretrain
     num_replies: int = 0
     num_replies_end_learned: int = 0  # replies whose end-of-turn (and an EOS right after it) is learned
+    num_replies_marked: int = 0  # replies shown but not learned: marked weight 0 / train false
 
     @property
     def labels(self) -> list[int]:
@@ -927,7 +928,8 @@ class ChatEncoder:
         converts the other formats). All texts of the chunk go through the Rust tokenizer in one batch.
         """
         results: list[Sample | SampleError | None] = [None] * len(rows)
-        pending = []  # (index, text, spans or None without template, extra, rule, prompt chars, has a reply)
+        # (index, text, spans or None without template, extra, rule, prompt chars, has a reply, replies marked)
+        pending = []
         for index, row in enumerate(rows):
             try:
                 chat_row = ChatRow(load_row(row)) if isinstance(row, bytes) else row
@@ -936,8 +938,9 @@ class ChatEncoder:
                 results[index] = err
                 continue
             if messages[0]["role"] == "pretrain":
-                pending.append((index, messages[0]["content"], None, extra, None, chat_row.num_prompt_chars, False))
+                pending.append((index, messages[0]["content"], None, extra, None, chat_row.num_prompt_chars, False, 0))
                 continue
+            num_marked = sum(messages[i]["role"] == "assistant" for i in masked)
             if chat_row.num_prompt_messages:
                 masked = (*range(chat_row.num_prompt_messages), *masked)
             if self.developer_as_system:
@@ -951,15 +954,15 @@ class ChatEncoder:
                 err.audit = True  # a well-formed conversation the template (or the masking) failed on
                 results[index] = err
                 continue
-            pending.append((index, text, spans, extra, rule, 0, has_reply))
+            pending.append((index, text, spans, extra, rule, 0, has_reply, num_marked))
         encodings = self.backend.encode_batch([item[1] for item in pending], add_special_tokens=False)
-        for (index, text, spans, extra, rule, prompt_chars, has_reply), encoding in zip(pending, encodings):
+        for (index, text, spans, extra, rule, prompt_chars, has_reply, num_marked), encoding in zip(pending, encodings):
             results[index] = self._finish(encoding, text, spans, extra, rule, prompt_chars=prompt_chars,
-                                          has_reply=has_reply)
+                                          has_reply=has_reply, num_marked=num_marked)
         return results
 
     def _finish(self, encoding, text: str, spans: list[CharSpan] | None, extra: dict, rule: str | None, *,
-                prompt_chars: int = 0, has_reply: bool = False) -> Sample | SampleError:
+                prompt_chars: int = 0, has_reply: bool = False, num_marked: int = 0) -> Sample | SampleError:
         """The sample of one encoded text. Without a template (``spans`` None): ``text + EOS``, learned
         from the first token whose first character is at or after ``prompt_chars``::
 
@@ -997,4 +1000,4 @@ class ChatEncoder:
                                                  and text.startswith(self.eos_token, b)))
         return Sample(input_ids, [span for span in token_spans if span[1] > span[0]], num_loss,
                       is_pretrain=spans is None, extra=extra, rule=rule, num_replies=num_replies,
-                      num_replies_end_learned=num_eot_learned)
+                      num_replies_end_learned=num_eot_learned, num_replies_marked=num_marked)

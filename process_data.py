@@ -195,6 +195,7 @@ class ChunkAudit:
     num_chat_loss_tokens: int = 0
     num_replies: int = 0
     num_replies_end_learned: int = 0
+    num_replies_marked: int = 0  # shown but not learned, as the row marks them (weight 0, train false)
     reasons: Counter = dataclasses.field(default_factory=Counter)  # rejected rows by reason
     rules: Counter = dataclasses.field(default_factory=Counter)  # rows by how their replies were located
     # reason (a rejection reason or "reply_end_not_learned") -> [{"line", "detail", "text"}]
@@ -210,6 +211,7 @@ class ChunkAudit:
         self.num_chat_loss_tokens += other.num_chat_loss_tokens
         self.num_replies += other.num_replies
         self.num_replies_end_learned += other.num_replies_end_learned
+        self.num_replies_marked += other.num_replies_marked
         self.reasons.update(other.reasons)
         self.rules.update(other.rules)
         for reason, examples in other.examples.items():
@@ -318,6 +320,7 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
             audit.num_chat_loss_tokens += result.num_loss_counted_tokens
             audit.num_replies += result.num_replies
             audit.num_replies_end_learned += result.num_replies_end_learned
+            audit.num_replies_marked += result.num_replies_marked
             audit.rules[result.rule] += 1
             if result.num_replies_end_learned < result.num_replies:
                 audit.add_example("reply_end_not_learned", {
@@ -678,6 +681,7 @@ def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = N
         if audit.num_chat_tokens else 0.0,
         "num_replies": audit.num_replies,
         "num_replies_end_of_turn_learned": audit.num_replies_end_learned,
+        "num_replies_marked_not_learned": audit.num_replies_marked,
         "num_rows_zero_learned": audit.reasons.get("no_loss_tokens", 0),
         "num_rejected": num_rejected,
         "rejected_fraction": round(rejected_fraction, 4),
@@ -693,10 +697,12 @@ def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = N
 def _log_audit(audit: dict[str, Any], config: ProcessDataConfig) -> None:
     logger.info("label audit: %.1f%% of chat tokens learned; %d of %d replies end with a learned end-of-turn; "
                 "%d conversations with replies but zero learned tokens; %d of %d conversations could not be masked "
-                "(%.2f%%, max %.2f%%)%s",
+                "(%.2f%%, max %.2f%%)%s%s",
                 100 * audit["learned_token_fraction"], audit["num_replies_end_of_turn_learned"], audit["num_replies"],
                 audit["num_rows_zero_learned"], audit["num_rejected"], audit["num_chat_rows_in"],
                 100 * audit["rejected_fraction"], 100 * audit["max_rejected_fraction"],
+                f"; {audit['num_replies_marked_not_learned']} more replies shown but not learned, as their rows "
+                "mark them (weight 0, train false)" if audit["num_replies_marked_not_learned"] else "",
                 "" if audit["rows_by_rule"].get("incremental", 0) == 0 else
                 f"; {audit['rows_by_rule']['incremental']} rows located by the incremental fallback "
                 "(the template rewrites replies)")

@@ -216,6 +216,7 @@ def test_weight_0_shows_a_reply_without_learning_it(tmp_path, real):
     assert first_only and _learned(last_only) and _learned(data[0]) == _learned(last_only)
     assert _learned(data[1]) == first_only and data[0]["labels"] == last_only["labels"]
     assert summary["audit"]["passed"] and summary["audit"]["num_replies"] == 2
+    assert summary["audit"]["num_replies_marked_not_learned"] == 2
     # ShareGPT turns carry the same weight (OpenHermes-2.5 writes null on every turn: the default).
     sharegpt = [{"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
                                     "value": m["content"], "weight": m.get("weight")} for m in messages]}
@@ -238,7 +239,7 @@ def test_axolotl_train_marks_choose_replies_as_weight_does(tmp_path, real):
                                for m in marked["train"]]}]
     data, rejected, summary = tokenize(tmp_path, "marked", rows, model, chat_template=template)
     assert not rejected and tokens(data) == tokens(weighted * 3)
-    assert summary["audit"]["passed"]
+    assert summary["audit"]["passed"] and summary["audit"]["num_replies_marked_not_learned"] == 3
 
 
 def test_content_as_text_parts_is_its_text(tmp_path, real):
