@@ -157,7 +157,8 @@ class GpuCheckConfig:
     output_dir: str = config_field("gpu_check", help="folder for report.md, report.json and log.txt")
     device: Literal["auto", "cuda", "cpu"] = config_field(
         "auto", help="cuda: the full check; cpu: the tiny rehearsal (hides GPUs); auto: cuda when visible")
-    only: str = config_field("", help="comma-separated sub-checks to run (default: all of CHECKS)")
+    only: str = config_field("", help="comma-separated sub-checks to run (default: all of CHECKS); "
+                                      "environment always runs")
     sub: str = config_field("", help="internal: run one device-side helper (env, matmul, reference_loss)")
     args: str = config_field("", help="internal: JSON arguments of --sub")
 
@@ -865,7 +866,9 @@ def gpu_check(config: GpuCheckConfig) -> dict:
               "levers": [dataclasses.asdict(lever) for lever in LEVERS], "checks": {}}
     try:
         for name, check in CHECKS:
-            if config.only_list and name not in config.only_list:
+            # environment (seconds) always runs: a report that does not name its machine and versions is
+            # a table of numbers nobody can compare.
+            if config.only_list and name not in config.only_list and name != "environment":
                 continue
             limit = min(sizes.limits_s.get(name, 60), runner.remaining())
             entry: dict = {"status": "ok", "seconds": 0.0, "limit_s": limit}

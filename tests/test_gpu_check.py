@@ -154,6 +154,14 @@ def test_a_failing_or_slow_sub_check_is_recorded_and_the_rest_run(tmp_path, monk
     assert "| fails | failed |" in (tmp_path / "report.md").read_text()
 
 
+def test_a_part_of_the_check_still_names_its_machine(tmp_path):
+    """--only runs its sub-checks and environment, whose figures head every report."""
+    report = gpu_check.gpu_check(gpu_check.GpuCheckConfig(output_dir=str(tmp_path), device="cpu", only="matmul_peak"))
+    assert list(report["checks"]) == ["environment", "matmul_peak"]
+    assert all(check["status"] == "ok" for check in report["checks"].values())
+    assert f"| torch | {torch.__version__} |" in (tmp_path / "report.md").read_text()
+
+
 def test_levers_sweep_starts_at_train_py_defaults_and_its_flags_parse_to_its_values(tmp_path):
     from train import TrainConfig
     from utils import parse_config
