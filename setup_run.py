@@ -191,6 +191,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         truncate_metrics(metrics_path, state.step)
     metrics = MetricsWriter(metrics_path) if dist_info.is_main else None
     state.wandb_run_id = tracker.wandb_run_id or state.wandb_run_id
+    state.mlflow_run_id = tracker.mlflow_run_id or state.mlflow_run_id
     return Run(config=config, dist_info=dist_info, dataset=dataset, total_steps=total_steps, max_tokens=max_tokens,
                model=model, method=method, resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
                optimizer=optimizer, scheduler=scheduler, state=state, run_params=run_params,
@@ -360,14 +361,16 @@ def _resume_policy(config: TrainConfig, run_params: dict, model_fingerprint: dic
 
 
 def _start_tracker(config: TrainConfig, dist_info: DistInfo, candidates: list[Path]) -> tuple[Tracker, str | None]:
-    """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb run);
+    """Rank 0 starts the trackers before the model loads (continuing a resumed run's wandb and MLflow runs);
     returns ``(tracker, None)``: each tracker that cannot start (its package missing, no credentials)
     is one warning (``make_tracker``) and the run goes on without it."""
     if not dist_info.is_main:
         return NullTracker(), None
-    found = resume_policy.newest_trainer_state(candidates) if config.wandb_project is not None else None
-    run_id = found[1].get("wandb_run_id") if found else None
-    return make_tracker(config, rank=dist_info.rank, wandb_run_id=run_id), None
+    resumable = (config.wandb_project, config.mlflow_tracking_uri, config.mlflow_experiment)
+    found = resume_policy.newest_trainer_state(candidates) if any(v is not None for v in resumable) else None
+    state = found[1] if found else {}
+    return make_tracker(config, rank=dist_info.rank, wandb_run_id=state.get("wandb_run_id"),
+                        mlflow_run_id=state.get("mlflow_run_id")), None
 
 
 def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None) -> None:

@@ -35,7 +35,7 @@ class TrackerInitError(RuntimeError):
 class NullTracker:
     """Does nothing: what ranks other than 0 and runs without tracking get (nanochat's DummyWandb)."""
 
-    wandb_run_id = None
+    wandb_run_id = mlflow_run_id = None
 
     def log(self, record: dict) -> None:
         pass
@@ -68,6 +68,7 @@ class WandbTracker:
             raise TrackerInitError(f"--wandb-project {project}: wandb.init failed ({err}); run `wandb login` or "
                                    "set WANDB_API_KEY, or WANDB_MODE=offline to log locally") from err
         self.wandb_run_id = self._run.id
+        self.mlflow_run_id = None
         self.errors = (wandb.errors.Error,)  # what wandb raises when it loses its service or network
 
     def log(self, record: dict) -> None:
@@ -80,7 +81,7 @@ class WandbTracker:
 class TensorBoardTracker:
     """TensorBoard event files: one scalar series per JSONL field, plus the run config as text."""
 
-    wandb_run_id = None
+    wandb_run_id = mlflow_run_id = None
 
     def __init__(self, *, log_dir: str, run_config: dict) -> None:
         try:
@@ -106,12 +107,13 @@ class TensorBoardTracker:
 
 
 class MLflowTracker:
-    """An MLflow run: the run config as its parameters, each numeric JSONL field as a metric at ``step``."""
+    """An MLflow run: the run config as its parameters, each numeric JSONL field as a metric at ``step``.
+    A resumed training run continues its MLflow run (the id is kept in the full state)."""
 
     wandb_run_id = None
 
     def __init__(self, *, tracking_uri: str | None, experiment: str | None, run_name: str | None,
-                 run_config: dict) -> None:
+                 run_config: dict, run_id: str | None = None) -> None:
         try:
             import mlflow
         except ImportError as err:
@@ -124,12 +126,25 @@ class MLflowTracker:
                 mlflow.set_tracking_uri(tracking_uri)
             if experiment is not None:  # else MLFLOW_EXPERIMENT_NAME, or MLflow's default experiment
                 mlflow.set_experiment(experiment)
-            mlflow.start_run(run_name=run_name)
-            mlflow.log_params(run_config)  # MLflow stores every value as its text
+            if not (run_id and self._continue(run_id)):
+                mlflow.start_run(run_name=run_name)
+                mlflow.log_params(run_config)  # MLflow stores every value as its text
         except (*self.errors, OSError) as err:  # OSError: a folder store that cannot be written
             if mlflow.active_run() is not None:
                 mlflow.end_run(status="FAILED")
             raise TrackerInitError(f"MLflow at {mlflow.get_tracking_uri()} could not start a run ({err})") from err
+        self.mlflow_run_id = mlflow.active_run().info.run_id
+
+    def _continue(self, run_id: str) -> bool:
+        """Reopen the resumed run's MLflow run; its parameters stay the first start's (MLflow refuses to
+        change one, and --allow-config-change may have). False, with a warning, where this store lacks it."""
+        try:
+            self._mlflow.start_run(run_id=run_id)
+        except self.errors as err:
+            logger.warning("MLflow at %s: could not continue run %s of the resumed training run (%s); "
+                           "starting a new one", self._mlflow.get_tracking_uri(), run_id, err)
+            return False
+        return True
 
     def log(self, record: dict) -> None:
         self._mlflow.log_metrics(_numeric_fields(record), step=int(record["step"]))
@@ -146,7 +161,7 @@ class FailSoftTracker:
     def __init__(self, tracker) -> None:
         self._tracker = tracker
         self._errors = (OSError, *getattr(tracker, "errors", ()))
-        self.wandb_run_id = tracker.wandb_run_id
+        self.wandb_run_id, self.mlflow_run_id = tracker.wandb_run_id, tracker.mlflow_run_id
 
     def _call(self, what: str, *args) -> None:
         if self._tracker is None:
@@ -172,6 +187,7 @@ class TrackerGroup:
     def __init__(self, trackers: list[FailSoftTracker]) -> None:
         self.trackers = trackers
         self.wandb_run_id = next((t.wandb_run_id for t in trackers if t.wandb_run_id), None)
+        self.mlflow_run_id = next((t.mlflow_run_id for t in trackers if t.mlflow_run_id), None)
 
     def log(self, record: dict) -> None:
         for tracker in self.trackers:
@@ -183,10 +199,11 @@ class TrackerGroup:
 
 
 Tracker = NullTracker | TrackerGroup
-"""Anything with ``log(record)``, ``close()`` and ``wandb_run_id``."""
+"""Anything with ``log(record)``, ``close()``, ``wandb_run_id`` and ``mlflow_run_id``."""
 
 
-def make_tracker(config: TrainConfig, *, rank: int, wandb_run_id: str | None = None) -> Tracker:
+def make_tracker(config: TrainConfig, *, rank: int, wandb_run_id: str | None = None,
+                 mlflow_run_id: str | None = None) -> Tracker:
     """The trackers a run asked for that could start, or the null tracker.
 
     Each is started on its own; one that cannot start is one warning and the others go on.
@@ -196,6 +213,7 @@ def make_tracker(config: TrainConfig, *, rank: int, wandb_run_id: str | None = N
             ``--mlflow-*``), and what is stored with the run (``training_params.json``'s fields).
         rank: global rank; only rank 0 tracks.
         wandb_run_id: continue this wandb run (a resumed training run's), or None for a new one.
+        mlflow_run_id: likewise for MLflow.
 
     Returns:
         An object with ``log(record)`` and ``close()``.
@@ -211,7 +229,8 @@ def make_tracker(config: TrainConfig, *, rank: int, wandb_run_id: str | None = N
     if config.mlflow_tracking_uri is not None or config.mlflow_experiment is not None:
         starters.append(lambda: MLflowTracker(tracking_uri=config.mlflow_tracking_uri,
                                               experiment=config.mlflow_experiment,
-                                              run_name=config.mlflow_run_name, run_config=run_config))
+                                              run_name=config.mlflow_run_name, run_config=run_config,
+                                              run_id=mlflow_run_id))
     trackers = []
     for start in starters:
         try:

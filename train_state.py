@@ -28,6 +28,7 @@ class TrainState:
     best_val_loss: float | None = None          # best validation loss so far (--save-best-val-loss)
     num_validations_without_improvement: int = 0  # for --early-stopping-patience
     wandb_run_id: str | None = None               # a resumed run continues this wandb run
+    mlflow_run_id: str | None = None              # and this MLflow run
 
 
 class PreemptionFlag:

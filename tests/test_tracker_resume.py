@@ -1,4 +1,4 @@
-"""A resumed run continues its Weights & Biases run; a tracker that cannot start or log never stops a run.
+"""A resumed run continues its Weights & Biases and MLflow runs; a tracker that cannot start or log never stops a run.
 
     .venv/bin/python -m pytest -q tests/test_tracker_resume.py
 
@@ -97,6 +97,31 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, chatml_model, fake_w
     assert inits[1] == {"init_id": first, "resume": "allow"} and saved == first
     assert [c["log_step"] for c in calls if "log_step" in c] == [1, 2]
 
+
+
+def test_resumed_run_continues_the_same_mlflow_run(tmp_path, chatml_model, monkeypatch):
+    """MLflow (mlflow-skinny, a local file store): the resumed run logs into the run the first one started."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    vocab = model_vocab_size(chatml_model)
+    data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=20, vocab_size=vocab, seed=2)
+    store = (tmp_path / "mlruns").as_uri()
+    env = {"MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    for name, value in env.items():  # this process reads the store too
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    for steps in (1, 2):
+        args = _args(chatml_model, data, out, steps)[:-2] + ["--mlflow-tracking-uri", store, "--mlflow-experiment", "e"]
+        result = torchrun(args, env=env)
+        assert result.returncode == 0, result.stderr[-4000:]
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("e").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+    assert run.info.status == "FINISHED"
+    for samples in (8, 16):
+        state = json.loads((out / "full_state" / f"samples_{samples}" / "trainer_state.json").read_text())
+        assert state["mlflow_run_id"] == run.info.run_id
 
 
 def _warnings(text: str, needle: str) -> list[str]:

@@ -123,6 +123,23 @@ def test_mlflow_logs_every_metrics_line_to_a_file_store(mlflow_store):
     assert set(run.data.metrics) == {k for k, v in records[0].items() if k != "step" and isinstance(v, (int, float))}
 
 
+def test_a_resumed_run_whose_mlflow_run_is_not_in_the_store_starts_a_new_one(mlflow_store, caplog):
+    """Resumed against another tracking store (or a deleted run): one warning, a new run, the metrics logged."""
+    from mlflow import MlflowClient
+
+    config = _config(mlflow_tracking_uri=mlflow_store, mlflow_experiment="sft")
+    with caplog.at_level(logging.WARNING):
+        tracker = make_tracker(config, rank=0, mlflow_run_id="0" * 32)
+    tracker.log(_record(3))
+    tracker.close()
+    [warning] = _warnings(caplog)
+    assert f"could not continue run {'0' * 32} of the resumed training run" in warning and "starting a new one" in warning
+    client = MlflowClient(mlflow_store)
+    [run] = client.search_runs([client.get_experiment_by_name("sft").experiment_id])
+    assert tracker.mlflow_run_id == run.info.run_id != "0" * 32
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [3]
+
+
 def test_mlflow_that_cannot_start_is_one_warning_beside_a_tracker_that_can(mlflow_store, monkeypatch, caplog):
     """The store refuses (MLflow 3's file store without its opt-out): one line; wandb still logs."""
     calls = []
