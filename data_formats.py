@@ -108,7 +108,7 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     if not isinstance(row, dict):
         raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
     if columns:
-        row = {columns.get(key, key): value for key, value in row.items()}
+        row = _renamed(row, columns)
     fmt = row_format(row, input_format)
     if from_table:
         row = _without_struct_nulls(row)
@@ -117,6 +117,11 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     except SampleError as err:
         err.row_format = fmt
         raise
+
+
+def _renamed(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
+    """The row with ``--columns``' renames (input column -> accepted name) applied."""
+    return {columns.get(key, key): value for key, value in row.items()}
 
 
 # Names public datasets give these columns. Only a refusal's hint reads them (suggest_columns), and
@@ -140,8 +145,7 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
         return []
     if not isinstance(row, dict):
         return []
-    mapping = parse_columns(columns)
-    row = {mapping.get(key, key): value for key, value in row.items()}
+    row = _renamed(row, parse_columns(columns))
     candidates = []
     for key, value in row.items():
         first = value[0] if isinstance(value, list) and value else None
