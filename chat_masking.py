@@ -59,10 +59,11 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Message fields transformers copies into each other before rendering (``_alias_reasoning_fields``);
 # messages carrying any of them take the slower, exact library path.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# Whether a turn is learned, as files written for other trainers mark it: OpenAI's ``weight`` (0 / 1) and
-# the ``train`` / ``training`` booleans that axolotl's ``message_field_training`` commonly names. Templates
-# ignore unknown keys, so a mark that were not read would silently learn a reply its author masked.
-_TRAINING_MARKS = ("weight", "train", "training")
+# Whether a turn is learned, as files written for other trainers mark it: OpenAI's ``weight`` (0 / 1), the
+# ``train`` / ``training`` booleans that axolotl's ``message_field_training`` commonly names, and the ``loss``
+# boolean of FastChat-style agent data (AgentInstruct, AgentGym: false on the in-context examples' replies).
+# Templates ignore unknown keys, so a mark that were not read would silently learn a reply its author masked.
+_TRAINING_MARKS = ("weight", "train", "training", "loss")
 _SPAN_MARKS = ("train_detail", "training_detail")  # axolotl's character spans inside a turn
 LEARNING_MARKS = _TRAINING_MARKS + _SPAN_MARKS
 _ANY_MARK = frozenset(LEARNING_MARKS)
@@ -267,12 +268,12 @@ def check_row(row: dict[str, Any]) -> tuple[list[dict], list[dict] | None, dict[
 def _learned(index: int, role: str, message: dict[str, Any]) -> bool:
     """Whether an assistant turn is learned, by its marks (``_TRAINING_MARKS``, removed from ``message``):
     OpenAI's fine-tuning ``weight`` 0 shows the turn without learning it, 1 (the default) learns it;
-    ``train`` / ``training`` say the same as false / true. Other roles are never learned (a pretrain
+    ``train`` / ``training`` / ``loss`` say the same as false / true. Other roles are never learned (a pretrain
     message always is), which their marks must not contradict."""
     spans = [key for key in _SPAN_MARKS if key in message]
     if spans:
         raise SampleError("invalid_weight", f"message {index} ({role}) has {spans[0]}: marks inside a turn are not "
-                                            "supported; mark the whole turn (train, training or weight)")
+                                            "supported; mark the whole turn (train, training, loss or weight)")
     weights = set()
     for key in _TRAINING_MARKS:
         if key not in message:

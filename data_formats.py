@@ -9,7 +9,7 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
     sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt -> assistant,
                                                        function_call -> an assistant tool call,
                                                        observation / tool -> tool; a turn's learning marks
-                                                       (weight, train, training) kept;
+                                                       (weight, train, training, loss) kept;
                                                        an {input, output} turn (Capybara) -> user, assistant
     prompt_completion  prompt, completion              lists of messages: prompt + completion through the
                                                        template, only the completion's replies learned (a
@@ -329,7 +329,7 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
             message = {"role": "assistant", "content": "", "tool_calls": _tool_calls(index, turn.get("value"))}
         else:
             message = {"role": role, "content": turn.get("value")}
-        # weight 0 / 1 as in OpenAI's format (null in OpenHermes), or axolotl's train / training booleans
+        # weight 0 / 1 as in OpenAI's format (null in OpenHermes), axolotl's train / training, agent data's loss
         message.update({key: turn[key] for key in LEARNING_MARKS if turn.get(key) is not None})
         messages.append(message)
     if isinstance(rest.get("tools"), list):  # LLaMA-Factory lists bare function schemas

@@ -702,7 +702,7 @@ def _log_audit(audit: dict[str, Any], config: ProcessDataConfig) -> None:
                 audit["num_rows_zero_learned"], audit["num_rejected"], audit["num_chat_rows_in"],
                 100 * audit["rejected_fraction"], 100 * audit["max_rejected_fraction"],
                 f"; {audit['num_replies_marked_not_learned']} more replies shown but not learned, as their rows "
-                "mark them (weight 0, train false)" if audit["num_replies_marked_not_learned"] else "",
+                "mark them (weight 0, train / training / loss false)" if audit["num_replies_marked_not_learned"] else "",
                 "" if audit["rows_by_rule"].get("incremental", 0) == 0 else
                 f"; {audit['rows_by_rule']['incremental']} rows located by the incremental fallback "
                 "(the template rewrites replies)")

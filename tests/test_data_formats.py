@@ -226,20 +226,23 @@ def test_weight_0_shows_a_reply_without_learning_it(tmp_path, real):
 
 
 def test_axolotl_train_marks_choose_replies_as_weight_does(tmp_path, real):
-    """axolotl's per-turn booleans (``message_field_training: train`` or ``training``) learn what the same
+    """axolotl's per-turn booleans (``message_field_training: train`` or ``training``) and the ``loss`` of
+    FastChat-style agent data (AgentInstruct's ShareGPT turns, null on human turns) learn what the same
     weights learn; unread, the masked first reply would be learned silently."""
     model, template = real
     marked = {key: [{**{k: v for k, v in m.items() if k != "weight"}, **({key: bool(m["weight"])} if "weight" in m
                                                                          else {})} for m in WEIGHTED]
-              for key in ("train", "training")}
+              for key in ("train", "training", "loss")}
     weighted, _, _ = tokenize(tmp_path, "weighted", [{"messages": WEIGHTED}], model, chat_template=template)
     rows = [{"messages": marked["train"]}, {"messages": marked["training"]},
             {"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
                                 "value": m["content"], **({"train": m["train"]} if "train" in m else {})}
-                               for m in marked["train"]]}]
+                               for m in marked["train"]]},
+            {"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                                "value": m["content"], "loss": m.get("loss")} for m in marked["loss"]]}]
     data, rejected, summary = tokenize(tmp_path, "marked", rows, model, chat_template=template)
-    assert not rejected and tokens(data) == tokens(weighted * 3)
-    assert summary["audit"]["passed"] and summary["audit"]["num_replies_marked_not_learned"] == 3
+    assert not rejected and tokens(data) == tokens(weighted * 4)
+    assert summary["audit"]["passed"] and summary["audit"]["num_replies_marked_not_learned"] == 4
 
 
 def test_content_as_text_parts_is_its_text(tmp_path, real):
