@@ -127,7 +127,8 @@ def _renamed(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
 # Names public datasets give these columns. Only a refusal's hint reads them (suggest_columns), and
 # it offers only a mapping under which the row then converts: nothing is renamed unasked.
 _PROMPT_NAMES = ("instruction", "question", "query", "problem", "prompt", "input", "user")
-_ANSWER_NAMES = ("response", "answer", "output", "completion", "solution", "target", "assistant")
+_ANSWER_NAMES = ("response", "answer", "output", "completion", "generated_solution", "solution", "target",
+                 "assistant")
 _TEXT_NAMES = ("content", "document", "body", "article", "passage")
 _SYSTEM_NAMES = ("system", "system_prompt", "system_message")
 

@@ -496,6 +496,10 @@ OTHER_SHAPES = {
     "capybara": ({"source": "Airoboros", "conversation": [{"input": "Hi", "output": "Hello."},
                                                            {"input": "Bye", "output": "Goodbye."}]},
                  [("conversations=conversation", "sharegpt")]),
+    "openmathinstruct": ({"problem": "What is 2+2?", "generated_solution": "2+2 = \\boxed{4}.",
+                          "expected_answer": "4", "problem_source": "gsm8k"},
+                         [("instruction=problem,output=generated_solution", "alpaca"),
+                          ("prompt=problem,completion=generated_solution", "prompt_completion")]),
     "nothing": ({"id": 7, "score": 0.5}, []),
 }
 
