@@ -9,11 +9,12 @@
 * ``audit_refusal`` (rank 0, as each source loads): data whose ``summary.json``
   records a failed label audit is refused in one line, unless the failure was
   allowed when it was tokenized (``--allow-audit-failures``).
-* ``check_objective`` (every rank, before the first step): on a few short real
-  rows, one at a time and unpacked, the trainer's loss (``loss.CausalLMWithLoss``:
-  decoder, chunked or fused cross-entropy, the model's logit processing and
-  router loss as ``objective.py`` reads them) equals the Hugging Face model's
-  own ``forward(input_ids, labels=...).loss``. Both run through the same sharded
+* ``check_objective`` (every rank, before the first step): on a few real rows
+  (the shortest; a window of ``MAX_ROW_TOKENS`` of a longer one), one at a time and
+  unpacked, the trainer's loss (``loss.CausalLMWithLoss``: decoder, chunked or
+  fused cross-entropy, the model's logit processing and router loss as
+  ``objective.py`` reads them) equals the Hugging Face model's own
+  ``forward(input_ids, labels=...).loss``. Both run through the same sharded
   module in the same compute dtype, so for a 70B model it costs a few forward
   passes of short rows: seconds. The same rows packed into one row must give
   the sum of their losses alone: attention keeps packed samples apart. Every rank runs the same rows (FSDP gathers
@@ -141,25 +142,55 @@ def recorded_summary(data_path: Path) -> dict | None:
 # Trainer objective against the model's own forward
 
 
-def pick_rows(dataset, *, num_rows: int = NUM_ROWS, max_tokens: int = MAX_ROW_TOKENS) -> list[int]:
-    """The shortest rows with at least ``MIN_LOSS_TOKENS`` loss tokens (any loss token if too few have that)."""
-    order = np.argsort(dataset.lengths, kind="stable")
+@dataclass(frozen=True)
+class Window:
+    """Tokens ``[start, stop)`` of data row ``index``, checked as a row of their own: both losses see the
+    same tokens, so a window of a long row tests the objective as well as a whole short row does."""
+
+    index: int
+    start: int
+    stop: int
+
+    def describe(self, dataset) -> str:
+        length = int(dataset.lengths[self.index])
+        return f"{length} tokens" if self.stop - self.start == length else \
+            f"tokens {self.start} to {self.stop} of its {length}"
+
+
+def pick_rows(dataset, *, num_rows: int = NUM_ROWS, max_tokens: int = MAX_ROW_TOKENS,
+              max_scanned: int = 1000) -> list[Window]:
+    """The shortest rows (of the ``max_scanned`` shortest) with at least ``MIN_LOSS_TOKENS`` loss tokens (any
+    loss token if too few have that); a row longer than ``max_tokens`` gives the window of that many tokens
+    around its first learned ones, so data whose every row is long is checked too."""
     picked, fallback = [], []
-    for index in order:
-        if len(picked) == num_rows or dataset.lengths[index] > max_tokens:
+    for index in np.argsort(dataset.lengths, kind="stable")[:max_scanned]:
+        if len(picked) == num_rows:
             break
         _, labels = dataset.sample_arrays(int(index))
-        num_loss = int((labels[1:] != IGNORE_INDEX).sum())
+        window = _window(int(index), labels, max_tokens)
+        num_loss = int((labels[window.start + 1:window.stop] != IGNORE_INDEX).sum())
         if num_loss >= MIN_LOSS_TOKENS:
-            picked.append(int(index))
+            picked.append(window)
         elif num_loss and len(fallback) < num_rows:
-            fallback.append(int(index))
+            fallback.append(window)
     return picked or fallback
 
 
-def _row_tensors(dataset, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, unshifted labels, shifted labels)`` of one row, each [1, T]."""
-    ids, labels = dataset.sample_arrays(index)
+def _window(index: int, labels: np.ndarray, max_tokens: int) -> Window:
+    """The whole row when it fits, else ``max_tokens`` tokens from half of them before its first learned
+    target (a window's first token predicts nothing, so it never starts on one)."""
+    if len(labels) <= max_tokens:
+        return Window(index, 0, len(labels))
+    learned = np.flatnonzero(labels[1:] != IGNORE_INDEX)
+    first = int(learned[0]) + 1 if len(learned) else 0
+    start = min(max(first - max_tokens // 2, 0), len(labels) - max_tokens)
+    return Window(index, start, start + max_tokens)
+
+
+def _row_tensors(dataset, window: Window, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, unshifted labels, shifted labels)`` of one window, each [1, T]."""
+    ids, labels = dataset.sample_arrays(window.index)
+    ids, labels = ids[window.start:window.stop], labels[window.start:window.stop]
     input_ids = torch.tensor(ids.tolist(), dtype=torch.long, device=device).unsqueeze(0)
     unshifted = torch.tensor(labels.tolist(), dtype=torch.long, device=device).unsqueeze(0)
     shifted = torch.cat([unshifted[:, 1:], unshifted.new_full((1, 1), IGNORE_INDEX)], dim=1)
@@ -167,7 +198,7 @@ def _row_tensors(dataset, index: int, device: torch.device) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
-def packed_versus_alone(wrapper, dataset, rows: list[int], *, attn_implementation: str,
+def packed_versus_alone(wrapper, dataset, rows: list[Window], *, attn_implementation: str,
                         device: torch.device) -> tuple[float, float]:
     """Summed token loss of ``rows`` packed into one row, and of each row alone (no router loss).
 
@@ -175,7 +206,7 @@ def packed_versus_alone(wrapper, dataset, rows: list[int], *, attn_implementatio
     builds its mask without ``position_ids`` lets them see each other under
     sdpa/eager, and the sums differ.
     """
-    pieces = [_row_tensors(dataset, index, device) for index in rows]
+    pieces = [_row_tensors(dataset, window, device) for window in rows]
     was_training = wrapper.training
     wrapper.eval()
     try:
@@ -197,15 +228,15 @@ def packed_versus_alone(wrapper, dataset, rows: list[int], *, attn_implementatio
 
 
 @torch.no_grad()
-def compare_losses(wrapper, dataset, rows: list[int], *, attn_implementation: str,
-                   device: torch.device) -> list[tuple[int, float, float]]:
+def compare_losses(wrapper, dataset, rows: list[Window], *, attn_implementation: str,
+                   device: torch.device) -> list[tuple[Window, float, float]]:
     """``(row, trainer loss, model's own loss)`` per row, each row alone and unpacked."""
     results = []
     was_training = wrapper.training
     wrapper.eval()  # no dropout or router jitter: both sides must see the same function
     try:
-        for index in rows:
-            input_ids, unshifted, shifted = _row_tensors(dataset, index, device)
+        for window in rows:
+            input_ids, unshifted, shifted = _row_tensors(dataset, window, device)
             num_loss = int((shifted != IGNORE_INDEX).sum())
             position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)
             row = SimpleNamespace(cu_seqlens=torch.tensor([0, input_ids.shape[1]], dtype=torch.int32),
@@ -215,7 +246,7 @@ def compare_losses(wrapper, dataset, rows: list[int], *, attn_implementation: st
                                        batch_num_samples=1, minibatch_num_samples=1)
             ours = wrapper(input_ids, position_ids, shifted, router_aux_weight=weight, **boundaries)
             reference = wrapper(input_ids, position_ids, unshifted, own_forward=True, **boundaries)
-            results.append((index, float(ours) / num_loss, float(reference)))
+            results.append((window, float(ours) / num_loss, float(reference)))
     finally:
         wrapper.train(was_training)
         _reshard(wrapper)
@@ -230,7 +261,8 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
     name = f"{type(model).__name__} (model_type {model.config.model_type!r})"
     rows = pick_rows(dataset)
     if not rows:
-        log_rank_0("objective self-check skipped: no row short enough with a loss token", level=logging.WARNING)
+        log_rank_0(f"objective self-check skipped: no loss token in the {MAX_ROW_TOKENS}-token windows of the "
+                   "shortest rows", level=logging.WARNING)
         return
     tolerance = RELATIVE_TOLERANCE.get(compute_dtype, 2e-2)
     seen = head_input(wrapper, dataset, rows[0], attn_implementation=attn_implementation, device=device)
@@ -244,10 +276,10 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
         log_rank_0(_head_refusal(name, seen, attn_implementation), level=logging.ERROR)
         raise SystemExit(1)
     if error > tolerance:
-        index, ours, reference = worst
+        window, ours, reference = worst
         router = wrapper.router_loss
         log_rank_0(
-            f"objective self-check failed for {name}: on data row {index} ({int(dataset.lengths[index])} tokens, "
+            f"objective self-check failed for {name}: on data row {window.index} ({window.describe(dataset)}, "
             f"alone, {str(compute_dtype).removeprefix('torch.')}) the trainer's loss is {ours:.6f} but the model's "
             f"own forward(labels=...) gives {reference:.6f} (relative error {error:.1e} > {tolerance:.0e}). The "
             "trainer would optimise a different objective than this architecture's (it applied logit processing "
@@ -265,8 +297,10 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
                 f"{packed:.6f} but {alone:.6f} each alone (relative error {packing_error:.1e}): "
                 + _packing_leak(model, attn_implementation), level=logging.ERROR)
             raise SystemExit(1)
+    windows = sum(window.stop - window.start < int(dataset.lengths[window.index]) for window in rows)
+    on_windows = f" ({windows} long ones on a window of {MAX_ROW_TOKENS} tokens)" if windows else ""
     log_rank_0(f"objective self-check: the trainer's loss equals {name}'s own forward(labels=...) on {len(rows)} "
-               f"rows (max relative error {error:.1e}, tolerance {tolerance:.0e}, "
+               f"rows{on_windows} (max relative error {error:.1e}, tolerance {tolerance:.0e}, "
                f"{time.perf_counter() - began:.2f}s)")
 
 
@@ -295,8 +329,9 @@ class HeadInput:
 
 
 @torch.no_grad()
-def head_input(wrapper, dataset, index: int, *, attn_implementation: str, device: torch.device) -> HeadInput | None:
-    """Run the model's own forward on data row ``index`` and see what reaches its LM head.
+def head_input(wrapper, dataset, window: Window, *, attn_implementation: str,
+               device: torch.device) -> HeadInput | None:
+    """Run the model's own forward on ``window`` of a data row and see what reaches its LM head.
 
     None when the forward does not call the decoder and the output-embedding
     module as modules (nothing seen, nothing to conclude: the loss comparison judges).
@@ -306,7 +341,7 @@ def head_input(wrapper, dataset, index: int, *, attn_implementation: str, device
     decoder_out, head_in = [], []
     hooks = [decoder.register_forward_hook(lambda _module, _args, out: decoder_out.append(out[0])),
              head.register_forward_pre_hook(lambda _module, args: head_in.append(args[0] if args else None))]
-    input_ids, unshifted, _ = _row_tensors(dataset, index, device)
+    input_ids, unshifted, _ = _row_tensors(dataset, window, device)
     position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)
     row = SimpleNamespace(cu_seqlens=torch.tensor([0, input_ids.shape[1]], dtype=torch.int32),
                           max_seqlen=input_ids.shape[1], position_ids=position_ids)

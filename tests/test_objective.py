@@ -44,7 +44,7 @@ from fixtures.architectures import ARCH_BY_NAME, COMMON
 from fixtures.e2e import ROOT, write_tokenized_jsonl
 from objective import LogitTransform, router_aux_sum
 from sampler import load_tokenized_dataset
-from selfcheck import check_data_fits_model
+from selfcheck import MAX_ROW_TOKENS, check_data_fits_model, pick_rows
 from attention import explicit_attention_refusal, resolve_attn_implementation
 from utils import logger
 
@@ -274,7 +274,8 @@ def test_out_of_vocabulary_data_and_another_tokenizer_are_refused(tmp_path, chat
     assert warned and str(llama3_model) in warned[0] and str(chatml_model) in warned[0]
 
 
-def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str = "sdpa") -> list[str]:
+def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str = "sdpa",
+                min_len: int = 4, max_len: int = 48) -> list[str]:
     """``check_objective`` on the sweep's tiny ``model_type`` (``fixtures/tiny_configs.py``), one process, no FSDP;
     its ERROR lines (empty when it passes)."""
     from transformers import AutoModelForCausalLM
@@ -287,7 +288,8 @@ def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str =
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab), dtype=torch.float32,
                                              attn_implementation=attn_implementation)
-    data = write_tokenized_jsonl(tmp_path / "data.jsonl", num_samples=12, vocab_size=vocab, seed=3)
+    data = write_tokenized_jsonl(tmp_path / "data.jsonl", num_samples=12, vocab_size=vocab, seed=3,
+                                 min_len=min_len, max_len=max_len)
     logger.addHandler(caplog.handler)  # the toolkit's logger does not propagate once setup_logging ran
     try:
         with caplog.at_level(logging.INFO, logger=logger.name):
@@ -331,6 +333,43 @@ def test_opt_lets_packed_samples_see_each_other_under_sdpa_and_is_refused(tmp_pa
     self-check; the sweep's tiny configs now set init_std like initializer_range, and the leak is refused."""
     [line] = _self_check("opt", tmp_path, caplog)
     assert "OPTForCausalLM" in line and "rows packed into one" in line and "attention sdpa lets packed" in line
+
+
+# Every row longer than the self-check's window (agent data behind a long tool prompt): it checks windows.
+LONG = {"min_len": MAX_ROW_TOKENS + 40, "max_len": 2 * MAX_ROW_TOKENS}
+
+
+def test_long_rows_are_checked_on_windows_around_their_first_learned_tokens(tmp_path):
+    data = tmp_path / "long.jsonl"
+    with data.open("w") as f:
+        for length, learned in ((700, 40), (300, 5), (600, 600 - 1), (900, 0)):
+            labels = [-100] * (length - learned) + list(range(learned))
+            f.write(json.dumps({"input_ids": list(range(length)), "labels": labels, "len": length,
+                                "num_loss_counted_tokens": learned}) + "\n")
+    dataset = load_tokenized_dataset(str(data))
+    windows = pick_rows(dataset, num_rows=4)
+    assert sorted(w.index for w in windows) == [0, 1, 2]  # no learned token in row 3: nothing to compare
+    for window in windows:
+        _, labels = dataset.sample_arrays(window.index)
+        assert window.stop - window.start == MAX_ROW_TOKENS and 0 <= window.start < window.stop <= len(labels)
+        assert (labels[window.start + 1:window.stop] != -100).sum() >= 4
+        assert labels[window.start] == -100 or window.start == 0  # its first token predicts nothing
+    assert [w.describe(dataset) for w in windows if w.index == 1] == ["tokens 44 to 300 of its 300"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_data_of_long_rows_only_is_checked_and_passes(model_type, tmp_path, caplog):
+    assert _self_check(model_type, tmp_path, caplog, **LONG) == []
+    [line] = {r.getMessage() for r in caplog.records if "objective self-check: " in r.getMessage()}
+    assert "on 3 rows (3 long ones on a window of 256 tokens)" in line
+
+
+def test_data_of_long_rows_only_still_refuses_what_short_rows_refuse(tmp_path, caplog):
+    [line] = _self_check("opt", tmp_path, caplog, **LONG)
+    assert "OPTForCausalLM" in line and "rows packed into one" in line
+    caplog.clear()
+    [line] = _self_check("electra", tmp_path / "e", caplog, **LONG)
+    assert "through generator_predictions before the LM head" in line
 
 
 def test_a_forward_without_position_ids_is_refused_saying_so(tmp_path, caplog):
