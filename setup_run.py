@@ -366,8 +366,7 @@ def _start_tracker(config: TrainConfig, dist_info: DistInfo, candidates: list[Pa
     is one warning (``make_tracker``) and the run goes on without it."""
     if not dist_info.is_main:
         return NullTracker(), None
-    resumable = (config.wandb_project, config.mlflow_tracking_uri, config.mlflow_experiment)
-    found = resume_policy.newest_trainer_state(candidates) if any(v is not None for v in resumable) else None
+    found = resume_policy.newest_trainer_state(candidates)  # one small JSON, read only where a run resumes
     state = found[1] if found else {}
     return make_tracker(config, rank=dist_info.rank, wandb_run_id=state.get("wandb_run_id"),
                         mlflow_run_id=state.get("mlflow_run_id")), None
