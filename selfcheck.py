@@ -150,11 +150,14 @@ class Window:
     index: int
     start: int
     stop: int
+    length: int  # the whole row's
 
-    def describe(self, dataset) -> str:
-        length = int(dataset.lengths[self.index])
-        return f"{length} tokens" if self.stop - self.start == length else \
-            f"tokens {self.start} to {self.stop} of its {length}"
+    @property
+    def whole(self) -> bool:
+        return self.stop - self.start == self.length
+
+    def describe(self) -> str:
+        return f"{self.length} tokens" if self.whole else f"tokens {self.start} to {self.stop} of its {self.length}"
 
 
 def pick_rows(dataset, *, num_rows: int = NUM_ROWS, max_tokens: int = MAX_ROW_TOKENS,
@@ -180,11 +183,11 @@ def _window(index: int, labels: np.ndarray, max_tokens: int) -> Window:
     """The whole row when it fits, else ``max_tokens`` tokens from half of them before its first learned
     target (a window's first token predicts nothing, so it never starts on one)."""
     if len(labels) <= max_tokens:
-        return Window(index, 0, len(labels))
+        return Window(index, 0, len(labels), len(labels))
     learned = np.flatnonzero(labels[1:] != IGNORE_INDEX)
     first = int(learned[0]) + 1 if len(learned) else 0
     start = min(max(first - max_tokens // 2, 0), len(labels) - max_tokens)
-    return Window(index, start, start + max_tokens)
+    return Window(index, start, start + max_tokens, len(labels))
 
 
 def _row_tensors(dataset, window: Window, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -279,7 +282,7 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
         window, ours, reference = worst
         router = wrapper.router_loss
         log_rank_0(
-            f"objective self-check failed for {name}: on data row {window.index} ({window.describe(dataset)}, "
+            f"objective self-check failed for {name}: on data row {window.index} ({window.describe()}, "
             f"alone, {str(compute_dtype).removeprefix('torch.')}) the trainer's loss is {ours:.6f} but the model's "
             f"own forward(labels=...) gives {reference:.6f} (relative error {error:.1e} > {tolerance:.0e}). The "
             "trainer would optimise a different objective than this architecture's (it applied logit processing "
@@ -297,7 +300,7 @@ def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype
                 f"{packed:.6f} but {alone:.6f} each alone (relative error {packing_error:.1e}): "
                 + _packing_leak(model, attn_implementation), level=logging.ERROR)
             raise SystemExit(1)
-    windows = sum(window.stop - window.start < int(dataset.lengths[window.index]) for window in rows)
+    windows = sum(not window.whole for window in rows)
     on_windows = f" ({windows} long ones on a window of {MAX_ROW_TOKENS} tokens)" if windows else ""
     log_rank_0(f"objective self-check: the trainer's loss equals {name}'s own forward(labels=...) on {len(rows)} "
                f"rows{on_windows} (max relative error {error:.1e}, tolerance {tolerance:.0e}, "

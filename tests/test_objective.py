@@ -354,7 +354,7 @@ def test_long_rows_are_checked_on_windows_around_their_first_learned_tokens(tmp_
         assert window.stop - window.start == MAX_ROW_TOKENS and 0 <= window.start < window.stop <= len(labels)
         assert (labels[window.start + 1:window.stop] != -100).sum() >= 4
         assert labels[window.start] == -100 or window.start == 0  # its first token predicts nothing
-    assert [w.describe(dataset) for w in windows if w.index == 1] == ["tokens 44 to 300 of its 300"]
+    assert [w.describe() for w in windows if w.index == 1] == ["tokens 44 to 300 of its 300"]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
