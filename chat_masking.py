@@ -118,7 +118,7 @@ class Sample:
     rule: str | None = None  # how the replies were located: "sentinel", "incremental"; None for pretrain
     num_replies: int = 0
     num_replies_end_learned: int = 0  # replies whose end-of-turn (and an EOS right after it) is learned
-    num_replies_marked: int = 0  # replies shown but not learned: marked weight 0 / train false
+    num_replies_marked: int = 0  # replies shown but not learned: weight 0, or train / training / loss false
 
     @property
     def labels(self) -> list[int]:

@@ -195,7 +195,7 @@ class ChunkAudit:
     num_chat_loss_tokens: int = 0
     num_replies: int = 0
     num_replies_end_learned: int = 0
-    num_replies_marked: int = 0  # shown but not learned, as the row marks them (weight 0, train false)
+    num_replies_marked: int = 0  # shown but not learned, as the row marks them (_TRAINING_MARKS)
     reasons: Counter = dataclasses.field(default_factory=Counter)  # rejected rows by reason
     rules: Counter = dataclasses.field(default_factory=Counter)  # rows by how their replies were located
     # reason (a rejection reason or "reply_end_not_learned") -> [{"line", "detail", "text"}]
