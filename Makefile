@@ -20,6 +20,8 @@ GPU_CARRY ?= .gpu-carry
 .PHONY: install test test-matrix test-deps demo clean gpu-check gpu-carry
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
+	@py=$(PY); test -x $$py || py=$(PYTHON); $$py -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+		echo "$$py is Python $$($$py -c 'import platform; print(platform.python_version())'): transformers 5.21 and later need 3.11 or newer; give one with PYTHON=python3.11 (and remove $(VENV) if it was built from this one)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_CPU)" || \
@@ -33,7 +35,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 # Format, data, packing and resume tests under several interpreters, one venv each under .venv-matrix/
-# (default: /usr/bin/python3 and every pyenv 3.10-3.13; MATRIX_PYTHONS="/path/python3.12 ..." to choose).
+# (default: /usr/bin/python3 and every pyenv 3.11-3.13; MATRIX_PYTHONS="/path/python3.12 ..." to choose).
 test-matrix:
 	TORCH_CPU="$(TORCH_CPU)" bash tests/test_matrix.sh $(MATRIX_PYTHONS)
 
