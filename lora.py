@@ -22,6 +22,7 @@ model whose ``W' = W + scaling * B @ A`` carries the original key names.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import re
 from dataclasses import dataclass
@@ -164,6 +165,14 @@ def lora_preflight(model_config, settings: LoraSettings) -> str | None:
     return None
 
 
+def missing_peft() -> str | None:
+    """The refusal when peft, optional for full fine-tuning, is not installed: rank 0's preflight would
+    otherwise end in a traceback and the other ranks in a lost connection."""
+    if importlib.util.find_spec("peft") is None:
+        return "--lora-rank needs peft, which is not installed here: pip install 'peft>=0.15'"
+    return None
+
+
 def lora_scaling(config) -> float:
     """The factor of ``B @ A`` in peft's forward, from a ``peft.LoraConfig``."""
     return config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
@@ -243,7 +252,7 @@ class LoRA(FineTuningMethod):
         return [settings.rank, settings.alpha, settings.target_modules, settings.use_rslora]
 
     def preflight(self, model_config, *, meta_model, shard_size: int) -> str | None:
-        return lora_preflight(model_config, self.settings)
+        return missing_peft() or lora_preflight(model_config, self.settings)
 
     def convert(self, model: nn.Module, build: ModelBuild) -> None:
         from multimodal import language_model_targets

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from finetune_method import ModelBuild
-from lora import LoRA, LoraSettings, adapted_meta_model
+from lora import LoRA, LoraSettings, adapted_meta_model, missing_peft
 from utils import log_rank_0
 
 NF4 = "nf4"
@@ -226,7 +226,7 @@ def qlora_preflight(model_config, settings: LoraSettings, *, shard_size: int = 1
     the FSDP shard group's size, which decides which weights split into whole NF4 groups."""
     try:
         quantize_base_weights(adapted_meta_model(model_config, settings), shard_size=shard_size, dtype=torch.float32)
-    except ValueError as err:
+    except (ValueError, ImportError) as err:  # ImportError: torchao missing (_nf4_module names the install)
         return str(err)
     return None
 
@@ -240,7 +240,7 @@ class QLoRA(LoRA):
         return {"lora": self.fingerprint_fields() + [self.settings.quantize_data_type]}
 
     def preflight(self, model_config, *, meta_model, shard_size: int) -> str | None:
-        return qlora_preflight(model_config, self.settings, shard_size=shard_size)
+        return missing_peft() or qlora_preflight(model_config, self.settings, shard_size=shard_size)
 
     def convert(self, model: nn.Module, build: ModelBuild) -> None:
         super().convert(model, build)

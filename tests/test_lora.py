@@ -217,3 +217,19 @@ def test_bad_lora_settings_are_one_line_errors(tmp_path, chatml_model, data_path
     assert result.returncode != 0
     assert "--lora-target-modules no_such_proj: peft cannot adapt" in result.stderr
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("library, extra", [("peft", ()), ("torchao", ("--lora-quantize-data-type", "nf4"))])
+def test_a_missing_method_library_is_a_one_line_refusal(tmp_path, chatml_model, data_path, library, extra):
+    """peft (and torchao for QLoRA) are optional: where one is not installed, as a ``sitecustomize`` that puts
+    ``None`` in ``sys.modules`` makes it for these processes, the run stops in one line naming the install
+    instead of a traceback on rank 0 and a lost connection on the others."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules[{library!r}] = None\n")
+    result = torchrun(_args(chatml_model, data_path, tmp_path / "out", "--max-steps", "1",
+                            "--min-samples-per-checkpoint", "100", *extra), env={"PYTHONPATH": str(hide)})
+    assert result.returncode == 1
+    assert f"ERROR --lora-{'rank' if library == 'peft' else 'quantize-data-type nf4'} needs {library}" in result.stderr
+    assert f"pip install '{library}>=" in result.stderr
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
