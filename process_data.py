@@ -777,7 +777,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logger.info("arguments: %s", json.dumps(dataclasses.asdict(config), default=str))  # never fails on a value
     try:
         return process_data(config)
-    except ValueError as err:
+    # ImportError: a library below its floor that transformers refuses to use (jinja2 < 3.1.6 renders no template).
+    except (ValueError, ImportError) as err:
         raise SystemExit(f"process_data.py: error: {err}") from None
 
 

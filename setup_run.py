@@ -414,7 +414,8 @@ def _load_dataset_rank0_first(config: TrainConfig, dist_info: DistInfo, *, path:
                 logger.warning(note)
             dataset = data_mix.load_data(path, load)
             error = _budget_error(config, dataset, path)
-        except ValueError as err:
+        # ImportError: a library tokenizing needs, missing or below its floor (jinja2 < 3.1.6 renders no template).
+        except (ValueError, ImportError) as err:
             error = str(err)
         except OSError as err:  # a full or failing disk under the cache: one line on every rank, not gloo's
             error = f"loading {path} failed: {err}"

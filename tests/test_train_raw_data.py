@@ -60,11 +60,12 @@ def _args(model: Path, data: Path | str, out: Path, *extra: str) -> list[str]:
             "--num-data-workers", "0", "--skip-objective-check", *extra]
 
 
-def _process_data(input_file: Path, model: Path, output_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+def _process_data(input_file: Path, model: Path, output_dir: Path, *extra: str,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "process_data.py"), "--input-file", str(input_file),
                            "--output-dir", str(output_dir), "--model-name-or-path", str(model), "--num-proc", "1",
                            *extra], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
 
 
 def _caches(out: Path) -> list[Path]:
@@ -292,3 +293,19 @@ def test_the_other_ranks_outwait_the_process_group_timeout(how, tmp_path):
         assert "rank 1 got ('verdict', 0)" in output
     else:
         assert result.returncode != 0 and "rank 1 got" not in output, output[-3000:]
+
+
+def test_a_jinja2_below_its_floor_is_a_one_line_refusal(tmp_path, chatml_model):
+    """transformers renders no chat template with jinja2 before 3.1.6 (requirements.txt's floor): where an
+    older one is installed, as a ``sitecustomize`` that sets its version makes it for these processes, both
+    commands stop in one line saying so, not in a traceback on rank 0 and a lost connection on the others."""
+    old = tmp_path / "old_jinja2"
+    old.mkdir()
+    (old / "sitecustomize.py").write_text('import jinja2\njinja2.__version__ = "3.1.0"\n')
+    raw = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows()[:2])
+    result = _process_data(raw, chatml_model, tmp_path / "tokenized", env={"PYTHONPATH": str(old)})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "process_data.py: error: apply_chat_template requires jinja2>=3.1.6"), result.stderr[-3000:]
+    _refused_in_one_line(torchrun(_args(chatml_model, raw, tmp_path / "out"), env={"PYTHONPATH": str(old)}),
+                         "requires jinja2>=3.1.6", "Your version is 3.1.0")
