@@ -39,6 +39,7 @@ from utils import comma_list
 if TYPE_CHECKING:
     from multimodal import MultimodalExport
 
+PEFT_INSTALL = "pip install -U 'peft>=0.19'"
 ADAPTER_NAME = "default"
 ALL_LINEAR = "all-linear"
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\." + ADAPTER_NAME + r"\.weight$")
@@ -145,14 +146,25 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
 
 def adapted_meta_model(model_config, settings: LoraSettings) -> nn.Module:
     """The architecture on the meta device with adapters injected, as training injects them: no memory, no
-    weights. Raises ``apply_lora``'s one-line ``ValueError``."""
+    weights. Raises ``apply_lora``'s one-line ``ValueError``, and one naming the install where peft is
+    missing or fails to import beside this transformers or torchao (peft 0.17 asks transformers 5 for
+    ``HybridCache``, 0.18 asks torchao 0.18 for a class it removed): rank 0's preflight would otherwise end
+    in a traceback and the other ranks in a lost connection."""
     from multimodal import auto_model_class, detach_non_text, is_multimodal
 
+    if importlib.util.find_spec("peft") is None:
+        raise ValueError(f"--lora-rank needs peft, which is not installed here: {PEFT_INSTALL}")
     with torch.device("meta"):
         model = auto_model_class(model_config).from_config(model_config)
     if is_multimodal(model_config):
         detach_non_text(model)  # adapters go on the language model only, as in training
-    apply_lora(model, settings)
+    try:
+        apply_lora(model, settings)
+    except ImportError as err:
+        from importlib.metadata import version
+
+        raise ValueError(f"--lora-rank: peft {version('peft')} does not work with the libraries installed here "
+                         f"({err}): {PEFT_INSTALL}") from err
     return model
 
 
@@ -162,14 +174,6 @@ def lora_preflight(model_config, settings: LoraSettings) -> str | None:
         adapted_meta_model(model_config, settings)
     except ValueError as err:
         return str(err)
-    return None
-
-
-def missing_peft() -> str | None:
-    """The refusal when peft, optional for full fine-tuning, is not installed: rank 0's preflight would
-    otherwise end in a traceback and the other ranks in a lost connection."""
-    if importlib.util.find_spec("peft") is None:
-        return "--lora-rank needs peft, which is not installed here: pip install 'peft>=0.15'"
     return None
 
 
@@ -252,7 +256,7 @@ class LoRA(FineTuningMethod):
         return [settings.rank, settings.alpha, settings.target_modules, settings.use_rslora]
 
     def preflight(self, model_config, *, meta_model, shard_size: int) -> str | None:
-        return missing_peft() or lora_preflight(model_config, self.settings)
+        return lora_preflight(model_config, self.settings)
 
     def convert(self, model: nn.Module, build: ModelBuild) -> None:
         from multimodal import language_model_targets

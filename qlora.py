@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from finetune_method import ModelBuild
-from lora import LoRA, LoraSettings, adapted_meta_model, missing_peft
+from lora import LoRA, LoraSettings, adapted_meta_model
 from utils import log_rank_0
 
 NF4 = "nf4"
@@ -240,7 +240,7 @@ class QLoRA(LoRA):
         return {"lora": self.fingerprint_fields() + [self.settings.quantize_data_type]}
 
     def preflight(self, model_config, *, meta_model, shard_size: int) -> str | None:
-        return missing_peft() or qlora_preflight(model_config, self.settings, shard_size=shard_size)
+        return qlora_preflight(model_config, self.settings, shard_size=shard_size)
 
     def convert(self, model: nn.Module, build: ModelBuild) -> None:
         super().convert(model, build)

@@ -231,5 +231,22 @@ def test_a_missing_method_library_is_a_one_line_refusal(tmp_path, chatml_model, 
                             "--min-samples-per-checkpoint", "100", *extra), env={"PYTHONPATH": str(hide)})
     assert result.returncode == 1
     assert f"ERROR --lora-{'rank' if library == 'peft' else 'quantize-data-type nf4'} needs {library}" in result.stderr
-    assert f"pip install '{library}>=" in result.stderr
+    assert f"'{library}>=" in result.stderr.split(f"needs {library}")[1].splitlines()[0]
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+
+
+def test_a_peft_that_fails_to_import_is_a_one_line_refusal(tmp_path, chatml_model, data_path):
+    """peft 0.17 cannot be imported beside transformers 5 (it asks for ``HybridCache``): a package of that
+    name and version whose import fails the same way stands in for it, ahead of the installed one."""
+    fake = tmp_path / "old_peft"
+    (fake / "peft").mkdir(parents=True)
+    (fake / "peft" / "__init__.py").write_text("from transformers import HybridCache\n")
+    (fake / "peft-0.17.0.dist-info").mkdir()
+    (fake / "peft-0.17.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: peft\nVersion: 0.17.0\n")
+    result = torchrun(_args(chatml_model, data_path, tmp_path / "out", "--max-steps", "1",
+                            "--min-samples-per-checkpoint", "100"), env={"PYTHONPATH": str(fake)})
+    assert result.returncode == 1
+    line = [line for line in result.stderr.splitlines() if "[rank0] ERROR" in line][0]
+    assert "--lora-rank: peft 0.17.0 does not work with the libraries installed here" in line
+    assert "HybridCache" in line and "pip install -U 'peft>=0.19'" in line
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
