@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-NEEDED = ("transformers>=5.23,<5.25", "datasets>=3.3", "liger-kernel>=0.6", "torchao>=0.18")
+NEEDED = ("transformers>=5.23,<5.25", "datasets>=3.3", "liger-kernel>=0.6.2", "torchao>=0.18")
 """What requirements.txt, requirements-dev.txt and requirements-cuda.txt ask for that the image lacks
 (or holds below the floor: transformers)."""
 STAND_INS = {"torch": "2.11.0", "triton": "3.6.0", "huggingface-hub": "1.33.0", "tokenizers": "0.23.2",
