@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -56,7 +57,7 @@ from setup_model_fsdp import ModelSetup, find_decoder_blocks, meta_model, setup_
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_state import TrainState
 from trackers import NullTracker, Tracker, make_tracker
-from utils import DistInfo, fail_together, log_rank_0, logger, seed_everything, write_run_status
+from utils import DistInfo, device_type, fail_together, log_rank_0, logger, seed_everything, write_run_status
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
@@ -241,6 +242,10 @@ def _preflight(config: TrainConfig) -> str | None:
         return "--validation-split takes rows of one dataset: with a data mix, give --validation-data-path"
     if config.validation_data_path and not Path(config.validation_data_path).exists():
         return f"--validation-data-path {config.validation_data_path}: no such file or folder"
+    # Only a GPU runs Liger (elsewhere the flag warns and changes nothing); missing there, every rank would
+    # stop in a traceback while building the model.
+    if config.use_liger_kernels and device_type() == "cuda" and importlib.util.find_spec("liger_kernel") is None:
+        return "--use-liger-kernels needs liger-kernel, which is not installed here: pip install -r requirements-cuda.txt"
     output = Path(config.output_dir)
     try:
         output.mkdir(parents=True, exist_ok=True)

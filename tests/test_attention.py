@@ -23,7 +23,7 @@ import attention
 from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, cu_seqlens_from_position_ids,
                        register_attention_backends, varlen_reference)
 from autotune import DEFAULT_MAX_TOKENS_PER_GPU, longest_first_plan, probe_max_tokens_per_gpu, search_largest_fitting
-from fixtures.e2e import model_vocab_size
+from fixtures.e2e import model_vocab_size, torchrun, write_tokenized_jsonl
 from loss import CausalLMWithLoss
 from attention import resolve_attn_implementation
 from setup_model_fsdp import apply_liger_kernels
@@ -92,6 +92,22 @@ def test_liger_on_cpu_warns_and_changes_nothing(chatml_model, warnings_seen):
     assert apply_liger_kernels(model, device_type="cpu") is False
     assert [m.forward for m in model.modules()] == forwards
     assert any("Liger" in r.getMessage() or "liger" in r.getMessage() for r in warnings_seen.records)
+
+
+@gpu_test
+def test_liger_missing_on_a_gpu_is_a_one_line_refusal(tmp_path, chatml_model):
+    """On a GPU, where Liger would run, a missing liger-kernel (a ``sitecustomize`` puts ``None`` in
+    ``sys.modules`` for these processes) stops the run in one line before the model is built."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['liger_kernel'] = None\n")
+    data = write_tokenized_jsonl(tmp_path / "data.jsonl", num_samples=8, vocab_size=model_vocab_size(chatml_model))
+    result = torchrun(["--model-name-or-path", str(chatml_model), "--data-path", str(data), "--output-dir",
+                       str(tmp_path / "out"), "--max-steps", "1", "--min-samples-per-checkpoint", "100",
+                       "--use-liger-kernels"], nproc=1, env={"PYTHONPATH": str(hide), "CUDA_VISIBLE_DEVICES": "0"})
+    assert result.returncode == 1
+    assert "ERROR --use-liger-kernels needs liger-kernel, which is not installed here" in result.stderr
+    assert "[rank0]: Traceback" not in result.stderr
 
 
 def test_liger_under_compile_leaves_the_blocks_to_inductor(chatml_model, warnings_seen):
