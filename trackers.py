@@ -53,6 +53,8 @@ def _numeric_fields(record: dict) -> dict[str, float]:
 class WandbTracker:
     """Weights & Biases run; ``wandb.log`` gets the JSONL record itself, at its ``step``."""
 
+    mlflow_run_id = None
+
     def __init__(self, *, project: str, run_config: dict, run_id: str | None = None) -> None:
         try:
             import wandb
@@ -68,7 +70,6 @@ class WandbTracker:
             raise TrackerInitError(f"--wandb-project {project}: wandb.init failed ({err}); run `wandb login` or "
                                    "set WANDB_API_KEY, or WANDB_MODE=offline to log locally") from err
         self.wandb_run_id = self._run.id
-        self.mlflow_run_id = None
         self.errors = (wandb.errors.Error,)  # what wandb raises when it loses its service or network
 
     def log(self, record: dict) -> None:
