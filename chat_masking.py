@@ -145,6 +145,9 @@ class Sample:
     def to_json_line(self, id_strings: list[str]) -> bytes:
         """The output row, compact. ``id_strings[i] == str(i)``: joining cached strings is ~6x
         faster than ``json.dumps`` on long int lists, which dominated the writing cost.
+
+        Raises:
+            SampleError: a copied field holds a lone surrogate (``lone_surrogate``).
         """
         strings = [id_strings[i] for i in self.input_ids]
         label_parts, pos = [], 0
@@ -157,7 +160,10 @@ class Sample:
         line = (f'{{"input_ids":[{",".join(strings)}],"labels":[{"".join(label_parts)[:-1]}],'
                 f'"len":{len(strings)},"num_loss_counted_tokens":{self.num_loss_counted_tokens}'
                 f'{"," if extra else ""}{extra}}}\n')
-        return line.encode("utf-8")
+        try:
+            return line.encode("utf-8")
+        except UnicodeEncodeError:  # only the copied fields can hold one: the text was encoded
+            raise lone_surrogate(extra) from None
 
 
 _MASKED = f"{IGNORE_INDEX},"
@@ -179,7 +185,10 @@ def load_row(line: bytes) -> dict[str, Any]:
         raise SampleError("blank_line", "the line is empty")
     try:
         row = json.loads(line)
-    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except UnicodeDecodeError as err:
+        raise SampleError("invalid_utf8", f"the line is not UTF-8 ({err.reason} at byte {err.start}); "
+                                          "save the file as UTF-8") from None
+    except (ValueError, RecursionError) as err:
         raise SampleError("invalid_json", str(err)) from None
     if not isinstance(row, dict):
         raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
@@ -765,6 +774,20 @@ def _header_opener(render: Renderer, messages: list[dict], tools: list[dict] | N
     return None
 
 
+def lone_surrogate(text: str) -> SampleError | None:
+    """``SampleError("lone_surrogate")`` when ``text`` holds half of a UTF-16 surrogate pair, else None.
+
+    JSON may spell one (``"\\ud83d"``: an emoji cut in two, frequent in scraped chat dumps), and
+    ``json.loads`` keeps it, but it is no Unicode character and the Rust tokenizer refuses the text.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return SampleError("lone_surrogate", f"the row holds {text[err.start]!r}, half of a UTF-16 surrogate pair "
+                                             "(an emoji cut in two), which no tokenizer takes")
+    return None
+
+
 def token_span(encoding, num_tokens: int, text_len: int, span: CharSpan) -> tuple[int, int]:
     """``[t0, t1)``: the tokens of ``encoding`` whose first character lies in the character span.
 
@@ -956,7 +979,20 @@ class ChatEncoder:
                 results[index] = err
                 continue
             pending.append((index, text, spans, extra, rule, 0, has_reply, num_marked))
-        encodings = self.backend.encode_batch([item[1] for item in pending], add_special_tokens=False)
+        try:
+            encodings = self.backend.encode_batch([item[1] for item in pending], add_special_tokens=False)
+        except TypeError:  # a text the tokenizer does not take: found and rejected here, the others go on
+            kept = []
+            for item in pending:
+                error = lone_surrogate(item[1])
+                if error is None:
+                    kept.append(item)
+                else:
+                    results[item[0]] = error
+            if len(kept) == len(pending):
+                raise
+            pending = kept
+            encodings = self.backend.encode_batch([item[1] for item in pending], add_special_tokens=False)
         for (index, text, spans, extra, rule, prompt_chars, has_reply, num_marked), encoding in zip(pending, encodings):
             results[index] = self._finish(encoding, text, spans, extra, rule, prompt_chars=prompt_chars,
                                           has_reply=has_reply, num_marked=num_marked)

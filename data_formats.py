@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from chat_masking import LEARNING_MARKS, ChatRow, SampleError, json_field, load_row
+from data_sources import BadRow
 
 FORMATS = ("messages", "sharegpt", "prompt_completion", "text", "alpaca")
 INPUT_FORMATS = ("auto",) + FORMATS
@@ -93,7 +94,8 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     """Convert one input row.
 
     Args:
-        raw: a JSON line (``bytes``) or a parsed row (a table row, a JSON array element).
+        raw: a JSON line (``bytes``), a parsed row (a table row, a JSON array element) or a
+            ``BadRow`` the reader could not parse.
         input_format: ``"auto"`` (detect per row) or one of ``FORMATS``.
         columns: input column -> accepted name (``parse_columns``), applied first.
         from_table: ``raw`` is an Arrow table's row (``_without_struct_nulls``).
@@ -104,6 +106,8 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     Raises:
         SampleError: the row is not an object of an accepted format, or not a valid row of its format.
     """
+    if isinstance(raw, BadRow):
+        raise SampleError(raw.reason, raw.detail)
     row = load_row(raw) if isinstance(raw, bytes) else raw
     if not isinstance(row, dict):
         raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")

@@ -13,6 +13,8 @@ through ``datasets.load_dataset(..., streaming=True)``.
     .parquet                     pyarrow.parquet iter_batches        row
     .arrow                       pyarrow.ipc (file or stream)        row
     .csv                         pyarrow.csv, every column a string  row
+                                 (cells may span lines; a malformed
+                                 row or non-UTF-8 cell is one bad row)
     .txt (.gz .zst .bz2 .xz)     rows of text, as datasets' text     line (a paragraph's first)
                                  builder reads them (--text-sample-by
                                  line, paragraph or document)
@@ -24,12 +26,15 @@ through ``datasets.load_dataset(..., streaming=True)``.
     org/name (not a local path)  datasets.load_dataset (--split, --subset, streaming)   row
                                  (offline: the hub cache's copy, as a folder)        per file
 
-Any other file name is read as JSON lines (as before).
+Any other file name is read as JSON lines (as before). A file that opens with a UTF-16 or UTF-32
+byte order mark (what Windows PowerShell 5's ``>`` and ``Out-File`` write) is read as the text it
+holds, re-encoded to UTF-8; a UTF-8 one loses its mark.
 """
 
 from __future__ import annotations
 
 import bz2
+import codecs
 import glob
 import gzip
 import io
@@ -56,6 +61,9 @@ _BLOCK = 1 << 20
 # The flags that choose a split and a config, as process_data.py and train.py name them.
 SPLIT_FLAG, SUBSET_FLAG = "--split, train.py's --data-split", "--subset, train.py's --data-subset"
 _BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark Windows tools write first (json.loads of bytes skips it)
+# Wider encodings' marks, UTF-32 first: its little-endian mark starts with UTF-16's.
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+              (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 
 
 @dataclass
@@ -73,6 +81,19 @@ class Chunk:
         """Rows of an Arrow table (parquet, arrow, csv, ``save_to_disk``, hub): a struct column gives
         each row every field any row has, the ones it lacks as ``None``."""
         return self.unit == "row"
+
+
+@dataclass
+class BadRow:
+    """A row the reader could not make into a value (a malformed CSV record, a non-UTF-8 cell):
+    it stays in the stream, in its place, so that it is counted and listed like any bad row."""
+
+    reason: str
+    detail: str
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
 
 
 @dataclass
@@ -347,6 +368,9 @@ def _count_rows(path: Path) -> int | None:
         return sum(batch.num_rows for batch in _arrow_batches(path))
     if kind == "csv" or kind.endswith((" json", "text")) or _starts_array(path):
         return None
+    with open(path, "rb") as f:
+        if _wide_encoding(f.read(4)):  # its newlines are not b"\n" bytes
+            return None
     return count_lines(path)
 
 
@@ -361,23 +385,63 @@ def count_lines(path: Path) -> int:
 
 
 def open_binary(path: Path):
-    """The file's bytes, decompressed by its last suffix (``COMPRESSIONS``); ``ValueError`` (one line)
-    for a zstd file without the zstandard package."""
+    """The file's bytes, decompressed by its last suffix (``COMPRESSIONS``) and, when it opens with a
+    UTF-16 or UTF-32 byte order mark, re-encoded to UTF-8; ``ValueError`` (one line) for a zstd file
+    without the zstandard package."""
     compression = next((name for suffix, name in COMPRESSIONS.items() if path.name.lower().endswith(suffix)), None)
-    if compression == "gzip":
-        return gzip.open(path, "rb")
-    if compression == "bzip2":
-        return bz2.open(path, "rb")
-    if compression == "xz":
-        return lzma.open(path, "rb")
     if compression == "zstd":
         try:
             import zstandard
         except ImportError:
             raise ValueError(f"{path} is zstd-compressed: `pip install zstandard` reads it (or decompress it with "
                              "`zstd -d`)") from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
+        binary = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    elif compression is None:
+        binary = open(path, "rb")
+    else:
+        binary = {"gzip": gzip.open, "bzip2": bz2.open, "xz": lzma.open}[compression](path, "rb")
+    encoding = _wide_encoding(binary.peek(4)[:4])
+    return io.BufferedReader(_Utf8Reader(binary, encoding, path), _BLOCK) if encoding else binary
+
+
+def _wide_encoding(head: bytes) -> str | None:
+    """``"utf-16"`` or ``"utf-32"`` when ``head`` (a file's first bytes) is that encoding's byte order mark."""
+    return next((encoding for bom, encoding in _WIDE_BOMS if head.startswith(bom)), None)
+
+
+class _Utf8Reader(io.RawIOBase):
+    """A UTF-16 or UTF-32 stream's text as UTF-8 bytes, so that every reader here takes it as it
+    takes a UTF-8 file. A lone surrogate passes through (as ``json.loads`` lets one through): its
+    row is one bad row (``lone_surrogate``, or ``invalid_utf8`` in text and CSV), not the end of the run."""
+
+    def __init__(self, binary, encoding: str, path: Path):
+        super().__init__()
+        self._text = io.TextIOWrapper(binary, encoding=encoding, errors="surrogatepass", newline="")
+        self._encoding, self._path = encoding, path
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            try:
+                text = self._text.read(_BLOCK // 4)
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{self._path} opens with a {self._encoding.upper()} byte order mark but is not "
+                                 f"{self._encoding.upper()} ({err.reason}): save it as UTF-8") from None
+            if not text:
+                return 0
+            self._pending = text.encode("utf-8", "surrogatepass")
+        size = min(len(buffer), len(self._pending))
+        buffer[:size] = self._pending[:size]
+        self._pending = self._pending[size:]
+        return size
+
+    def close(self) -> None:
+        if not self.closed:
+            self._text.close()
+        super().close()
 
 
 def _starts_array(path: Path) -> bool:
@@ -406,7 +470,7 @@ def _file_chunks(path: Path, chunk_size: int, label: str, text_sample_by: str) -
     elif kind == "arrow":
         yield from _batched_tables(label, _arrow_batches(path), chunk_size)
     elif kind == "csv":
-        yield from _batched_tables(label, _csv_batches(path), chunk_size)
+        yield from _chunked(label, "row", _csv_rows(path), chunk_size)
     elif is_text(path):
         yield from _chunked(label, "line", _text_rows(path, text_sample_by), chunk_size)
     elif _starts_array(path):
@@ -453,14 +517,58 @@ def _arrow_batches(path: Path):
         return iter(pa.ipc.open_stream(source))
 
 
-def _csv_batches(path: Path):
-    """CSV record batches with every column read as a string (no guessed numbers)."""
+def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, str] | BadRow]]:
+    """``(row, {column: text})`` of a CSV file with a header, every cell a string (no guessed numbers).
+
+    A cell may span lines (a reply with code does): without ``newlines_in_values`` pyarrow cuts the
+    file into blocks at line breaks and stops, once past its first block, "out of sync with chunker".
+    A record with too many or too few cells and a cell that is not UTF-8 are each one ``BadRow`` in
+    its place; the rows around it keep their numbers.
+    """
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    header = pacsv.open_csv(path).schema.names
-    options = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
-    return pacsv.open_csv(path, convert_options=options)
+    malformed: list[tuple[int | None, BadRow]] = []
+
+    def keep(row) -> str:
+        detail = f"expected {row.expected_columns} cells, got {row.actual_columns}"
+        # pyarrow numbers records from 1 with the header's: a data row's number is one less.
+        malformed.append((None if row.number is None else row.number - 1,
+                          BadRow("invalid_csv_row", detail, row.text)))
+        return "skip"
+
+    def parse_options(handler):
+        return pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=handler)
+
+    with open_binary(path) as f:
+        header = pacsv.open_csv(f, parse_options=parse_options(lambda row: "skip")).schema.names
+    options = pacsv.ConvertOptions(column_types={name: pa.binary() for name in header})
+    number = 0
+    with open_binary(path) as f:
+        for batch in pacsv.open_csv(f, parse_options=parse_options(keep), convert_options=options,
+                                    read_options=pacsv.ReadOptions(use_threads=False)):
+            for cells in batch.to_pylist():
+                # The bad records read so far that lie before this row (one of unknown number: now).
+                while malformed and (malformed[0][0] or 0) <= number + 1:
+                    number += 1
+                    yield number, malformed.pop(0)[1]
+                number += 1
+                yield number, _decoded_cells(cells)
+        for _, bad in malformed:
+            number += 1
+            yield number, bad
+
+
+def _decoded_cells(cells: dict[str, bytes | None]) -> dict[str, str | None] | BadRow:
+    decoded = {}
+    for name, value in cells.items():
+        try:
+            decoded[name] = None if value is None else value.decode("utf-8")
+        except UnicodeDecodeError as err:
+            text = ",".join("" if cell is None else cell.decode("utf-8", "replace") for cell in cells.values())
+            return BadRow("invalid_utf8", f"column {name!r} is not UTF-8 ({err.reason} at byte {err.start} of "
+                                          "the cell); save the file as UTF-8", text)
+    return decoded
 
 
 def _text_rows(path: Path, sample_by: str) -> Iterator[tuple[int, dict]]:
@@ -502,7 +610,11 @@ def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
 
         def read_on() -> bool:
             nonlocal buf, pos
-            block = reader.read(_BLOCK)
+            try:
+                block = reader.read(_BLOCK)
+            except UnicodeDecodeError as err:  # one document: no row after the bad byte can be found
+                raise ValueError(f"{path} is not UTF-8 ({err.reason}: {err.object[err.start:err.end]!r}): "
+                                 "save it as UTF-8") from None
             buf, pos = buf[pos:] + block, 0  # what lies before pos is consumed
             return bool(block)
 

@@ -288,6 +288,12 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
         else:
             formats[item[0]] += 1
             result = next(encoded)
+            if not isinstance(result, SampleError):
+                pieces = result.pieces(encoder.max_sample_num_tokens)
+                try:
+                    lines = [piece.to_json_line(encoder.id_strings) for piece in pieces]
+                except SampleError as err:
+                    result = err
         if isinstance(result, SampleError):
             reasons[result.reason] += 1
             record = {"file": chunk.file} if named else {}
@@ -304,12 +310,10 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
                     json.dumps(raw, ensure_ascii=False, default=str)
                 kept.add_example(result.reason, {chunk.unit: number, "detail": result.detail, "text": _cut(text.strip())})
             continue
-        pieces = result.pieces(encoder.max_sample_num_tokens)
         if len(pieces) > 1:
             num_split_rows += 1
             num_pieces += len(pieces)
-        for piece in pieces:
-            line = piece.to_json_line(encoder.id_strings)
+        for piece, line in zip(pieces, lines):
             data.append(line)
             row_bytes.append(len(line))
             lengths.append(len(piece.input_ids))

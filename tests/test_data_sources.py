@@ -481,3 +481,131 @@ def test_a_text_file_streams(tmp_path, sample_by):
     finally:
         tracemalloc.stop()
     assert num_rows == {"line": 25_000, "paragraph": 5_000}[sample_by] and peak < 6_000_000, peak
+
+
+# ----------------------------------------------------------------------------
+# Files as Windows tools and spreadsheets write them: UTF-16 and UTF-32, CSV records over many lines,
+# malformed records and cells in another encoding
+
+# name -> (byte order mark, codec): Python's "utf-16" and "utf-32" codecs write the little-endian ones.
+WIDE = {"utf-16-le": (b"\xff\xfe", "utf-16-le"), "utf-16-be": (b"\xfe\xff", "utf-16-be"),
+        "utf-32-le": (b"\xff\xfe\x00\x00", "utf-32-le")}
+
+
+def _read_rows(spec: str) -> list[tuple[str, int, object]]:
+    return [(chunk.unit, number, row) for chunk in open_input(spec).chunks(4)
+            for number, row in zip(chunk.numbers, chunk.rows)]
+
+
+def _wide_copy(path: Path, encoding: str, compress=None) -> Path:
+    bom, codec = WIDE[encoding]
+    data = bom + path.read_bytes().decode("utf-8").encode(codec)
+    wide = path.with_name(f"{encoding}-{path.name}")
+    wide.write_bytes(compress(data) if compress else data)
+    return wide
+
+
+@pytest.mark.parametrize("encoding", WIDE)
+@pytest.mark.parametrize("kind", ["jsonl", "json_array", "jsonl_gz", "csv", "text"])
+def test_a_utf16_or_utf32_file_reads_as_its_utf8_twin(tmp_path, kind, encoding):
+    """Windows PowerShell 5 writes UTF-16 with a byte order mark (``>`` and ``Out-File``): its lines used to be
+    cut at the first byte of each '\\n', and every row after the first was lost or garbled."""
+    rows = [{"instruction": f"Traduis «{i}» 🚀", "input": "", "output": f"Réponse\r\nsur deux lignes {i}"}
+            for i in range(9)]
+    if kind == "text":
+        path = tmp_path / "corpus.txt"
+        path.write_text(CORPUS, encoding="utf-8")
+    elif kind == "csv":
+        path = Path(write_kind(tmp_path, kind, rows))
+    else:  # the characters themselves, not JSON's \u escapes
+        path = tmp_path / ("in.json" if kind == "json_array" else "in.jsonl")
+        path.write_text(json.dumps(rows, ensure_ascii=False, indent=1) if kind == "json_array" else
+                        "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))  # as Windows writes lines
+    wide = _wide_copy(path, encoding, gzip.compress if kind == "jsonl_gz" else None)
+    if kind == "jsonl_gz":
+        wide = wide.rename(wide.with_name(wide.name + ".gz"))
+    expected = _read_rows(str(path))
+    assert _read_rows(str(wide)) == expected and len(expected) == (5 if kind == "text" else len(rows))
+
+
+def test_a_powershell_utf16_file_gives_the_tokens_of_its_utf8_twin_and_a_lone_surrogate_is_one_bad_row(
+        tmp_path, tiny_models):
+    model = tiny_models["qwen25"]
+    path = Path(write_kind(tmp_path, "jsonl", ROWS))
+    expected, _ = tokenize(tmp_path, "utf8", str(path), model)
+    wide = path.with_name("powershell.jsonl")
+    wide.write_bytes(b"\xff\xfe" + path.read_text().replace("\n", "\r\n").encode("utf-16-le"))
+    data, summary = tokenize(tmp_path, "wide", str(wide), model, num_proc=2)
+    assert data == expected and summary["num_lines"] == len(ROWS)
+    # An unpaired surrogate (UTF-16 that JavaScript strings can hold) spoils its row only.
+    lines = wide.read_bytes()[2:].decode("utf-16-le").split("\r\n")
+    lines[3] = lines[3].replace("plus", "plus\ud800")
+    wide.write_bytes(b"\xff\xfe" + "\r\n".join(lines).encode("utf-16-le", "surrogatepass"))
+    data, summary = tokenize(tmp_path, "surrogate", str(wide), model)
+    rejected = [json.loads(line) for line in (tmp_path / "out-surrogate" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["reason"]) for r in rejected] == [(4, "lone_surrogate")]
+    assert data.splitlines() == expected.splitlines()[:3] + expected.splitlines()[4:]
+
+
+def test_csv_cells_over_many_lines_past_the_first_block(tmp_path):
+    """A reply with code spans lines. pyarrow cut the file at line breaks and stopped, past its first
+    1 MiB block, with "CSV parser got out of sync with chunker": no CSV of such rows over 1 MiB was read."""
+    import csv
+
+    rows = [{"instruction": f'Write "f{i}", then explain it, briefly.', "input": "",
+             "output": "```python\ndef f():\n" + "".join(f"    x{j} = {j}\n" for j in range(i % 40)) + "```\nDone."}
+            for i in range(6000)]
+    path = tmp_path / "code.csv"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    assert path.stat().st_size > 2**20  # pyarrow reads 1 MiB blocks
+    assert [row for _, _, row in _read_rows(str(path))] == rows
+
+
+def test_a_malformed_csv_record_or_a_cell_not_in_utf8_is_one_bad_row_in_its_place(tmp_path, tiny_models):
+    """Each used to stop the run with pyarrow's error, which named neither the file nor the row."""
+    model = tiny_models["llama3"]
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ALPACA[:4]), model)
+    path = tmp_path / "sheet.csv"
+    path.write_bytes(b"instruction,input,output\r\n"
+                     b"Double 0.,0,0\r\n"
+                     b"one,two,three,four\r\n"       # row 2: a cell too many
+                     b"Double 1.,,2\r\n"
+                     b"\"Caf\xe9\",,cp1252\r\n"      # row 4: Excel's 'CSV' saves Windows-1252
+                     b"Double 2.,2,4\r\n"
+                     b"alone\r\n"                    # row 6: cells too few
+                     b"Double 3.,,6\r\n")
+    data, summary = tokenize(tmp_path, "csv", str(path), model, num_proc=2)
+    rejected = [json.loads(line) for line in (tmp_path / "out-csv" / "rejected.jsonl").read_text().splitlines()]
+    assert data == expected and summary["num_lines"] == 7
+    assert [(r["row"], r["reason"], r["detail"]) for r in rejected] == [
+        (2, "invalid_csv_row", "expected 3 cells, got 4"),
+        (4, "invalid_utf8", "column 'instruction' is not UTF-8 (unexpected end of data at byte 3 of the cell); "
+                            "save the file as UTF-8"),
+        (6, "invalid_csv_row", "expected 3 cells, got 1")]
+    argv = ["--input-file", str(path), "--model-name-or-path", str(model), "--num-proc", "1"]
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--output-dir", str(tmp_path / "strict"), "--strict"])
+    assert str(err.value) == f"process_data.py: error: {path}: row 2: invalid_csv_row: expected 3 cells, got 4"
+
+
+def test_a_json_line_or_array_not_in_utf8_is_named(tmp_path, tiny_models):
+    model = tiny_models["llama3"]
+    lines = tmp_path / "latin.jsonl"
+    lines.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    tokenize(tmp_path, "lines", str(lines), model)
+    rejected = [json.loads(line) for line in (tmp_path / "out-lines" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["reason"]) for r in rejected] == [(2, "invalid_utf8")]
+    array = tmp_path / "latin.json"
+    array.write_bytes(b'[{"text": "caf\xe9"}]')
+    with pytest.raises(ValueError, match=r"^\S+latin.json is not UTF-8 \(invalid continuation byte: b'\\xe9'\): "
+                                         r"save it as UTF-8$"):
+        _read_rows(str(array))
+    cut = tmp_path / "cut.jsonl"  # a UTF-16 file cut in the middle of a character
+    cut.write_bytes(b"\xff\xfe" + '{"text": "a"}\n'.encode("utf-16-le")[:-1])
+    with pytest.raises(ValueError, match=r"cut.jsonl opens with a UTF-16 byte order mark but is not UTF-16 "
+                                         r"\(truncated data\): save it as UTF-8$"):
+        _read_rows(str(cut))
