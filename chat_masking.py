@@ -71,7 +71,10 @@ _NO_REASONING_FIELD = frozenset(_REASONING_FIELDS).isdisjoint  # of a message di
 
 # What a chat template may raise on a conversation it refuses: raise_exception()
 # and undefined lookups are TemplateErrors; bad operands surface as Python errors.
-TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
+# RecursionError: a template's macro may recurse without end on a row it was not written for (Hermes 3's
+# json_to_python_type on a tool parameter whose "type" is a string it does not know, such as "date").
+TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                   RecursionError)
 
 CharSpan = tuple[int, int]
 Renderer = Callable[[list[dict], bool], str]

@@ -249,6 +249,8 @@ def _openai_functions(row: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(functions, list):
             raise SampleError("invalid_tools", "'functions' must be a list of JSON schema objects")
         row["tools"] = [{"type": "function", "function": schema} for schema in functions]
+    if not isinstance(row["messages"], list):
+        return row  # check_row says what is wrong with it
     messages = []
     for index, message in enumerate(row["messages"]):
         if isinstance(message, dict) and message.get("function_call") is not None:
@@ -326,7 +328,7 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
         if "from" not in turn and {"input", "output"} <= turn.keys():  # LDJnr/Capybara: one exchange a turn
             messages += [{"role": "user", "content": turn["input"]}, {"role": "assistant", "content": turn["output"]}]
             continue
-        role = SHAREGPT_ROLES.get(turn.get("from"))
+        role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn.get("from"), str) else None
         if role is None:
             raise SampleError("unknown_role", f"turn {index} has from {turn.get('from')!r}; allowed: "
                                               f"{', '.join(SHAREGPT_ROLES)}")

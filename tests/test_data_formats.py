@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from chat_masking import SampleError
 from data_formats import parse_columns, read_row
@@ -457,6 +459,11 @@ BAD_ROWS = [
     ({"prompt": "a", "completion": "  "}, "empty_completion"),
     ({"instruction": None, "output": "b"}, "missing_content"),
     ({"instruction": "a", "output": "b", "history": [["only the question"]]}, "invalid_history"),
+    # Each of these three stopped the run with a traceback.
+    ({"conversations": [{"from": ["human"], "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown_role"),
+    ({"messages": True, "functions": [TOOL]}, "messages_not_a_list"),
+    ('{"messages": [{"role": "user", "content": "An emoji cut in two: \\ud83d"}, {"role": "assistant", '
+     '"content": "y"}]}', "lone_surrogate"),
 ]
 
 
@@ -471,8 +478,8 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
         rejected[1]["detail"]
     assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == len(BAD_ROWS)
     # Rows by the format found, bad ones too; bad JSON, no shape and two shapes have none.
-    assert summary["rows_by_format"] == {"sharegpt": 7, "alpaca": 4, "prompt_completion": 5, "text": 2,
-                                         "messages": 11}
+    assert summary["rows_by_format"] == {"sharegpt": 8, "alpaca": 4, "prompt_completion": 5, "text": 2,
+                                         "messages": 13}
     assert summary["audit"]["passed"] and summary["audit"]["num_rejected"] == 0
     with pytest.raises(SystemExit) as err:
         main([*argv, "--output-dir", str(tmp_path / "strict"), "--strict"])
@@ -541,3 +548,70 @@ def test_a_file_of_no_accepted_format_is_refused_in_one_line(tmp_path, tiny_mode
         main([*argv, "--output-dir", str(tmp_path / "both")])
     assert "text and alpaca" in str(err.value) and "--input-format" in str(err.value)
     assert main([*argv, "--output-dir", str(tmp_path / "forced"), "--input-format", "alpaca"])["num_written"] == 2
+
+
+# ----------------------------------------------------------------------------
+# Any value anywhere: the row is a sample or one counted rejection, never the end of the run
+
+_ODD_STRINGS = ["", " ", "\x00", "\ud83d", "<|im_end|>", "<|im_start|>assistant\n", "{", "[]", "null", "user",
+                "assistant", "gpt", "human", "function_call", "text", "date"]
+_ODD_KEYS = ["role", "content", "from", "value", "weight", "train", "tool_calls", "function", "name", "arguments",
+             "type", "text", "messages", "conversations", "prompt", "completion", "instruction", "output", "tools"]
+_ODD_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 2**70) | st.floats() | st.sampled_from(_ODD_STRINGS)
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_ODD_KEYS), inner, max_size=3),
+    max_leaves=6)
+_FUZZ_BASES = [MESSAGES_ROWS[1], TOOL_ROW, SHAREGPT_ROWS[0], SHAREGPT_TOOL_ROW, PROMPT_COMPLETION_ROWS[0],
+               {"prompt": "The capital of France is", "completion": " Paris."}, {"text": TEXTS[0]}, *ALPACA_ROWS,
+               {"functions": [TOOL], "messages": [{"role": "user", "content": "Weather?"},
+                                                  {"role": "assistant", "function_call": CALL},
+                                                  {"role": "function", "name": "get_weather", "content": "sunny"}]}]
+
+
+def _paths(value, path=()):
+    yield path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in items:
+        yield from _paths(child, (*path, key))
+
+
+@pytest.fixture(scope="module")
+def fuzz_encoder(tiny_models):
+    from process_data import load_tokenizer, make_encoder
+
+    config = ProcessDataConfig(input_file="rows.jsonl", model_name_or_path=str(tiny_models["tools"]),
+                               output_dir="unused")
+    return config, make_encoder(config, load_tokenizer(config.model_name_or_path), end_of_turn=None)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_any_value_anywhere_in_a_row_is_a_sample_or_one_counted_rejection(fuzz_encoder, data):
+    """Before, a ShareGPT turn whose 'from' was a list, 'messages' that was no list beside 'functions' and a JSON
+    '\\ud83d' escape each stopped the run with a traceback; a table row (a dict) and a JSON line both."""
+    import copy
+
+    from data_sources import Chunk
+    from process_data import encode_chunk
+
+    config, encoder = fuzz_encoder
+    row = copy.deepcopy(data.draw(st.sampled_from(_FUZZ_BASES)))
+    for _ in range(data.draw(st.integers(1, 3))):
+        paths = list(_paths(row))[1:]
+        if not paths:
+            break
+        path = data.draw(st.sampled_from(paths))
+        parent = row
+        for key in path[:-1]:
+            parent = parent[key]
+        if data.draw(st.booleans()):
+            parent[path[-1]] = data.draw(_ODD_VALUES)
+        elif isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent.pop(path[-1])
+    as_line = data.draw(st.booleans())
+    raw = json.dumps(row).encode() if as_line else row
+    result = encode_chunk(encoder, Chunk("rows.jsonl", "line" if as_line else "row", [1], [raw]), config=config)
+    assert len(result.lengths) + sum(result.reasons.values()) == 1

@@ -211,3 +211,16 @@ def test_command_r_plus_starts_on_tools_it_refuses(loaded):
     row = {"messages": CONVERSATIONS["single"], "tools": bare}
     (sample,) = encoder.encode_rows([json.dumps(row).encode()])
     assert isinstance(sample, SampleError) and sample.reason == "template_error"
+
+
+def test_a_template_that_recurses_without_end_refuses_that_row_only(loaded):
+    """Hermes 3 turns a parameter's JSON type into a Python one by recursing into any string it does not
+    know ("date" -> "d" -> "d" ...). The RecursionError stopped the run with a traceback; the row is now
+    the template's refusal, and the next row, with a type it knows, is a sample."""
+    tok, encoder = loaded("hermes-3-tool_use")
+    dated = [{"type": "function", "function": {"name": "book", "description": "Book a table", "parameters": {
+        "type": "object", "properties": {"day": {"type": "date", "description": "The day"}}}}}]
+    rows = [{"messages": CONVERSATIONS["single"], "tools": tools} for tools in (dated, TOOLS)]
+    refused, sample = encoder.encode_rows([json.dumps(row).encode() for row in rows])
+    assert isinstance(refused, SampleError) and refused.reason == "template_error"
+    assert "recursion" in refused.detail and not isinstance(sample, SampleError)
