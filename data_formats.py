@@ -326,6 +326,10 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
             messages.append(turn)
             continue
         if "from" not in turn and {"input", "output"} <= turn.keys():  # LDJnr/Capybara: one exchange a turn
+            if len(turn) > 2:  # an alpaca row has instruction beside them: a list of rows, not one conversation
+                others = ", ".join(repr(key) for key in turn if key not in ("input", "output"))
+                raise SampleError("invalid_exchange", f"turn {index} has 'input' and 'output' (an exchange) but also "
+                                                      f"{others}, which an exchange does not hold")
             messages += [{"role": "user", "content": turn["input"]}, {"role": "assistant", "content": turn["output"]}]
             continue
         role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn.get("from"), str) else None

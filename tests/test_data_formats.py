@@ -462,6 +462,8 @@ BAD_ROWS = [
     # Each of these three stopped the run with a traceback.
     ({"conversations": [{"from": ["human"], "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown_role"),
     ({"messages": True, "functions": [TOOL]}, "messages_not_a_list"),
+    # A list of alpaca rows read as one conversation of exchanges lost every instruction, silently.
+    ({"conversations": [{"instruction": "Add.", "input": "2 3", "output": "5"}]}, "invalid_exchange"),
     ('{"messages": [{"role": "user", "content": "An emoji cut in two: \\ud83d"}, {"role": "assistant", '
      '"content": "y"}]}', "lone_surrogate"),
 ]
@@ -478,7 +480,7 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
         rejected[1]["detail"]
     assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == len(BAD_ROWS)
     # Rows by the format found, bad ones too; bad JSON, no shape and two shapes have none.
-    assert summary["rows_by_format"] == {"sharegpt": 8, "alpaca": 4, "prompt_completion": 5, "text": 2,
+    assert summary["rows_by_format"] == {"sharegpt": 9, "alpaca": 4, "prompt_completion": 5, "text": 2,
                                          "messages": 13}
     assert summary["audit"]["passed"] and summary["audit"]["num_rejected"] == 0
     with pytest.raises(SystemExit) as err:
