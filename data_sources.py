@@ -10,6 +10,8 @@ through ``datasets.load_dataset(..., streaming=True)``.
     .jsonl / .json lines         line by line (decompressed when     line
       (.gz .zst .bz2 .xz)        the name ends so)
     .json, one array             an incremental JSON decoder        the line an element starts on
+    .json, one object of lists   the same, the list under --split's  the line an element starts on
+      (pretty-printed)           name or the object's one list
     .parquet                     pyarrow.parquet iter_batches        row
     .arrow                       pyarrow.ipc (file or stream)        row
     .csv                         pyarrow.csv, every column a string  row
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import bz2
 import codecs
+import functools
 import glob
 import gzip
 import io
@@ -119,6 +122,8 @@ class Input:
             note += f"; a row per {'file' if self.text_sample_by == 'document' else self.text_sample_by} of text " \
                     "(--text-sample-by)"
         if len(self.files) == 1:
+            if _json_document(self.files[0]) == "object":
+                note += f"; {_rows_member(self.files[0], self.split)[1]}"
             return f"{self.files[0]} ({kinds[0]}{note})"
         return f"{len(self.files)} files from {self.spec} ({', '.join(kinds)}{note})"
 
@@ -146,7 +151,7 @@ class Input:
         else:
             for path in self.files:  # a file named by --input-file keeps its spelling in messages
                 yield from _file_chunks(path, chunk_size, self.spec if self.files == (Path(self.spec),) else str(path),
-                                        self.text_sample_by)
+                                        self.text_sample_by, self.split)
 
 
 def open_input(spec: str, *, split: str = "train", subset: str | None = None, text_sample_by: str = "line") -> Input:
@@ -366,7 +371,7 @@ def _count_rows(path: Path) -> int | None:
         return pq.ParquetFile(path).metadata.num_rows
     if kind == "arrow":
         return sum(batch.num_rows for batch in _arrow_batches(path))
-    if kind == "csv" or kind.endswith((" json", "text")) or _starts_array(path):
+    if kind == "csv" or kind.endswith((" json", "text")) or _json_document(path):
         return None
     with open(path, "rb") as f:
         if _wide_encoding(f.read(4)):  # its newlines are not b"\n" bytes
@@ -444,21 +449,7 @@ class _Utf8Reader(io.RawIOBase):
         super().close()
 
 
-def _starts_array(path: Path) -> bool:
-    """A JSON file whose first non-blank character is ``[``: one array, not JSON lines."""
-    if _kind(path).endswith(("parquet", "arrow", "csv")):
-        return False
-    with open_binary(path) as f:
-        block = f.read(4096).removeprefix(_BOM)
-        while block:
-            stripped = block.lstrip()
-            if stripped:
-                return stripped.startswith(b"[")
-            block = f.read(4096)
-    return False
-
-
-def _file_chunks(path: Path, chunk_size: int, label: str, text_sample_by: str) -> Iterator[Chunk]:
+def _file_chunks(path: Path, chunk_size: int, label: str, text_sample_by: str, split: str) -> Iterator[Chunk]:
     kind = _kind(path)
     if kind == "parquet":
         import pyarrow.parquet as pq
@@ -473,8 +464,10 @@ def _file_chunks(path: Path, chunk_size: int, label: str, text_sample_by: str) -
         yield from _chunked(label, "row", _csv_rows(path), chunk_size)
     elif is_text(path):
         yield from _chunked(label, "line", _text_rows(path, text_sample_by), chunk_size)
-    elif _starts_array(path):
+    elif (document := _json_document(path)) == "array":
         yield from _chunked(label, "line", _json_array(path), chunk_size)
+    elif document == "object":
+        yield from _chunked(label, "line", _member_rows(path, _rows_member(path, split)[0]), chunk_size)
     else:
         with open_binary(path) as f:
             yield from _chunked(label, "line", enumerate(f, 1), chunk_size)
@@ -599,62 +592,178 @@ def _text_rows(path: Path, sample_by: str) -> Iterator[tuple[int, dict]]:
             yield first, {"text": b"".join(block).rstrip(b"\r\n")}
 
 
-def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(line, element)`` of a file holding one JSON array, decoded incrementally (1 MiB blocks).
+class _JsonDocument:
+    """One JSON document (not JSON lines) read incrementally, 1 MiB at a time: values are decoded one
+    at a time, so memory holds one element of an array, never the file. A syntax error stops the run
+    (``ValueError`` naming the line): nothing after it can be read."""
 
-    A syntax error stops the run (``ValueError`` naming the line): nothing after it can be read.
-    """
-    decoder = json.JSONDecoder()
-    with io.TextIOWrapper(open_binary(path), encoding="utf-8-sig") as reader:
-        buf, pos, line = "", 0, 1
+    def __init__(self, path: Path, what: str):
+        self.path, self.what = path, what
+        self._reader = io.TextIOWrapper(open_binary(path), encoding="utf-8-sig")
+        self._decoder = json.JSONDecoder()
+        self.buf, self.pos, self.line = "", 0, 1
 
-        def read_on() -> bool:
-            nonlocal buf, pos
-            try:
-                block = reader.read(_BLOCK)
-            except UnicodeDecodeError as err:  # one document: no row after the bad byte can be found
-                raise ValueError(f"{path} is not UTF-8 ({err.reason}: {err.object[err.start:err.end]!r}): "
-                                 "save it as UTF-8") from None
-            buf, pos = buf[pos:] + block, 0  # what lies before pos is consumed
-            return bool(block)
+    def __enter__(self) -> _JsonDocument:
+        return self
 
-        def next_char() -> str:
-            """The next non-blank character, not consumed ('' at the end of the file)."""
-            nonlocal pos, line
-            while True:
-                start = pos
-                while pos < len(buf) and buf[pos] in " \t\r\n":
-                    pos += 1
-                line += buf.count("\n", start, pos)
-                if pos < len(buf):
-                    return buf[pos]
-                if not read_on():
-                    return ""
+    def __exit__(self, *exc) -> None:
+        self._reader.close()
 
-        assert next_char() == "[", "the caller checked _starts_array"
-        pos += 1
-        if next_char() == "]":
-            return
+    def _read_on(self) -> bool:
+        try:
+            block = self._reader.read(_BLOCK)
+        except UnicodeDecodeError as err:  # one document: no row after the bad byte can be found
+            raise ValueError(f"{self.path} is not UTF-8 ({err.reason}: {err.object[err.start:err.end]!r}): "
+                             "save it as UTF-8") from None
+        self.buf, self.pos = self.buf[self.pos:] + block, 0  # what lies before pos is consumed
+        return bool(block)
+
+    def peek(self) -> str:
+        """The next non-blank character, not consumed ('' at the end of the file)."""
         while True:
-            next_char()
+            start = self.pos
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            self.line += self.buf.count("\n", start, self.pos)
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self._read_on():
+                return ""
+
+    def take(self, expected: str, after: str) -> str:
+        """Consume the next character, one of ``expected``; ``ValueError`` naming the line otherwise."""
+        char = self.peek()
+        if not char or char not in expected:
+            got = f"got {char!r}" if char else f"the JSON {self.what} is not closed"
+            raise ValueError(f"{self.path}:{self.line}: expected {' or '.join(map(repr, expected))} after {after}, "
+                             f"{got}")
+        self.pos += 1
+        return char
+
+    def value(self) -> tuple[int, Any]:
+        """The next value and the line it starts on."""
+        self.peek()
+        while True:
             try:
-                value, end = decoder.raw_decode(buf, pos)
-                if end == len(buf) and read_on():  # a bare number may go on in the next block
+                value, end = self._decoder.raw_decode(self.buf, self.pos)
+                if end == len(self.buf) and self._read_on():  # a bare number may go on in the next block
                     continue
             except ValueError as err:
-                if read_on():
+                if self._read_on():
                     continue
-                raise ValueError(f"{path}:{line}: invalid JSON in the array: {err}") from None
-            yield line, value
-            line += buf.count("\n", pos, end)
-            pos = end
-            separator = next_char()
-            if separator == "]":
+                raise ValueError(f"{self.path}:{self.line}: invalid JSON in the {self.what}: {err}") from None
+            line = self.line
+            self.line += self.buf.count("\n", self.pos, end)
+            self.pos = end
+            return line, value
+
+    def elements(self) -> Iterator[tuple[int, Any]]:
+        """``(line, element)`` of the array that opens here."""
+        self.take("[", "the start")
+        if self.peek() == "]":
+            self.pos += 1
+            return
+        while True:
+            yield self.value()
+            if self.take(",]", "an array element") == "]":
                 return
-            if separator != ",":
-                raise ValueError(f"{path}:{line}: expected ',' or ']' after an array element, got "
-                                 f"{separator!r}" if separator else f"{path}:{line}: the JSON array is not closed")
-            pos += 1
+
+    def members(self) -> Iterator[str]:
+        """The keys of the object that opens here; after each, the caller reads or skips its value."""
+        self.take("{", "the start")
+        if self.peek() == "}":
+            self.pos += 1
+            return
+        while True:
+            _, key = self.value()
+            self.take(":", f"the key {key!r}")
+            yield key
+            if self.take(",}", "a member") == "}":
+                return
+
+    def skip(self) -> tuple[int, bool]:
+        """Read past the next value: (how many elements, whether all are objects) for an array, else (0, False)."""
+        if self.peek() != "[":
+            self.value()
+            return 0, False
+        count, objects = 0, True
+        for _, element in self.elements():
+            count += 1
+            objects = objects and isinstance(element, dict)
+        return count, objects and count > 0
+
+
+def _json_document(path: Path) -> str | None:
+    """``"array"`` for a JSON file whose first non-blank character is ``[``; ``"object"`` for one whose
+    first non-blank line opens an object that goes on past it, into a next line that opens no row of
+    its own (a pretty-printed ``{"data": [...]}``); None for JSON lines (a bad first row among them too)
+    and the other kinds."""
+    if _kind(path).endswith(("parquet", "arrow", "csv")):
+        return None
+    with open_binary(path) as f:
+        block = f.read(4096).removeprefix(_BOM)
+        while block and not block.lstrip():
+            block = f.read(4096)
+        stripped = block.lstrip()
+        if stripped.startswith(b"["):
+            return "array"
+        if not stripped.startswith(b"{"):
+            return None
+        first, rest = stripped.split(b"\n", 1) if b"\n" in stripped else (stripped + f.readline(), b"")
+        try:
+            json.loads(first)
+            return None
+        except ValueError:  # a bad first row, or an object going on: its next line is no row of its own
+            following = rest.lstrip()
+            while not following and (line := f.readline()):
+                following = line.lstrip()
+            return None if following.startswith(b"{") else "object"
+
+
+def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line, element)`` of a file holding one JSON array."""
+    with _JsonDocument(path, "array") as document:
+        yield from document.elements()
+
+
+def _rows_member(path: Path, split: str = "train") -> tuple[str, str]:
+    """``_rows_of_object`` of the file as it is now: asked when the input is described, then when it is read."""
+    stat = path.stat()
+    return _rows_of_object(path, split, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_of_object(path: Path, split: str, mtime_ns: int, size: int) -> tuple[str, str]:
+    """The member of a file holding one JSON object whose array of objects are its rows, and why: the
+    member named ``split`` when there is one (``{"train": [...], "test": [...]}``), else the one array
+    of objects (SQuAD's ``{"version": ..., "data": [...]}``). ``ValueError`` (one line) when neither is."""
+    with _JsonDocument(path, "object") as document:
+        arrays = {}
+        for key in document.members():
+            count, objects = document.skip()
+            if objects:
+                arrays[key] = count
+    if split in arrays:
+        return split, f"the rows under {split!r} ({SPLIT_FLAG})"
+    if len(arrays) == 1:
+        (key,) = arrays
+        return key, f"the rows under {key!r}"
+    if not arrays:
+        raise ValueError(f"{path} holds one JSON object, not rows, and none of its members is a list of rows: "
+                         "write one JSON object per line, or one array of them")
+    listed = ", ".join(f"{key!r} ({count} rows)" for key, count in arrays.items())
+    raise ValueError(f"{path} holds one JSON object with several lists of rows, {listed}, and none is named "
+                     f"{split!r}: choose one with {SPLIT_FLAG}")
+
+
+def _member_rows(path: Path, member: str) -> Iterator[tuple[int, Any]]:
+    """``(line, element)`` of the array under ``member`` of a file holding one JSON object."""
+    with _JsonDocument(path, "object") as document:
+        for key in document.members():
+            if key == member:
+                yield from document.elements()
+                return
+            document.skip()
 
 
 def _load_saved(source: Input):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from data_sources import open_input
+from data_sources import SPLIT_FLAG, open_input
 from process_data import ProcessDataConfig, main, process_data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +75,10 @@ def write_kind(tmp_path: Path, kind: str, rows: list[dict]) -> str:
         path = tmp_path / "in.json"
         path.write_text(json.dumps(rows, indent=2))
         return str(path)
+    if kind == "json_object":  # SQuAD's shape, as json.dump(..., indent=2) writes it
+        path = tmp_path / "in.json"
+        path.write_text(json.dumps({"version": "1.0", "data": rows, "license": "CC-BY"}, indent=2))
+        return str(path)
     if kind in COMPRESSED:
         path = tmp_path / f"in.jsonl{COMPRESSED[kind][0]}"
         path.write_bytes(COMPRESSED[kind][1]("".join(json.dumps(row) + "\n" for row in rows).encode()))
@@ -113,7 +117,7 @@ def tokenize(tmp_path: Path, name: str, input_file: str, model: Path, **override
     return (out / "data.jsonl").read_bytes(), summary
 
 
-KINDS = ["json_lines", "json_array", *COMPRESSED, "parquet", "arrow_file", "arrow_stream", "save_to_disk",
+KINDS = ["json_lines", "json_array", "json_object", *COMPRESSED, "parquet", "arrow_file", "arrow_stream", "save_to_disk",
          "save_to_disk_dict", "folder", "glob"]
 
 
@@ -353,7 +357,7 @@ def test_offline_a_hub_id_reads_the_hub_caches_copy(tmp_path, tiny_models):
     assert (tmp_path / "out" / "data.jsonl").read_bytes() == expected
 
 
-@pytest.mark.parametrize("kind", ["json_array", "jsonl_gz", "jsonl_zst"])
+@pytest.mark.parametrize("kind", ["json_array", "json_object", "jsonl_gz", "jsonl_zst"])
 def test_readers_stream(tmp_path, kind):
     """Memory stays flat: reading a 12 MB input in chunks peaks far below its size."""
     text = "x" * 200
@@ -609,3 +613,26 @@ def test_a_json_line_or_array_not_in_utf8_is_named(tmp_path, tiny_models):
     with pytest.raises(ValueError, match=r"cut.jsonl opens with a UTF-16 byte order mark but is not UTF-16 "
                                          r"\(truncated data\): save it as UTF-8$"):
         _read_rows(str(cut))
+
+
+def test_a_json_object_of_splits_gives_the_split_asked_for_and_an_unclear_one_is_refused(tmp_path, tiny_models):
+    """``{"train": [...], "test": [...]}``, pretty-printed, was read as JSON lines: every line a bad row, then
+    "no row of an accepted format". The rows are the member --split names; without one, the one list of rows."""
+    model = tiny_models["llama3"]
+    path = tmp_path / "splits.json"
+    path.write_text(json.dumps({"train": ALPACA[:4], "test": ALPACA[4:]}, indent=2))
+    for split, rows in (("train", ALPACA[:4]), ("test", ALPACA[4:])):
+        expected, _ = tokenize(tmp_path, f"jsonl-{split}", write_kind(tmp_path, "jsonl", rows), model)
+        assert tokenize(tmp_path, split, str(path), model, split=split)[0] == expected
+    assert open_input(str(path)).describe() == f"{path} (json; the rows under 'train' ({SPLIT_FLAG}))"
+    path.write_text(json.dumps({"a": ALPACA[:4], "b": ALPACA[4:], "meta": {"n": 7}}, indent=2))
+    with pytest.raises(ValueError, match=r"^\S+splits.json holds one JSON object with several lists of rows, "
+                                         r"'a' \(4 rows\), 'b' \(3 rows\), and none is named 'train': choose one"):
+        _read_rows(str(path))
+    path.write_text(json.dumps({"version": "1.0", "count": 7}, indent=2))
+    with pytest.raises(ValueError, match="holds one JSON object, not rows, and none of its members is a list of rows"):
+        _read_rows(str(path))
+    # JSON lines whose first row is cut short stay JSON lines: that row is one bad row.
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text('{"instruction": "cut\n' + "".join(json.dumps(row) + "\n" for row in ALPACA))
+    assert [row for _, _, row in _read_rows(str(lines))][1:] == [json.dumps(row).encode() + b"\n" for row in ALPACA]
