@@ -143,7 +143,9 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
     accepted shape converts, each with the format it is then read as: a column of role/content
     turns as ``messages`` (from/value or input/output: ``conversations``), a question-like and an answer-like string
     column as alpaca (through the chat template) and as plain prompt/completion (no template), or one
-    text-like column as ``text``. Empty when none converts."""
+    text-like column as ``text``; of a preference row (``chosen`` and ``rejected``), only ``chosen`` as
+    the completion of its ``prompt`` (or, without one, as the conversation). The format is named with how
+    it is then tokenized. Empty when none converts."""
     try:
         row = load_row(raw) if isinstance(raw, bytes) else raw
     except SampleError:
@@ -151,6 +153,27 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
     if not isinstance(row, dict):
         return []
     row = _renamed(row, parse_columns(columns))
+    if {"chosen", "rejected"} <= row.keys():  # TRL's preference rows: SFT learns the chosen reply, never the other
+        candidates = [{"prompt": "prompt", "completion": "chosen"} if "prompt" in row else {"messages": "chosen"}]
+    else:
+        candidates = _candidates(row)
+    found = []
+    for candidate in candidates:
+        renames = {column: name for name, column in candidate.items() if name != column}
+        try:
+            fmt, chat_row = read_row(row, input_format=input_format, columns=renames, from_table=from_table)
+        except SampleError:
+            continue
+        plain = chat_row.fields["messages"][0]["role"] == "pretrain"
+        note = {"alpaca": " (through the chat template)", "prompt_completion": " (plain text, no chat template)"
+                if plain else " (conversational, through the chat template)"}.get(fmt, "")
+        found.append((",".join([*filter(None, [columns]), *(f"{name}={column}" for column, name in renames.items())]),
+                      fmt + note))
+    return found
+
+
+def _candidates(row: dict[str, Any]) -> list[dict[str, str]]:
+    """Renames (accepted name -> column) that may read ``row``, by its columns' shapes and names."""
     candidates = []
     for key, value in row.items():
         first = value[0] if isinstance(value, list) and value else None
@@ -167,17 +190,7 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
         candidates.append({"instruction": prompt, "output": answer, **context, **system})
         if prompt != "instruction":  # an instruction's row may hold more (input, context) than a prompt would
             candidates.append({"prompt": prompt, "completion": answer})
-    candidates += [{"text": key} for key in _TEXT_NAMES if key in strings][:1]
-    found = []
-    for candidate in candidates:
-        renames = {column: name for name, column in candidate.items() if name != column}
-        try:
-            fmt, _ = read_row(row, input_format=input_format, columns=renames, from_table=from_table)
-        except SampleError:
-            continue
-        found.append((",".join([*filter(None, [columns]), *(f"{name}={column}" for column, name in renames.items())]),
-                      fmt))
-    return found
+    return candidates + [{"text": key} for key in _TEXT_NAMES if key in strings][:1]
 
 
 def _without_struct_nulls(row: dict[str, Any]) -> dict[str, Any]:

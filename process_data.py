@@ -369,7 +369,6 @@ class _Scan:
         return self.tools or (_PROBE_TOOL if self.calls_tools else None)
 
 
-_FORMAT_NOTES = {"alpaca": " (through the chat template)", "prompt_completion": " (plain text, no chat template)"}
 _SHAPE_REASONS = ("missing_messages", "ambiguous_format", "missing_field")
 
 
@@ -412,8 +411,7 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
         raise ValueError(f"input file {config.input_file} is empty")
     if not scan.formats and scan.unknown:
         accepted = "" if ACCEPTED in scan.unknown[0] else f"; accepted: {ACCEPTED}"
-        offers = "; ".join(f"--columns {text} reads it as {fmt}{_FORMAT_NOTES.get(fmt, '')}"
-                           for text, fmt in scan.suggestions)
+        offers = "; ".join(f"--columns {text} reads it as {fmt}" for text, fmt in scan.suggestions)
         raise ValueError(f"no row of an accepted format in the first {scan.num_rows} rows of {config.input_file} "
                          f"({scan.unknown[0]}){accepted}; --columns maps other column names"
                          + (f": {offers}" if offers else ""))

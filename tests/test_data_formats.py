@@ -512,6 +512,14 @@ OTHER_SHAPES = {
                           "expected_answer": "4", "problem_source": "gsm8k"},
                          [("instruction=problem,output=generated_solution", "alpaca"),
                           ("prompt=problem,completion=generated_solution", "prompt_completion")]),
+    # TRL's preference rows: the refusal offered reading 'rejected' (or a 'chosen' reply without its prompt) too.
+    "trl_preference": ({"prompt": MESSAGES_ROWS[0]["messages"][:2], "chosen": MESSAGES_ROWS[0]["messages"][2:],
+                        "rejected": [{"role": "assistant", "content": "Lyon."}]},
+                       [("completion=chosen", "prompt_completion")]),
+    "trl_preference_plain": ({"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Lyon."},
+                             [("completion=chosen", "prompt_completion")]),
+    "trl_preference_implicit": ({"chosen": MESSAGES_ROWS[0]["messages"], "rejected": MESSAGES_ROWS[1]["messages"]},
+                                [("messages=chosen", "messages")]),
     "nothing": ({"id": 7, "score": 0.5}, []),
 }
 
@@ -530,6 +538,9 @@ def test_the_refusal_offers_the_columns_that_read_the_file(tmp_path, tiny_models
     assert message.count(" reads it as ") == len(offers)
     for columns, fmt in offers:
         assert f"--columns {columns} reads it as {fmt}" in message
+        if shape.startswith("trl_preference") and fmt == "prompt_completion":
+            plain = isinstance(row["prompt"], str)
+            assert f"{fmt} ({'plain text, no' if plain else 'conversational, through the'} chat template)" in message
         summary = main([*argv, "--output-dir", str(tmp_path / columns), "--columns", columns])
         assert summary["num_written"] == 3 and summary["rows_by_format"] == {fmt: 3}
 
