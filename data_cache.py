@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 
 from data_mix import data_paths
-from data_sources import TABLE_SUFFIXES, held_out_split, is_text, open_binary
+from data_sources import TABLE_SUFFIXES, held_out_split, is_text, json_document, open_binary
 from utils import logger
 
 CACHE_FOLDER = "tokenized_data"
@@ -59,8 +59,8 @@ def is_tokenized(path: str | Path) -> bool:
         if len(candidates) != 1:
             return False
         path = candidates[0]
-    if not path.is_file() or path.name.lower().endswith(TABLE_SUFFIXES) or is_text(path):
-        return False
+    if not path.is_file() or path.name.lower().endswith(TABLE_SUFFIXES) or is_text(path) or json_document(path):
+        return False  # a table, text, or one .json array or object of raw rows
     with open_binary(path) as f:
         for line in f:
             if not line.strip():
@@ -68,8 +68,6 @@ def is_tokenized(path: str | Path) -> bool:
             try:
                 row = json.loads(line)
             except ValueError:
-                if line.lstrip().removeprefix(b"\xef\xbb\xbf").startswith(b"["):
-                    return False  # the opening of a .json array of raw rows
                 continue
             return isinstance(row, dict) and "input_ids" in row
     return True

@@ -122,7 +122,7 @@ class Input:
             note += f"; a row per {'file' if self.text_sample_by == 'document' else self.text_sample_by} of text " \
                     "(--text-sample-by)"
         if len(self.files) == 1:
-            if _json_document(self.files[0]) == "object":
+            if json_document(self.files[0]) == "object":
                 note += f"; {_rows_member(self.files[0], self.split)[1]}"
             return f"{self.files[0]} ({kinds[0]}{note})"
         return f"{len(self.files)} files from {self.spec} ({', '.join(kinds)}{note})"
@@ -371,7 +371,7 @@ def _count_rows(path: Path) -> int | None:
         return pq.ParquetFile(path).metadata.num_rows
     if kind == "arrow":
         return sum(batch.num_rows for batch in _arrow_batches(path))
-    if kind == "csv" or kind.endswith((" json", "text")) or _json_document(path):
+    if kind == "csv" or kind.endswith((" json", "text")) or json_document(path):
         return None
     with open(path, "rb") as f:
         if _wide_encoding(f.read(4)):  # its newlines are not b"\n" bytes
@@ -464,7 +464,7 @@ def _file_chunks(path: Path, chunk_size: int, label: str, text_sample_by: str, s
         yield from _chunked(label, "row", _csv_rows(path), chunk_size)
     elif is_text(path):
         yield from _chunked(label, "line", _text_rows(path, text_sample_by), chunk_size)
-    elif (document := _json_document(path)) == "array":
+    elif (document := json_document(path)) == "array":
         yield from _chunked(label, "line", _json_array(path), chunk_size)
     elif document == "object":
         yield from _chunked(label, "line", _member_rows(path, _rows_member(path, split)[0]), chunk_size)
@@ -693,7 +693,7 @@ class _JsonDocument:
         return count, objects and count > 0
 
 
-def _json_document(path: Path) -> str | None:
+def json_document(path: Path) -> str | None:
     """``"array"`` for a JSON file whose first non-blank character is ``[``; ``"object"`` for one whose
     first non-blank line opens an object that goes on past it, into a next line that opens no row of
     its own (a pretty-printed ``{"data": [...]}``); None for JSON lines (a bad first row among them too)
@@ -717,7 +717,7 @@ def _json_document(path: Path) -> str | None:
             following = rest.lstrip()
             while not following and (line := f.readline()):
                 following = line.lstrip()
-            return None if following.startswith(b"{") else "object"
+            return "object" if following and not following.startswith(b"{") else None
 
 
 def _json_array(path: Path) -> Iterator[tuple[int, Any]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from data_cache import is_tokenized
 from data_sources import SPLIT_FLAG, open_input
 from process_data import ProcessDataConfig, main, process_data
 
@@ -625,6 +626,7 @@ def test_a_json_object_of_splits_gives_the_split_asked_for_and_an_unclear_one_is
         expected, _ = tokenize(tmp_path, f"jsonl-{split}", write_kind(tmp_path, "jsonl", rows), model)
         assert tokenize(tmp_path, split, str(path), model, split=split)[0] == expected
     assert open_input(str(path)).describe() == f"{path} (json; the rows under 'train' ({SPLIT_FLAG}))"
+    assert not is_tokenized(path)  # train.py tokenizes it (every line of it had been no JSON: "tokenized")
     path.write_text(json.dumps({"a": ALPACA[:4], "b": ALPACA[4:], "meta": {"n": 7}}, indent=2))
     with pytest.raises(ValueError, match=r"^\S+splits.json holds one JSON object with several lists of rows, "
                                          r"'a' \(4 rows\), 'b' \(3 rows\), and none is named 'train': choose one"):
