@@ -14,7 +14,8 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
     prompt_completion  prompt, completion              lists of messages: prompt + completion through the
                                                        template, only the completion's replies learned (a
                                                        string completion is one reply);
-                                                       strings: no template, prompt masked, completion + EOS
+                                                       strings: no template, prompt masked, completion + EOS;
+                                                       label false (TRL's unpaired preference, KTO): rejected
     text               text                            a pretrain row (every token learned)
     alpaca             instruction, output             [system], [history's rounds], user (instruction
                        (input, system, history         + newline + input), assistant (output)
@@ -241,6 +242,9 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
         return ChatRow(_alpaca(row, rest))
     if fmt == "sharegpt":
         return ChatRow(_sharegpt(row, rest))
+    if rest.get("label") is False:  # TRL's unpaired preference (KTO) rows: SFT learns a completion, never this one
+        raise SampleError("undesirable_completion", "'label' is false: in TRL's unpaired preference (KTO) rows that "
+                                                    "marks a completion not to learn; rows labelled true are learned")
     return _prompt_completion(row["prompt"], row["completion"], rest)
 
 

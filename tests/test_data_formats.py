@@ -392,6 +392,8 @@ def test_read_row_converts_each_format():
     fmt, row = read_row({"prompt": "P ", "completion": "C", "source": "x"})
     assert fmt == "prompt_completion" and row.num_prompt_chars == 2
     assert row.fields == {"messages": [{"role": "pretrain", "content": "P C"}], "source": "x"}
+    # A KTO row labelled true is learned like any other; its label is copied as other fields are.
+    assert read_row({"prompt": "P ", "completion": "C", "label": True})[1].fields["label"] is True
     fmt, row = read_row(PROMPT_COMPLETION_ROWS[0])
     assert row.num_prompt_messages == 2 and row.fields["messages"] == MESSAGES_ROWS[0]["messages"]
     fmt, row = read_row(SHAREGPT_TOOL_ROW)
@@ -458,6 +460,10 @@ BAD_ROWS = [
     ({"prompt": [{"role": "user", "content": "a"}], "completion": " "}, "empty_completion"),
     ({"prompt": "a", "completion": "  "}, "empty_completion"),
     ({"instruction": None, "output": "b"}, "missing_content"),
+    # TRL's unpaired preference (KTO) rows: one labelled false was learned, the reply the data says not to give.
+    ({"prompt": "The sky is", "completion": " green.", "label": False}, "undesirable_completion"),
+    ({"prompt": [{"role": "user", "content": "Sky?"}], "completion": [{"role": "assistant", "content": "Green."}],
+      "label": False}, "undesirable_completion"),
     ({"instruction": "a", "output": "b", "history": [["only the question"]]}, "invalid_history"),
     # Each of these three stopped the run with a traceback.
     ({"conversations": [{"from": ["human"], "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown_role"),
@@ -480,7 +486,7 @@ def test_bad_rows_of_each_format_are_counted_listed_and_skipped(tmp_path, tiny_m
         rejected[1]["detail"]
     assert summary["num_written"] == 3 and summary["input_errors"]["num_rows"] == len(BAD_ROWS)
     # Rows by the format found, bad ones too; bad JSON, no shape and two shapes have none.
-    assert summary["rows_by_format"] == {"sharegpt": 9, "alpaca": 4, "prompt_completion": 5, "text": 2,
+    assert summary["rows_by_format"] == {"sharegpt": 9, "alpaca": 4, "prompt_completion": 7, "text": 2,
                                          "messages": 13}
     assert summary["audit"]["passed"] and summary["audit"]["num_rejected"] == 0
     with pytest.raises(SystemExit) as err:
