@@ -178,9 +178,11 @@ def _candidates(row: dict[str, Any]) -> list[dict[str, str]]:
     candidates = []
     for key, value in row.items():
         first = value[0] if isinstance(value, list) and value else None
-        if isinstance(first, dict) and {"role", "content"} <= first.keys():
+        if not isinstance(first, dict) or not any(map(_prompts, value)):
+            continue  # no turns, or replies alone (OpenAI's preference rows: preferred_output, non_preferred_output)
+        if {"role", "content"} <= first.keys():
             candidates.append({"messages": key})
-        elif isinstance(first, dict) and ({"from", "value"} <= first.keys() or {"input", "output"} <= first.keys()):
+        elif {"from", "value"} <= first.keys() or {"input", "output"} <= first.keys():
             candidates.append({"conversations": key})
     strings = [key for key, value in row.items() if isinstance(value, str)]
     prompt = next((key for key in _PROMPT_NAMES if key in strings), None)
@@ -192,6 +194,11 @@ def _candidates(row: dict[str, Any]) -> list[dict[str, str]]:
         if prompt != "instruction":  # an instruction's row may hold more (input, context) than a prompt would
             candidates.append({"prompt": prompt, "completion": answer})
     return candidates + [{"text": key} for key in _TEXT_NAMES if key in strings][:1]
+
+
+def _prompts(turn: Any) -> bool:
+    """A turn that is not a reply: what a conversation offered for learning must hold before its replies."""
+    return isinstance(turn, dict) and (turn.get("role") or turn.get("from")) not in ("assistant", "gpt")
 
 
 def _without_struct_nulls(row: dict[str, Any]) -> dict[str, Any]:

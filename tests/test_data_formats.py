@@ -526,6 +526,11 @@ OTHER_SHAPES = {
                              [("completion=chosen", "prompt_completion")]),
     "trl_preference_implicit": ({"chosen": MESSAGES_ROWS[0]["messages"], "rejected": MESSAGES_ROWS[1]["messages"]},
                                 [("messages=chosen", "messages")]),
+    # OpenAI's preference fine-tuning rows: the prompt is nested under 'input', which --columns cannot name. The
+    # refusal offered messages=preferred_output (a reply without its question) and messages=non_preferred_output.
+    "openai_preference": ({"input": {"messages": [{"role": "user", "content": "Capital of France?"}], "tools": []},
+                           "preferred_output": [{"role": "assistant", "content": "Paris."}],
+                           "non_preferred_output": [{"role": "assistant", "content": "Lyon."}]}, []),
     "nothing": ({"id": 7, "score": 0.5}, []),
 }
 
