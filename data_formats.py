@@ -136,13 +136,15 @@ _ANSWER_NAMES = ("response", "answer", "output", "completion", "generated_soluti
                  "assistant")
 _TEXT_NAMES = ("content", "document", "body", "article", "passage")
 _SYSTEM_NAMES = ("system", "system_prompt", "system_message")
+_REPLY_ROLES = ("assistant", "gpt", "function_call")
 
 
 def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None = None,
                     from_table: bool = False) -> list[tuple[str, str]]:
     """``--columns`` values (with ``columns``, the one given, kept in front) under which a row of no
     accepted shape converts, each with the format it is then read as: a column of role/content
-    turns as ``messages`` (from/value or input/output: ``conversations``), a question-like and an answer-like string
+    turns holding a prompt and a reply as ``messages`` (from/value or input/output: ``conversations``),
+    one of prompt turns beside an answer-like string as a conversational prompt and its reply, a question-like and an answer-like string
     column as alpaca (through the chat template) and as plain prompt/completion (no template), or one
     text-like column as ``text``; of a preference row (``chosen`` and ``rejected``), only ``chosen`` as
     the completion of its ``prompt`` (or, without one, as the conversation). The format is named with how
@@ -175,21 +177,27 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
 
 def _candidates(row: dict[str, Any]) -> list[dict[str, str]]:
     """Renames (accepted name -> column) that may read ``row``, by its columns' shapes and names."""
-    candidates = []
+    candidates, prompt_turns = [], []
     for key, value in row.items():
         first = value[0] if isinstance(value, list) and value else None
-        if not isinstance(first, dict) or not any(map(_prompts, value)):
-            continue  # no turns, or replies alone (OpenAI's preference rows: preferred_output, non_preferred_output)
-        if {"role", "content"} <= first.keys():
+        if not isinstance(first, dict):
+            continue
+        if not any(map(_prompts, value)):
+            continue  # replies alone (OpenAI's preference rows: preferred_output, non_preferred_output)
+        if not any(map(_replies, value)):
+            prompt_turns.append(key)  # a prompt whose reply may be a string column (Llama-Nemotron's input/output)
+        elif {"role", "content"} <= first.keys():
             candidates.append({"messages": key})
         elif {"from", "value"} <= first.keys() or {"input", "output"} <= first.keys():
             candidates.append({"conversations": key})
     strings = [key for key, value in row.items() if isinstance(value, str)]
     prompt = next((key for key in _PROMPT_NAMES if key in strings), None)
     answer = next((key for key in _ANSWER_NAMES if key in strings and key != prompt), None)
+    system = {"system": next((key for key in _SYSTEM_NAMES if key in strings), "system")}
+    if answer:
+        candidates += [{"prompt": key, "completion": answer, **system} for key in prompt_turns[:1]]
     if prompt and answer:
         context = {"input": "context"} if "context" in strings and "input" not in row else {}
-        system = {"system": next((key for key in _SYSTEM_NAMES if key in strings), "system")}
         candidates.append({"instruction": prompt, "output": answer, **context, **system})
         if prompt != "instruction":  # an instruction's row may hold more (input, context) than a prompt would
             candidates.append({"prompt": prompt, "completion": answer})
@@ -198,7 +206,12 @@ def _candidates(row: dict[str, Any]) -> list[dict[str, str]]:
 
 def _prompts(turn: Any) -> bool:
     """A turn that is not a reply: what a conversation offered for learning must hold before its replies."""
-    return isinstance(turn, dict) and (turn.get("role") or turn.get("from")) not in ("assistant", "gpt")
+    return isinstance(turn, dict) and (turn.get("role") or turn.get("from")) not in _REPLY_ROLES
+
+
+def _replies(turn: Any) -> bool:
+    """A turn a model learns: an assistant's (``gpt``, ``function_call``), or an exchange's ``output``."""
+    return isinstance(turn, dict) and ((turn.get("role") or turn.get("from")) in _REPLY_ROLES or "output" in turn)
 
 
 def _without_struct_nulls(row: dict[str, Any]) -> dict[str, Any]:
@@ -389,7 +402,12 @@ def _tool_calls(index: int, value: Any) -> list[dict]:
 def _prompt_completion(prompt: Any, completion: Any, rest: dict[str, Any]) -> ChatRow:
     """TRL's prompt/completion: conversational (lists of messages) or plain strings. A string completion
     after a conversational prompt (Llama-Nemotron's post-training data: ``input`` messages, ``output``
-    text) is the assistant's reply."""
+    text) is the assistant's reply. A ``system`` column goes before a conversational prompt (Llama-Nemotron's
+    ``system_prompt``, "detailed thinking on", switches its reasoning); plain strings have no system prompt."""
+    if isinstance(prompt, list) and "system" in rest:  # as in alpaca and ShareGPT rows
+        system = _string_or_none(rest, "system")
+        prompt = [{"role": "system", "content": system}, *prompt] if system else prompt
+        rest.pop("system")
     if isinstance(prompt, list) and isinstance(completion, str):
         if not completion.strip():
             raise SampleError("empty_completion", "the completion is empty")

@@ -357,6 +357,24 @@ def test_a_string_completion_after_a_conversational_prompt_is_its_reply(tmp_path
     assert (data[0]["reasoning"], data[0]["category"]) == ("off", "math")
 
 
+def test_a_system_column_goes_before_a_conversational_prompt(tmp_path, real):
+    """Llama-Nemotron's ``system_prompt`` ("detailed thinking on") switches its reasoning: it was copied as a
+    field and never reached the template. Now it is the system message, as in alpaca and ShareGPT rows; an
+    empty one is none."""
+    model, template = real
+    turns = MESSAGES_ROWS[0]["messages"]
+    rows = [{"input": turns[1:2], "output": turns[2]["content"], "system_prompt": turns[0]["content"]},
+            {"input": turns[1:2], "output": turns[2]["content"], "system_prompt": ""}]
+    expected, _, _ = tokenize(tmp_path, "messages", [{"messages": turns}, {"messages": turns[1:]}], model,
+                              chat_template=template)
+    data, rejected, _ = tokenize(tmp_path, "nemotron", rows, model, chat_template=template,
+                                 columns="prompt=input,completion=output,system=system_prompt")
+    assert not rejected and tokens(data) == tokens(expected) and "system_prompt" not in data[0]
+    # Plain strings have no template to hold a system prompt: the column stays a field.
+    fmt, row = read_row({"prompt": "P ", "completion": "C", "system": "S"})
+    assert row.fields == {"messages": [{"role": "pretrain", "content": "P C"}], "system": "S"}
+
+
 @pytest.fixture(scope="module")
 def tokenizers_by_name(tiny_models):
     from transformers import AutoTokenizer
@@ -531,6 +549,11 @@ OTHER_SHAPES = {
     "openai_preference": ({"input": {"messages": [{"role": "user", "content": "Capital of France?"}], "tools": []},
                            "preferred_output": [{"role": "assistant", "content": "Paris."}],
                            "non_preferred_output": [{"role": "assistant", "content": "Lyon."}]}, []),
+    # Llama-Nemotron's post-training rows: the refusal offered messages=input, a prompt with no reply to learn.
+    "nemotron": ({"input": [{"role": "user", "content": "Capital of France?"}], "output": "Paris.",
+                  "system_prompt": "detailed thinking off", "reasoning": "off", "category": "chat"},
+                 [("prompt=input,completion=output,system=system_prompt", "prompt_completion")]),
+    "trl_prompt_only": ({"prompt": [{"role": "user", "content": "Capital of France?"}]}, []),
     "nothing": ({"id": 7, "score": 0.5}, []),
 }
 
