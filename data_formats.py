@@ -146,8 +146,9 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
     turns holding a prompt and a reply as ``messages`` (from/value or input/output: ``conversations``),
     one of prompt turns beside an answer-like string as a conversational prompt and its reply, a question-like and an answer-like string
     column as alpaca (through the chat template) and as plain prompt/completion (no template), or one
-    text-like column as ``text``; of a preference row (``chosen`` and ``rejected``), only ``chosen`` as
-    the completion of its ``prompt`` (or, without one, as the conversation). The format is named with how
+    text-like column as ``text``; of a preference row (``chosen`` and ``rejected``), only ``chosen``: as
+    the completion of its ``prompt``, as the conversation when it holds one, or as the answer to a
+    question-like column. The format is named with how
     it is then tokenized. Empty when none converts."""
     try:
         row = load_row(raw) if isinstance(raw, bytes) else raw
@@ -156,12 +157,14 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
     if not isinstance(row, dict):
         return []
     row = _renamed(row, parse_columns(columns))
-    if {"chosen", "rejected"} <= row.keys():  # TRL's preference rows: SFT learns the chosen reply, never the other
-        candidates = [{"prompt": "prompt", "completion": "chosen"} if "prompt" in row else {"messages": "chosen"}]
+    if {"chosen", "rejected"} <= row.keys():  # preference rows: SFT learns the chosen reply, never the other
+        chosen = {key: value for key, value in row.items() if key != "rejected"}
+        candidates = [{"prompt": "prompt", "completion": "chosen"}] + _candidates(chosen, answers=("chosen",))
     else:
         candidates = _candidates(row)
     found = []
-    for candidate in candidates:
+    for candidate in dict.fromkeys(tuple(candidate.items()) for candidate in candidates):
+        candidate = dict(candidate)
         renames = {column: name for name, column in candidate.items() if name != column}
         try:
             fmt, chat_row = read_row(row, input_format=input_format, columns=renames, from_table=from_table)
@@ -175,8 +178,9 @@ def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None
     return found
 
 
-def _candidates(row: dict[str, Any]) -> list[dict[str, str]]:
-    """Renames (accepted name -> column) that may read ``row``, by its columns' shapes and names."""
+def _candidates(row: dict[str, Any], answers: tuple[str, ...] = _ANSWER_NAMES) -> list[dict[str, str]]:
+    """Renames (accepted name -> column) that may read ``row``, by its columns' shapes and names; an
+    answer is a string column named one of ``answers``."""
     candidates, prompt_turns = [], []
     for key, value in row.items():
         first = value[0] if isinstance(value, list) and value else None
@@ -192,7 +196,7 @@ def _candidates(row: dict[str, Any]) -> list[dict[str, str]]:
             candidates.append({"conversations": key})
     strings = [key for key, value in row.items() if isinstance(value, str)]
     prompt = next((key for key in _PROMPT_NAMES if key in strings), None)
-    answer = next((key for key in _ANSWER_NAMES if key in strings and key != prompt), None)
+    answer = next((key for key in answers if key in strings and key != prompt), None)
     system = {"system": next((key for key in _SYSTEM_NAMES if key in strings), "system")}
     if answer:
         candidates += [{"prompt": key, "completion": answer, **system} for key in prompt_turns[:1]]

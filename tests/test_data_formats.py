@@ -541,7 +541,15 @@ OTHER_SHAPES = {
                         "rejected": [{"role": "assistant", "content": "Lyon."}]},
                        [("completion=chosen", "prompt_completion")]),
     "trl_preference_plain": ({"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Lyon."},
-                             [("completion=chosen", "prompt_completion")]),
+                             [("completion=chosen", "prompt_completion"), ("instruction=prompt,output=chosen", "alpaca")]),
+    # allenai's Tulu 3 preference mixtures: a prompt string beside chosen conversations that hold it.
+    "tulu_preference": ({"prompt": "Capital of France?", "chosen": MESSAGES_ROWS[0]["messages"][1:],
+                         "rejected": [MESSAGES_ROWS[0]["messages"][1], {"role": "assistant", "content": "Lyon."}]},
+                        [("messages=chosen", "messages")]),
+    # Intel/orca_dpo_pairs: strings, the question under its own name.
+    "orca_dpo_pairs": ({"system": "Be brief.", "question": "Capital of France?", "chosen": "Paris.",
+                        "rejected": "Lyon."}, [("instruction=question,output=chosen", "alpaca"),
+                                               ("prompt=question,completion=chosen", "prompt_completion")]),
     "trl_preference_implicit": ({"chosen": MESSAGES_ROWS[0]["messages"], "rejected": MESSAGES_ROWS[1]["messages"]},
                                 [("messages=chosen", "messages")]),
     # OpenAI's preference fine-tuning rows: the prompt is nested under 'input', which --columns cannot name. The
