@@ -14,7 +14,7 @@ through ``datasets.load_dataset(..., streaming=True)``.
       (pretty-printed)           name or the object's one list
     .parquet                     pyarrow.parquet iter_batches        row
     .arrow                       pyarrow.ipc (file or stream)        row
-    .csv                         pyarrow.csv, every column a string  row
+    .csv, .tsv                   pyarrow.csv, every column a string  row
                                  (cells may span lines; a malformed
                                  row or non-UTF-8 cell is one bad row)
     .txt (.gz .zst .bz2 .xz)     rows of text, as datasets' text     line (a paragraph's first)
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
+TABLE_SUFFIXES = (".parquet", ".arrow", ".csv", ".tsv")
 # Compressed JSON lines: gzip and the stdlib's bzip2 and xz; zstd (pretraining corpora such as SlimPajama
 # ship .jsonl.zst) through the zstandard package when it is installed.
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bzip2", ".xz": "xz"}
@@ -371,7 +371,7 @@ def _count_rows(path: Path) -> int | None:
         return pq.ParquetFile(path).metadata.num_rows
     if kind == "arrow":
         return sum(batch.num_rows for batch in _arrow_batches(path))
-    if kind == "csv" or kind.endswith((" json", "text")) or json_document(path):
+    if kind in ("csv", "tsv") or kind.endswith((" json", "text")) or json_document(path):
         return None
     with open(path, "rb") as f:
         if _wide_encoding(f.read(4)):  # its newlines are not b"\n" bytes
@@ -460,8 +460,8 @@ def _file_chunks(path: Path, chunk_size: int, label: str, text_sample_by: str, s
         yield from _batched_tables(label, batches, chunk_size)
     elif kind == "arrow":
         yield from _batched_tables(label, _arrow_batches(path), chunk_size)
-    elif kind == "csv":
-        yield from _chunked(label, "row", _csv_rows(path), chunk_size)
+    elif kind in ("csv", "tsv"):  # tab-separated as datasets reads a .tsv: its csv builder with sep="\t"
+        yield from _chunked(label, "row", _csv_rows(path, "\t" if kind == "tsv" else ","), chunk_size)
     elif is_text(path):
         yield from _chunked(label, "line", _text_rows(path, text_sample_by), chunk_size)
     elif (document := json_document(path)) == "array":
@@ -510,8 +510,9 @@ def _arrow_batches(path: Path):
         return iter(pa.ipc.open_stream(source))
 
 
-def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, str] | BadRow]]:
-    """``(row, {column: text})`` of a CSV file with a header, every cell a string (no guessed numbers).
+def _csv_rows(path: Path, delimiter: str = ",") -> Iterator[tuple[int, dict[str, str] | BadRow]]:
+    """``(row, {column: text})`` of a CSV (or TSV) file with a header, every cell a string (no guessed
+    numbers).
 
     A cell may span lines (a reply with code does): without ``newlines_in_values`` pyarrow cuts the
     file into blocks at line breaks and stops, once past its first block, "out of sync with chunker".
@@ -531,7 +532,7 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, str] | BadRow]]:
         return "skip"
 
     def parse_options(handler):
-        return pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=handler)
+        return pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True, invalid_row_handler=handler)
 
     with open_binary(path) as f:
         header = pacsv.open_csv(f, parse_options=parse_options(lambda row: "skip")).schema.names
@@ -698,7 +699,7 @@ def json_document(path: Path) -> str | None:
     first non-blank line opens an object that goes on past it, into a next line that opens no row of
     its own (a pretty-printed ``{"data": [...]}``); None for JSON lines (a bad first row among them too)
     and the other kinds."""
-    if _kind(path).endswith(("parquet", "arrow", "csv")):
+    if _kind(path) in ("parquet", "arrow", "csv", "tsv"):
         return None
     with open_binary(path) as f:
         block = f.read(4096).removeprefix(_BOM)

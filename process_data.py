@@ -17,7 +17,7 @@ top-level fields (an ``id``, a source tag) are copied to the output row
 unchanged. ShareGPT ``conversations``, TRL ``prompt``/``completion`` and
 ``text``, and alpaca ``instruction``/``input``/``output`` rows are recognised
 row by row and converted (``data_formats.py``). ``--input-file`` is a JSON lines
-file (or ``.json`` array, ``.gz``, ``.zst``, ``.bz2``, ``.xz``), ``.parquet``, ``.arrow``, ``.csv``,
+file (or ``.json`` array, ``.gz``, ``.zst``, ``.bz2``, ``.xz``), ``.parquet``, ``.arrow``, ``.csv``, ``.tsv``,
 ``.txt`` (text rows, one per ``--text-sample-by`` line, paragraph or file), a ``save_to_disk``
 folder, a folder (its ``--split``, as datasets splits a dataset repository) or glob of such files,
 or a hub dataset id (``data_sources.py``).
@@ -74,7 +74,7 @@ def _default_num_proc() -> int:
 
 @dataclass
 class ProcessDataConfig:
-    input_file: str = config_field(help="input rows: JSON lines (.json array, .gz), .parquet, .arrow, .csv, .txt, a "
+    input_file: str = config_field(help="input rows: JSON lines (.json array, .gz), .parquet, .arrow, .csv/.tsv, .txt, a "
                                         "folder or glob of them, or a hub dataset id")
     model_name_or_path: str = config_field(help="Hugging Face tokenizer with a chat template (local folder or hub id)")
     output_dir: str | None = config_field(None, help="output folder: data.jsonl, summary.json, rejected.jsonl")

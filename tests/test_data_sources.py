@@ -162,6 +162,22 @@ def test_csv_of_alpaca_rows_reads_every_column_as_text(tmp_path, tiny_models):
     assert data == expected and summary["rows_by_format"] == {"alpaca": len(ALPACA)}
 
 
+def test_tsv_is_read_as_datasets_reads_it(tmp_path, tiny_models):
+    """A .tsv was read as JSON lines (every row invalid_json); datasets reads it as csv with sep="\\t". Written
+    by pandas (datasets' to_csv), tabs and line breaks inside a reply and all."""
+    import datasets
+
+    rows = ALPACA + [{"instruction": "Indent a line.", "input": "x = 1", "output": "\tx = 1\n\tprint(x)"}]
+    model = tiny_models["llama3"]
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", rows), model)
+    path = tmp_path / "in.tsv"
+    datasets.Dataset.from_list(rows).to_csv(str(path), sep="\t", index=False)
+    loaded = datasets.load_dataset(str(tmp_path), data_files=path.name, split="train")
+    assert [{**row, "input": row["input"] or ""} for row in loaded] == rows  # pandas reads '' as a null
+    data, summary = tokenize(tmp_path, "tsv", str(path), model, num_proc=2)
+    assert data == expected and summary["rows_by_format"] == {"alpaca": len(rows)}
+
+
 def test_table_rows_are_numbered_by_row_and_shards_by_file(tmp_path, tiny_models):
     rows = [{"text": "First document."}, {"text": None}, {"text": "Third document."}]
     folder = tmp_path / "shards"
