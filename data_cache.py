@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 
 from data_mix import data_paths
-from data_sources import TABLE_SUFFIXES, held_out_split, is_text, json_document, open_binary
+from data_sources import held_out_split, is_table, is_text, json_document, open_binary
 from utils import logger
 
 CACHE_FOLDER = "tokenized_data"
@@ -59,7 +59,7 @@ def is_tokenized(path: str | Path) -> bool:
         if len(candidates) != 1:
             return False
         path = candidates[0]
-    if not path.is_file() or path.name.lower().endswith(TABLE_SUFFIXES) or is_text(path) or json_document(path):
+    if not path.is_file() or is_table(path) or is_text(path) or json_document(path):
         return False  # a table, text, or one .json array or object of raw rows
     with open_binary(path) as f:
         for line in f:

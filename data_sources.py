@@ -14,7 +14,7 @@ through ``datasets.load_dataset(..., streaming=True)``.
       (pretty-printed)           name or the object's one list
     .parquet                     pyarrow.parquet iter_batches        row
     .arrow                       pyarrow.ipc (file or stream)        row
-    .csv, .tsv                   pyarrow.csv, every column a string  row
+    .csv, .tsv (.gz .zst ...)    pyarrow.csv, every column a string  row
                                  (cells may span lines; a malformed
                                  row or non-UTF-8 cell is one bad row)
     .txt (.gz .zst .bz2 .xz)     rows of text, as datasets' text     line (a paragraph's first)
@@ -339,10 +339,17 @@ def _kind(path: Path) -> str:
         if name.endswith(suffix):
             if name.endswith((".jsonl" + suffix, ".json" + suffix)):
                 return f"{compression} json"
+            if name.endswith((".csv" + suffix, ".tsv" + suffix)):  # datasets reads these too
+                return name[-len(suffix) - 3:-len(suffix)]
             return f"{compression} text" if name.endswith(".txt" + suffix) else "unknown"
     if name.endswith(".txt"):
         return "text"
     return "json" if name.endswith(JSON_SUFFIXES) else "unknown"
+
+
+def is_table(path: Path) -> bool:
+    """A file read as a table (``TABLE_SUFFIXES``, compressed csv and tsv too)."""
+    return _kind(path) in ("parquet", "arrow", "csv", "tsv")
 
 
 def is_text(path: Path) -> bool:
@@ -699,7 +706,7 @@ def json_document(path: Path) -> str | None:
     first non-blank line opens an object that goes on past it, into a next line that opens no row of
     its own (a pretty-printed ``{"data": [...]}``); None for JSON lines (a bad first row among them too)
     and the other kinds."""
-    if _kind(path) in ("parquet", "arrow", "csv", "tsv"):
+    if is_table(path):
         return None
     with open_binary(path) as f:
         block = f.read(4096).removeprefix(_BOM)

@@ -176,6 +176,10 @@ def test_tsv_is_read_as_datasets_reads_it(tmp_path, tiny_models):
     assert [{**row, "input": row["input"] or ""} for row in loaded] == rows  # pandas reads '' as a null
     data, summary = tokenize(tmp_path, "tsv", str(path), model, num_proc=2)
     assert data == expected and summary["rows_by_format"] == {"alpaca": len(rows)}
+    # Compressed, as datasets infers from the name; train.py --data-path takes it for raw rows, not tokenized ones.
+    compressed = tmp_path / "in.tsv.gz"
+    compressed.write_bytes(gzip.compress(path.read_bytes()))
+    assert tokenize(tmp_path, "tsv_gz", str(compressed), model)[0] == expected and not is_tokenized(compressed)
 
 
 def test_table_rows_are_numbered_by_row_and_shards_by_file(tmp_path, tiny_models):
