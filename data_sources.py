@@ -54,7 +54,7 @@ TABLE_SUFFIXES = (".parquet", ".arrow", ".csv", ".tsv")
 # ship .jsonl.zst) through the zstandard package when it is installed.
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bzip2", ".xz": "xz"}
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson") + tuple(base + suffix for suffix in COMPRESSIONS
-                                                        for base in (".jsonl", ".json"))
+                                                        for base in (".jsonl", ".json", ".ndjson"))
 TEXT_SUFFIXES = (".txt",) + tuple(".txt" + suffix for suffix in COMPRESSIONS)
 # A text file's rows, as datasets' text builder's sample_by: each line, each block between blank lines,
 # or the whole file.
@@ -337,7 +337,7 @@ def _kind(path: Path) -> str:
         return name.rsplit(".", 1)[1]
     for suffix, compression in COMPRESSIONS.items():
         if name.endswith(suffix):
-            if name.endswith((".jsonl" + suffix, ".json" + suffix)):
+            if name.endswith((".jsonl" + suffix, ".json" + suffix, ".ndjson" + suffix)):
                 return f"{compression} json"
             if name.endswith((".csv" + suffix, ".tsv" + suffix)):  # datasets reads these too
                 return name[-len(suffix) - 3:-len(suffix)]

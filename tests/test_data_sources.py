@@ -182,6 +182,18 @@ def test_tsv_is_read_as_datasets_reads_it(tmp_path, tiny_models):
     assert tokenize(tmp_path, "tsv_gz", str(compressed), model)[0] == expected and not is_tokenized(compressed)
 
 
+def test_compressed_ndjson_shards_in_a_folder_are_read(tmp_path, tiny_models):
+    """datasets reads .ndjson as JSON lines, compressed too; a folder of .ndjson.gz shards was 'no data files'."""
+    model = tiny_models["chatml"]
+    expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ROWS), model)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for n, start in enumerate(range(0, len(ROWS), 4)):
+        (folder / f"train-{n}.ndjson.gz").write_bytes(gzip.compress(
+            "".join(json.dumps(row) + "\n" for row in ROWS[start:start + 4]).encode()))
+    assert tokenize(tmp_path, "ndjson", str(folder), model)[0] == expected
+
+
 def test_table_rows_are_numbered_by_row_and_shards_by_file(tmp_path, tiny_models):
     rows = [{"text": "First document."}, {"text": None}, {"text": "Third document."}]
     folder = tmp_path / "shards"
