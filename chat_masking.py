@@ -41,7 +41,9 @@ ChatML's newline after ``<|im_end|>`` is not.
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Container
@@ -159,7 +161,7 @@ class Sample:
             label_parts.append(",".join(strings[t0:t1]) + ",")
             pos = t1
         label_parts.append(_MASKED * (len(strings) - pos))
-        extra = json.dumps(self.extra, ensure_ascii=False, separators=(",", ":"))[1:-1] if self.extra else ""
+        extra = _strict_json(self.extra)[1:-1] if self.extra else ""
         line = (f'{{"input_ids":[{",".join(strings)}],"labels":[{"".join(label_parts)[:-1]}],'
                 f'"len":{len(strings)},"num_loss_counted_tokens":{self.num_loss_counted_tokens}'
                 f'{"," if extra else ""}{extra}}}\n')
@@ -170,6 +172,33 @@ class Sample:
 
 
 _MASKED = f"{IGNORE_INDEX},"
+
+
+def _strict_json(fields: dict[str, Any]) -> str:
+    """Copied fields as strict JSON. A table's timestamp, date or time (WildChat's ``timestamp``, a
+    pandas ``datetime64`` column) is its ISO 8601 text; any other value JSON has no type for (decimal,
+    duration, bytes) is its Python text: these had stopped the run. NaN and infinities (a float column's
+    missing values) are null, as pandas and ``datasets`` write them: JSON has no such numbers, and
+    pyarrow's reader, the fast path of the ``datasets`` loader train.py uses, refuses them and sends the
+    whole file through pandas, in memory."""
+    try:
+        return json.dumps(fields, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_as_text)
+    except ValueError:
+        return json.dumps(_finite(fields), ensure_ascii=False, separators=(",", ":"), default=_as_text)
+
+
+def _as_text(value: Any) -> str:
+    return value.isoformat() if isinstance(value, (datetime.date, datetime.time)) else str(value)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
 
 
 # ----------------------------------------------------------------------------

@@ -194,6 +194,34 @@ def test_compressed_ndjson_shards_in_a_folder_are_read(tmp_path, tiny_models):
     assert tokenize(tmp_path, "ndjson", str(folder), model)[0] == expected
 
 
+def test_copied_columns_json_has_no_type_for_are_written_as_strict_json(tmp_path, tiny_models):
+    """A timestamp column (WildChat's ``timestamp``, pandas' datetime64) stopped the run with a TypeError
+    traceback; a float column's NaN was written as ``NaN``, which pyarrow's JSON reader refuses, so the
+    ``datasets`` loader of train.py read the whole file through pandas, in memory."""
+    import datetime
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.json as paj
+    import pyarrow.parquet as pq
+
+    base = {"messages": ROWS[0]["messages"]}
+    rows = [{**base, "timestamp": datetime.datetime(2024, 5, 1, 12, 30, tzinfo=datetime.timezone.utc),
+             "day": datetime.date(2024, 5, 1), "price": decimal.Decimal("1.50"), "score": float("nan"),
+             "scores": [1.0, float("inf")]},
+            {**base, "timestamp": None, "day": None, "price": None, "score": 0.5, "scores": []}]
+    path = tmp_path / "typed.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    tokenize(tmp_path, "typed", str(path), tiny_models["chatml"])
+    output = tmp_path / "out-typed" / "data.jsonl"
+    assert paj.read_json(output).num_rows == 2  # strict JSON
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [{key: row[key] for key in ("timestamp", "day", "price", "score", "scores")} for row in written] == [
+        {"timestamp": "2024-05-01T12:30:00+00:00", "day": "2024-05-01", "price": "1.50", "score": None,
+         "scores": [1.0, None]},
+        {"timestamp": None, "day": None, "price": None, "score": 0.5, "scores": []}]
+
+
 def test_table_rows_are_numbered_by_row_and_shards_by_file(tmp_path, tiny_models):
     rows = [{"text": "First document."}, {"text": None}, {"text": "Third document."}]
     folder = tmp_path / "shards"
