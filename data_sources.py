@@ -575,11 +575,12 @@ def _decoded_cells(cells: dict[str, bytes | None]) -> dict[str, str | None] | Ba
 def _text_rows(path: Path, sample_by: str) -> Iterator[tuple[int, dict]]:
     """``(line, {"text": ...})`` rows of a text file, as datasets' text builder makes them: each line
     (``line``), each block of lines between blank lines (``paragraph``) or the whole file
-    (``document``), without the final line break; blank lines are separators, not rows. The text
+    (``document``), without the final line break; blank lines are separators, not rows. Windows line
+    breaks inside a row are ``\n``, as datasets reads text (Python's universal newlines). The text
     stays bytes here: the workers decode it (``data_formats``), and bad UTF-8 is one bad row."""
     with open_binary(path) as f:
         if sample_by == "document":
-            text = f.read().removeprefix(_BOM).rstrip(b"\r\n")
+            text = f.read().removeprefix(_BOM).rstrip(b"\r\n").replace(b"\r\n", b"\n")
             if text.strip():
                 yield 1, {"text": text}
             return
@@ -589,7 +590,7 @@ def _text_rows(path: Path, sample_by: str) -> Iterator[tuple[int, dict]]:
                 line = line.removeprefix(_BOM)
             if not line.strip():
                 if block:
-                    yield first, {"text": b"".join(block).rstrip(b"\r\n")}
+                    yield first, {"text": b"".join(block).rstrip(b"\r\n").replace(b"\r\n", b"\n")}
                     block = []
             elif sample_by == "line":
                 yield number, {"text": line.rstrip(b"\r\n")}
@@ -597,7 +598,7 @@ def _text_rows(path: Path, sample_by: str) -> Iterator[tuple[int, dict]]:
                 first = first if block else number
                 block.append(line)
         if block:
-            yield first, {"text": b"".join(block).rstrip(b"\r\n")}
+            yield first, {"text": b"".join(block).rstrip(b"\r\n").replace(b"\r\n", b"\n")}
 
 
 class _JsonDocument:

@@ -476,17 +476,21 @@ CORPUS = ("The first paragraph's first line.\nIts second line.\n\nA paragraph of
 
 
 @pytest.mark.parametrize("sample_by", ["line", "paragraph", "document"])
-@pytest.mark.parametrize("suffix", [".txt", ".txt.gz"])
+@pytest.mark.parametrize("suffix", [".txt", ".txt.gz", "windows.txt"])
 def test_a_text_file_gives_datasets_text_rows(tmp_path, tiny_models, sample_by, suffix):
     """Each line, paragraph or the whole file is one text row, as ``load_dataset("text", sample_by=...)``
-    reads it, except that blank lines are no rows and a row does not end with the file's line break."""
+    reads it, except that blank lines are no rows and a row does not end with the file's line break.
+    Windows line breaks inside a paragraph were kept as \\r\\n, where datasets reads \\n."""
     import datasets
 
+    content = (CORPUS.replace("\n", "\r\n") if suffix.startswith("windows") else CORPUS).encode()
     plain = tmp_path / "corpus.txt"
-    plain.write_text(CORPUS, encoding="utf-8")
+    plain.write_bytes(content)
     path = tmp_path / f"corpus{suffix}"
-    if suffix != ".txt":
-        path.write_bytes(gzip.compress(CORPUS.encode()))
+    if suffix == ".txt.gz":
+        path.write_bytes(gzip.compress(content))
+    elif suffix != ".txt":
+        path = plain
     theirs = datasets.load_dataset("text", data_files=str(plain), sample_by=sample_by, split="train",
                                    cache_dir=str(tmp_path / "hf"))["text"]
     rows = [{"text": text.removesuffix("\n")} for text in theirs if text.strip()]
