@@ -125,8 +125,10 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
 
 
 def _renamed(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
-    """The row with ``--columns``' renames (input column -> accepted name) applied."""
-    return {columns.get(key, key): value for key, value in row.items()}
+    """The row with ``--columns``' renames (input column -> accepted name) applied. A mapped column
+    replaces a column already under its new name, wherever either stands in the row."""
+    targets = {columns[key] for key in row if key in columns}
+    return {columns.get(key, key): value for key, value in row.items() if key in columns or key not in targets}
 
 
 # Names public datasets give these columns. Only a refusal's hint reads them (suggest_columns), and

@@ -432,6 +432,9 @@ def test_columns_and_a_forced_format():
     assert read_row(both, input_format="text")[1].fields["messages"][0]["content"] == both["text"]
     with pytest.raises(SampleError, match="missing_field: no 'output' field"):
         read_row({"instruction": "a"}, input_format="alpaca")
+    # The mapped column is read, not a column already named so, wherever each stands in the row.
+    for row in ({"question": "Q", "prompt": "P", "completion": "C"}, {"prompt": "P", "question": "Q", "completion": "C"}):
+        assert read_row(row, columns=parse_columns("prompt=question"))[1].fields["messages"][0]["content"] == "QC"
     with pytest.raises(ValueError, match="NAME=COLUMN"):
         parse_columns("labels=x")
 
