@@ -144,14 +144,14 @@ _REPLY_ROLES = ("assistant", "gpt", "function_call")
 def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None = None,
                     from_table: bool = False) -> list[tuple[str, str]]:
     """``--columns`` values (with ``columns``, the one given, kept in front) under which a row of no
-    accepted shape converts, each with the format it is then read as: a column of role/content
-    turns holding a prompt and a reply as ``messages`` (from/value or input/output: ``conversations``),
-    one of prompt turns beside an answer-like string as a conversational prompt and its reply, a question-like and an answer-like string
-    column as alpaca (through the chat template) and as plain prompt/completion (no template), or one
-    text-like column as ``text``; of a preference row (``chosen`` and ``rejected``), only ``chosen``: as
-    the completion of its ``prompt``, as the conversation when it holds one, or as the answer to a
-    question-like column. The format is named with how
-    it is then tokenized. Empty when none converts."""
+    accepted shape converts, each with the format it is then read as: a column of role/content turns
+    holding a prompt and a reply as ``messages`` (from/value or input/output: ``conversations``), one of
+    prompt turns beside an answer-like string as a conversational prompt and its reply, a question-like
+    and an answer-like string column as alpaca (through the chat template) and as plain
+    prompt/completion (no template), or one text-like column as ``text``; of a preference row
+    (``chosen`` and ``rejected``), only ``chosen``: as the completion of its ``prompt``, as the
+    conversation when it holds one, or as the answer to a question-like column. The format is named
+    with how it is then tokenized. Empty when none converts."""
     try:
         row = load_row(raw) if isinstance(raw, bytes) else raw
     except SampleError:
