@@ -210,6 +210,20 @@ def _candidates(row: dict[str, Any], answers: tuple[str, ...] = _ANSWER_NAMES) -
     return candidates + [{"text": key} for key in _TEXT_NAMES if key in strings][:1]
 
 
+def unread_system(fmt: str, chat_row: ChatRow) -> str | None:
+    """The copied column that looks like the system prompt of a conversation that has none, in a format
+    that reads one from a ``system`` column (``--columns system=NAME`` then does): a non-empty string
+    under a system-like name (Locutusque/function-calling-chatml's ``system_message``, which tells the
+    model it may call functions). None otherwise."""
+    messages = chat_row.fields.get("messages")
+    if fmt not in ("sharegpt", "alpaca", "prompt_completion") or not isinstance(messages, list) or any(
+            isinstance(message, dict) and message.get("role") in ("system", "developer", "pretrain")
+            for message in messages):
+        return None
+    return next((key for key in _SYSTEM_NAMES if isinstance(chat_row.fields.get(key), str)
+                 and chat_row.fields[key].strip()), None)
+
+
 def _prompts(turn: Any) -> bool:
     """A turn that is not a reply: what a conversation offered for learning must hold before its replies."""
     return isinstance(turn, dict) and (turn.get("role") or turn.get("from")) not in _REPLY_ROLES

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from chat_masking import ChatEncoder, ChatRow, SampleError
-from data_formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row, suggest_columns
+from data_formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row, suggest_columns, unread_system
 from data_sources import TEXT_SAMPLE_BY, Chunk, Input, open_input
 from leftovers import remove_dead_leftovers, temporary_name
 from utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
@@ -361,6 +361,7 @@ class _Scan:
     tools: list[dict] | None = None  # the first row's tools
     suggestions: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # --columns for the first unknown
     calls_tools: bool = False
+    unread_system: Counter = dataclasses.field(default_factory=Counter)  # system-like columns nothing reads
 
     @property
     def probe_tools(self) -> list[dict] | None:
@@ -387,6 +388,8 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
                                                            columns=config.columns, from_table=chunk.from_table)
                     continue
                 scan.formats[item[0]] += 1
+                if unread := unread_system(*item):
+                    scan.unread_system[unread] += 1
                 messages, tools = item[1].fields.get("messages"), item[1].fields.get("tools")
                 if isinstance(tools, list) and tools and scan.tools is None:
                     scan.tools = tools
@@ -475,6 +478,10 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
                 "" if num_proc == config.num_proc else f" (--num-proc {config.num_proc}: fewer chunks than that)")
     logger.info("row format %s in the first %d rows: %s", "detected" if config.input_format == "auto" else
                 f"--input-format {config.input_format}", scan.num_rows, _counts(scan.formats) or "none recognised")
+    for column, count in scan.unread_system.items():
+        logger.warning("%d of the first %d rows have no system message and a %r column, which is copied to the "
+                       "output, not read: --columns system=%s makes it the system message", count, scan.num_rows,
+                       column, column)
 
     paths.data.parent.mkdir(parents=True, exist_ok=True)
     if config.overwrite:

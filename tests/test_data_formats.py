@@ -9,6 +9,7 @@ and skipped (exit 0), ``--strict`` stops at the first; a file of no accepted for
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chat_masking import SampleError
-from data_formats import parse_columns, read_row
+from data_formats import parse_columns, read_row, unread_system
 from process_data import ProcessDataConfig, main, process_data
 from tests.test_process_data import read_jsonl, write_jsonl
-from utils import IGNORE_INDEX
+from utils import IGNORE_INDEX, logger
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "fixtures" / "chat_templates"
@@ -373,6 +374,28 @@ def test_a_system_column_goes_before_a_conversational_prompt(tmp_path, real):
     # Plain strings have no template to hold a system prompt: the column stays a field.
     fmt, row = read_row({"prompt": "P ", "completion": "C", "system": "S"})
     assert row.fields == {"messages": [{"role": "pretrain", "content": "P C"}], "system": "S"}
+
+
+def test_a_system_like_column_nothing_reads_is_named_with_the_columns_that_read_it(tmp_path, tiny_models, caplog):
+    """Locutusque/function-calling-chatml's 'system_message' ("You are a helpful assistant with access to the
+    following functions...") stands beside ShareGPT turns: it was copied, never rendered, without a word."""
+    turns = [{"from": "human", "value": "Weather?"}, {"from": "gpt", "value": "Sunny."}]
+    row = {"system_message": "You are a helpful assistant with access to the following functions.",
+           "conversations": turns}
+    assert unread_system(*read_row(row)) == "system_message"
+    assert unread_system(*read_row(row, columns=parse_columns("system=system_message"))) is None
+    assert unread_system(*read_row({**row, "system_message": " "})) is None
+    assert unread_system(*read_row({**row, "conversations": [{"from": "system", "value": "S"}, *turns]})) is None
+    assert unread_system(*read_row({"messages": [], "system_prompt": "S"})) is None  # messages reads no column
+    assert unread_system(*read_row({"prompt": "P", "completion": "C", "system_prompt": "S"})) is None  # plain text
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            tokenize(tmp_path, "tools_in_system_message", [row] * 3, tiny_models["chatml"])
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert ("3 of the first 3 rows have no system message and a 'system_message' column, which is copied to the "
+            "output, not read: --columns system=system_message makes it the system message") in caplog.messages
 
 
 @pytest.fixture(scope="module")
