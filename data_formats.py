@@ -282,9 +282,6 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
         return ChatRow(_alpaca(row, rest))
     if fmt == "sharegpt":
         return ChatRow(_sharegpt(row, rest))
-    if rest.get("label") is False:  # TRL's unpaired preference (KTO) rows: SFT learns a completion, never this one
-        raise SampleError("undesirable_completion", "'label' is false: in TRL's unpaired preference (KTO) rows that "
-                                                    "marks a completion not to learn; rows labelled true are learned")
     return _prompt_completion(row["prompt"], row["completion"], rest)
 
 
@@ -339,18 +336,24 @@ def _string_or_none(row: dict[str, Any], key: str) -> str | None:
     return value
 
 
+def _system_turns(rest: dict[str, Any]) -> list[dict[str, str]]:
+    """The system message a ``system`` column holds (alpaca, ShareGPT and conversational prompt/completion
+    rows read one), taken out of ``rest``: none when the column is missing or empty."""
+    system = _string_or_none(rest, "system")
+    rest.pop("system", None)
+    return [{"role": "system", "content": system}] if system else []
+
+
 def _alpaca(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
     """One user turn (instruction, then input on the next line, as LLaMA-Factory joins them), one reply,
     after the earlier rounds of LLaMA-Factory's ``history`` (``[[instruction, reply], ...]``), whose
     replies are learned too, as every reply of a conversation is."""
     instruction, extra_input = _string_or_none(row, "instruction"), _string_or_none(row, "input")
-    output, system = _string_or_none(row, "output"), _string_or_none(rest, "system")
+    output, messages = _string_or_none(row, "output"), _system_turns(rest)
     if instruction is None or output is None:
         raise SampleError("missing_content", f"'{'instruction' if instruction is None else 'output'}' is null")
     history = _history(rest.pop("history", None))
     rest.pop("input", None)
-    rest.pop("system", None)
-    messages = [{"role": "system", "content": system}] if system else []
     for earlier, reply in history:
         messages += [{"role": "user", "content": earlier}, {"role": "assistant", "content": reply}]
     messages += [{"role": "user", "content": "\n".join(part for part in (instruction, extra_input) if part)},
@@ -373,9 +376,7 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
         raise SampleError("messages_not_a_list", f"'conversations' is a {type(turns).__name__}")
     if not turns:
         raise SampleError("empty_messages", "'conversations' is empty")
-    system = _string_or_none(rest, "system")
-    rest.pop("system", None)
-    messages = [{"role": "system", "content": system}] if system else []
+    messages = _system_turns(rest)
     for index, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise SampleError("message_not_an_object", f"turn {index} is a {type(turn).__name__}")
@@ -424,10 +425,11 @@ def _prompt_completion(prompt: Any, completion: Any, rest: dict[str, Any]) -> Ch
     after a conversational prompt (Llama-Nemotron's post-training data: ``input`` messages, ``output``
     text) is the assistant's reply. A ``system`` column goes before a conversational prompt (Llama-Nemotron's
     ``system_prompt``, "detailed thinking on", switches its reasoning); plain strings have no system prompt."""
-    if isinstance(prompt, list) and "system" in rest:  # as in alpaca and ShareGPT rows
-        system = _string_or_none(rest, "system")
-        prompt = [{"role": "system", "content": system}, *prompt] if system else prompt
-        rest.pop("system")
+    if rest.get("label") is False:  # TRL's unpaired preference (KTO) rows: SFT learns a completion, never this one
+        raise SampleError("undesirable_completion", "'label' is false: in TRL's unpaired preference (KTO) rows that "
+                                                    "marks a completion not to learn; rows labelled true are learned")
+    if isinstance(prompt, list):
+        prompt = _system_turns(rest) + prompt
     if isinstance(prompt, list) and isinstance(completion, str):
         if not completion.strip():
             raise SampleError("empty_completion", "the completion is empty")

@@ -340,7 +340,7 @@ def _kind(path: Path) -> str:
             if name.endswith((".jsonl" + suffix, ".json" + suffix, ".ndjson" + suffix)):
                 return f"{compression} json"
             if name.endswith((".csv" + suffix, ".tsv" + suffix)):  # datasets reads these too
-                return name[-len(suffix) - 3:-len(suffix)]
+                return name.removesuffix(suffix)[-3:]
             return f"{compression} text" if name.endswith(".txt" + suffix) else "unknown"
     if name.endswith(".txt"):
         return "text"
@@ -576,11 +576,11 @@ def _text_rows(path: Path, sample_by: str) -> Iterator[tuple[int, dict]]:
     """``(line, {"text": ...})`` rows of a text file, as datasets' text builder makes them: each line
     (``line``), each block of lines between blank lines (``paragraph``) or the whole file
     (``document``), without the final line break; blank lines are separators, not rows. Windows line
-    breaks inside a row are ``\n``, as datasets reads text (Python's universal newlines). The text
+    breaks inside a row are ``\\n``, as datasets reads text (Python's universal newlines). The text
     stays bytes here: the workers decode it (``data_formats``), and bad UTF-8 is one bad row."""
     with open_binary(path) as f:
         if sample_by == "document":
-            text = f.read().removeprefix(_BOM).rstrip(b"\r\n").replace(b"\r\n", b"\n")
+            text = _row_text(f.read().removeprefix(_BOM))
             if text.strip():
                 yield 1, {"text": text}
             return
@@ -590,7 +590,7 @@ def _text_rows(path: Path, sample_by: str) -> Iterator[tuple[int, dict]]:
                 line = line.removeprefix(_BOM)
             if not line.strip():
                 if block:
-                    yield first, {"text": b"".join(block).rstrip(b"\r\n").replace(b"\r\n", b"\n")}
+                    yield first, {"text": _row_text(b"".join(block))}
                     block = []
             elif sample_by == "line":
                 yield number, {"text": line.rstrip(b"\r\n")}
@@ -598,7 +598,12 @@ def _text_rows(path: Path, sample_by: str) -> Iterator[tuple[int, dict]]:
                 first = first if block else number
                 block.append(line)
         if block:
-            yield first, {"text": b"".join(block).rstrip(b"\r\n").replace(b"\r\n", b"\n")}
+            yield first, {"text": _row_text(b"".join(block))}
+
+
+def _row_text(text: bytes) -> bytes:
+    """A paragraph's or document's text: without its final line break, Windows line breaks as ``\\n``."""
+    return text.rstrip(b"\r\n").replace(b"\r\n", b"\n")
 
 
 class _JsonDocument:
