@@ -36,7 +36,6 @@ import fault_injection
 from full_state import complete_checkpoints, tmp_folder
 from loss import CausalLMWithLoss
 from multimodal import PROCESSOR_FILES
-from setup_model_fsdp import gather_full_state_dict
 from utils import first_error, logger
 
 MAX_SHARD_SIZE = "5GB"
@@ -173,3 +172,9 @@ def _copy_processor_files(model_config, folder: Path) -> None:
                                _raise_exceptions_for_connection_errors=False)
         if path is not None and Path(path).is_file():
             shutil.copyfile(path, folder / name)
+
+
+def gather_full_state_dict(wrapper: CausalLMWithLoss) -> dict[str, torch.Tensor]:
+    """All-gather the Hugging Face state dict into rank 0's host memory (empty on other ranks), as the
+    method holds it (``FineTuningMethod.gather_full_state``: QLoRA's NF4 weights come back dequantized)."""
+    return wrapper.method.gather_full_state(wrapper.model)

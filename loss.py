@@ -233,6 +233,36 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return decoder
 
 
+def find_decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, found generically.
+
+    Uses the model's own ``_no_split_modules`` (the classes Hugging Face never
+    splits across devices: its decoder layers); falls back to the longest
+    ``nn.ModuleList`` of same-class modules.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # Outermost only: some families list a block and a module inside it (Mamba: MambaBlock and MambaMixer),
+    # and sharding both would shard the inner parameters twice.
+    inner = {id(sub) for block in blocks for sub in block.modules() if sub is not block}
+    # The embeddings stay with the root, beside the LM head they may be tied to (BERT-style models list
+    # their embeddings module among _no_split_modules; a separate FSDP unit would split the tied weight).
+    embeddings = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    blocks = [block for block in blocks if id(block) not in inner
+              and not any(e is sub for e in embeddings for sub in block.modules())]
+    if blocks:
+        return blocks
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            if len({type(child) for child in module}) == 1:
+                best = list(module)
+    if not best:
+        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}: it declares no "
+                         "_no_split_modules and has no nn.ModuleList of identical blocks")
+    return best
+
+
 def _make_liger_loss(transform: LogitTransform) -> nn.Module | None:
     if device_type() != "cuda":
         log_rank_0("--use-liger-kernels needs a GPU (Triton kernels): using the chunked PyTorch "

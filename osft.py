@@ -42,7 +42,7 @@ from torch.nn import functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from finetune_method import FineTuningMethod, ModelBuild
-from setup_model_fsdp import find_decoder_blocks
+from loss import find_decoder_blocks
 from utils import log_rank_0, peak_memory_gb, reset_peak_memory
 
 FROZEN = ("U_high", "S_high", "V_high")
@@ -90,7 +90,7 @@ def osft_targets(model: nn.Module, *, blocks: list[nn.Module], patterns: list[st
 
     Args:
         model: the causal LM (a meta model is fine: only structure is read).
-        blocks: its decoder blocks (``setup_model_fsdp.find_decoder_blocks``).
+        blocks: its decoder blocks (``loss.find_decoder_blocks``).
         patterns: ``--osft-target-patterns``: each a substring of the module name, or an fnmatch
             glob when it holds ``*?[`` (``q_proj``, ``*.mlp.down_proj``); replaces the default, and
             may select any ``nn.Linear`` except the embeddings and LM head.

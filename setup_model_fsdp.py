@@ -39,7 +39,7 @@ from transformers import AutoConfig, PretrainedConfig
 from attention import CONTEXT_PARALLEL, attention_needs, resolve_attn_implementation
 from context_parallel import inner_backend, register_context_parallel_backend
 from finetune_method import FineTuningMethod, ModelBuild, count_parameters
-from loss import CausalLMWithLoss, decoder_of
+from loss import CausalLMWithLoss, decoder_of, find_decoder_blocks
 from multimodal import (MultimodalExport, auto_model_class, detach_non_text, is_multimodal, text_only_export,
                         whole_export)
 import recomputation
@@ -168,36 +168,6 @@ def compile_blocks(blocks: list[nn.Module], *, device_type: str) -> None:
         block.compile(dynamic=True)
     log_rank_0(f"torch.compile: {len(blocks)} decoder blocks ({type(blocks[0]).__name__}), inductor, dynamic "
                "token dimension (packed rows vary in length)")
-
-
-def find_decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks, found generically.
-
-    Uses the model's own ``_no_split_modules`` (the classes Hugging Face never
-    splits across devices: its decoder layers); falls back to the longest
-    ``nn.ModuleList`` of same-class modules.
-    """
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    # Outermost only: some families list a block and a module inside it (Mamba: MambaBlock and MambaMixer),
-    # and sharding both would shard the inner parameters twice.
-    inner = {id(sub) for block in blocks for sub in block.modules() if sub is not block}
-    # The embeddings stay with the root, beside the LM head they may be tied to (BERT-style models list
-    # their embeddings module among _no_split_modules; a separate FSDP unit would split the tied weight).
-    embeddings = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
-    blocks = [block for block in blocks if id(block) not in inner
-              and not any(e is sub for e in embeddings for sub in block.modules())]
-    if blocks:
-        return blocks
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            if len({type(child) for child in module}) == 1:
-                best = list(module)
-    if not best:
-        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}: it declares no "
-                         "_no_split_modules and has no nn.ModuleList of identical blocks")
-    return best
 
 
 def shard_group_size(strategy: str, world_size: int, local_world_size: int) -> int:
@@ -443,9 +413,3 @@ def _broadcast_buffers(model: nn.Module, real_buffers: dict[str, torch.Tensor], 
         dist.broadcast(staging, src=0)
         with torch.no_grad():
             buffer.copy_(staging)
-
-
-def gather_full_state_dict(wrapper: CausalLMWithLoss) -> dict[str, torch.Tensor]:
-    """All-gather the Hugging Face state dict into rank 0's host memory (empty on other ranks), as the
-    method holds it (``FineTuningMethod.gather_full_state``: QLoRA's NF4 weights come back dequantized)."""
-    return wrapper.method.gather_full_state(wrapper.model)

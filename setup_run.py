@@ -48,12 +48,12 @@ from optimizers import STATE_BYTES_PER_PARAM, build_optimizer
 from batch_metrics import MetricsWriter, truncate_metrics
 from finetune_method import FineTuningMethod
 from full_state import remove_leftover_tmp, resume_candidates, resume_train_state
-from loss import CausalLMWithLoss
+from loss import CausalLMWithLoss, find_decoder_blocks
 from multimodal import multimodal_preflight
 from recurrent import recurrent_mixers
 from sampler import StepBatch
 from selfcheck import audit_refusal, check_data_fits_model, check_objective
-from setup_model_fsdp import ModelSetup, find_decoder_blocks, meta_model, setup_model, shard_group_size
+from setup_model_fsdp import ModelSetup, meta_model, setup_model, shard_group_size
 from train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from train_state import TrainState
 from trackers import NullTracker, Tracker, make_tracker

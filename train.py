@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 import output_lock
 import resume_policy
-from train_state import PreemptionFlag
+from preemption import PreemptionFlag
 from run_actions import batches, checkpoints_due, rewind, save, stop_preempted, validate, validation_due
 from schedule import stop_reason
 from setup_run import close_run, setup_run

@@ -189,7 +189,8 @@ def build_model(config: BenchConfig, *, attn: str, liger: bool, ac: bool, dist_i
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    from setup_model_fsdp import apply_liger_kernels, find_decoder_blocks
+    from loss import find_decoder_blocks
+    from setup_model_fsdp import apply_liger_kernels
 
     register_attention_backends()
     hf_config = model_config(config.shape, max_position_embeddings=max(32768, config.max_probe_tokens))

@@ -17,7 +17,8 @@ import torch
 import sampler
 from attention import model_inputs
 from autotune import make_trial_step, probe_agreement, trial_fits
-from setup_model_fsdp import gather_full_state_dict, setup_model
+from hf_export import gather_full_state_dict
+from setup_model_fsdp import setup_model
 from utils import cleanup, init_distributed
 
 

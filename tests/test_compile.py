@@ -111,10 +111,10 @@ COMPILE_LIGER_SCRIPT = r"""
 import json, sys, torch
 from transformers import AutoModelForCausalLM
 from attention import model_inputs
-from loss import CausalLMWithLoss, make_liger_fused_loss
+from loss import CausalLMWithLoss, find_decoder_blocks, make_liger_fused_loss
 from recomputation import set_policy
 from sampler import collate_minibatch
-from setup_model_fsdp import apply_liger_kernels, compile_blocks, find_decoder_blocks
+from setup_model_fsdp import apply_liger_kernels, compile_blocks
 torch.manual_seed(0)
 gen = torch.Generator().manual_seed(1)
 samples = []

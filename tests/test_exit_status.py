@@ -217,7 +217,7 @@ def test_an_orphan_stuck_where_no_python_runs_exits_after_its_grace():
     """A rank whose launcher died while it waits in a collective for a peer that died too: the main thread runs
     no Python there (here: a blocking read), so only the watching thread can end it, unsaved, after its grace."""
     rank = ("import os; os.environ['TORCHELASTIC_RUN_ID'] = 'x'\n"
-            "from train_state import PreemptionFlag\n"
+            "from preemption import PreemptionFlag\n"
             "flag = PreemptionFlag(poll_s=0.1, orphan_grace_s=1.0)\n"
             "r, w = os.pipe(); print('ready', flush=True); os.read(r, 1)\n")
     launcher = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "

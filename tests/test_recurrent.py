@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from fixtures.tiny_configs import tiny_config
 from loss import decoder_of
 from recurrent import recurrent_mixers, run_mixers_per_sample
-from setup_model_fsdp import find_decoder_blocks
+from loss import find_decoder_blocks
 
 LENGTHS = [5, 11, 7]
 
