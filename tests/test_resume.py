@@ -113,6 +113,35 @@ def test_resume_from_metadata_in_either_interpreters_form(tmp_path, chatml_model
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
 
 
+FLAT_LAYOUT_RUN = ROOT / "fixtures" / "flat_layout_run"
+
+
+def _flat_layout_args(out: Path) -> list[str]:
+    """The flags ``fixtures/flat_layout_run/`` was written with (its README)."""
+    return ["--model-name-or-path", str(FLAT_LAYOUT_RUN / "model"), "--data-path", str(FLAT_LAYOUT_RUN / "data.jsonl"),
+            "--output-dir", str(out), "--batch-size", "8", "--max-tokens-per-gpu", "96", "--seed", "11",
+            "--learning-rate", "1e-3", "--num-warmup-steps", "1", "--lr-scheduler", "cosine", "--max-steps", "4",
+            "--min-samples-per-checkpoint", "16", "--num-data-workers", "0"]
+
+
+def test_a_full_state_written_before_the_package_move_resumes_exactly(tmp_path):
+    """A run preempted at step 2 by the code of the flat layout (every module at the root) resumes with
+    today's: its two steps and the two resumed ones equal an uninterrupted run of today's code, and so do
+    the final weights. Nothing in a full state names a module."""
+    out = tmp_path / "resumed"
+    shutil.copytree(FLAT_LAYOUT_RUN / "output", out)
+    resumed = torchrun(_flat_layout_args(out))
+    assert_ok(resumed)
+    assert f"resumed from {out / 'full_state' / 'samples_16'}" in resumed.stderr
+    fresh = tmp_path / "fresh"
+    assert_ok(torchrun(_flat_layout_args(fresh)))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    _assert_same_steps(read_metrics(out), read_metrics(fresh))
+    a, b = _final_weights(fresh), _final_weights(out)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, chatml_model, data_path, uninterrupted):
     out = tmp_path / "run_c"
     result = torchrun(_args(chatml_model, data_path, out),
