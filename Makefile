@@ -45,7 +45,7 @@ test-deps:
 	PYTHON="$(PYTHON)" bash tests/test_deps.sh
 
 demo: install
-	$(PY) demo.py --output-dir $(DEMO_DIR) --nproc-per-node $(NPROC)
+	$(PY) -m minitrainer.tools.demo --output-dir $(DEMO_DIR) --nproc-per-node $(NPROC)
 
 # Tests, exactness, speed and memory on a CUDA GPU in about 22 minutes; DEVICE=cpu rehearses it at tiny sizes.
 gpu-check:

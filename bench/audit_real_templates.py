@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fixtures.real_templates import CONVERSATIONS, TEMPLATES, TOOLS, load
-from process_data import ProcessDataConfig, process_data
-from utils import config_field, parse_config, setup_logging
+from minitrainer.common.utils import config_field, parse_config, setup_logging
+from minitrainer.data.process_data import ProcessDataConfig, process_data
 
 
 @dataclass

@@ -56,7 +56,7 @@ from fixtures.architectures import PREPROCESSOR_CONFIG, export_differs, matrix_a
 from fixtures.e2e import ROOT, read_metrics, torchrun, write_tokenized_jsonl
 from fixtures.matrix_train import RUN_MARKER
 from fixtures.tiny_configs import tiny_config, tiny_multimodal_config
-from tiny_model import build_tiny_model
+from minitrainer.tools.tiny_model import build_tiny_model
 
 EXACT_RTOL = 1e-5
 BUILD_SECONDS = 60
@@ -73,7 +73,7 @@ def build(model_type: str, tokenizer_dir: Path, out: Path, *, multimodal: bool =
     """Save the tiny random ``model_type`` in ``out``; None, or why it is not built / out of scope."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-    from multimodal import auto_model_class, is_multimodal
+    from minitrainer.model.multimodal import auto_model_class, is_multimodal
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiny_model import build_tiny_model
+from minitrainer.tools.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

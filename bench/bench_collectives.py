@@ -45,7 +45,7 @@ def _worker(repo: Path, counts_path: Path, argv: list[str]) -> None:
 
         setattr(dist, name, counted)
     sys.argv = [str(repo / "train.py"), *argv]
-    import train  # the checkout under count: PYTHONPATH=repo (see _run)
+    import train  # the root entry script of the checkout under count, any version: PYTHONPATH=repo (see _run)
 
     train.main(argv)
     if os.environ.get("RANK", "0") == "0":
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--output-json", default=str(ROOT / "bench" / "collectives_results.json"))
     args = parser.parse_args()
     from fixtures.e2e import write_tokenized_jsonl
-    from tiny_model import build_tiny_model
+    from minitrainer.tools.tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench_collectives_"))
     model = build_tiny_model("chatml", work / "model")

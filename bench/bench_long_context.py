@@ -36,23 +36,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from attention import model_inputs, resolve_attn_implementation
-from autotune import probe_max_tokens_per_gpu
 from bench.bench_train import BenchConfig, build_model
-from context_parallel import CONTEXT_PARALLEL, inner_backend, new_context_group, register_context_parallel_backend
-from context_parallel import shard_minibatch
-from flops import device_peak_tflops, training_flops
 from fixtures.e2e import ROOT
-from sampler import collate_minibatch
-from utils import (IGNORE_INDEX, DistInfo, cleanup, comma_list, config_field, first_error, init_distributed,
-                   parse_config, peak_memory_gb, reset_peak_memory, synchronize)
+from minitrainer.autotune import probe_max_tokens_per_gpu
+from minitrainer.common.utils import (IGNORE_INDEX, DistInfo, cleanup, comma_list, config_field, first_error,
+                                      init_distributed, parse_config, peak_memory_gb, reset_peak_memory, synchronize)
+from minitrainer.data.sampler import collate_minibatch
+from minitrainer.flops import device_peak_tflops, training_flops
+from minitrainer.model.attention import model_inputs, resolve_attn_implementation
+from minitrainer.model.context_parallel import (CONTEXT_PARALLEL, inner_backend, new_context_group,
+                                                register_context_parallel_backend, shard_minibatch)
 
 
 @dataclass
 class LongContextConfig:
     """One sample per step, several lengths, several context-parallel sizes."""
 
-    shape: str = config_field("tiny", help="model shape (model_shapes.py), random init")
+    shape: str = config_field("tiny", help="model shape (model/shapes.py), random init")
     lengths: str = config_field("1024,2048,4096,8192", help="comma-separated sample lengths in tokens")
     context_parallel_sizes: str = config_field("1,2,4", help="comma-separated N; each runs under torchrun with N ranks")
     liger: bool = config_field(False, help="Liger kernels and fused loss (CUDA)")

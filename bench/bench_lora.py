@@ -33,7 +33,7 @@ from bench.bench_process_data import run_timed
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SHAPES = ("Qwen2.5-1.5B", "Llama-3-8B", "Llama-3-70B")  # of model_shapes.py: the state-bytes table
+SHAPES = ("Qwen2.5-1.5B", "Llama-3-8B", "Llama-3-70B")  # of model/shapes.py: the state-bytes table
 
 
 def state_bytes(shape: str, lora_rank: int, *, quantize: bool = False,
@@ -42,10 +42,10 @@ def state_bytes(shape: str, lora_rank: int, *, quantize: bool = False,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune_method import count_parameters
-    from lora import LoraSettings, apply_lora
-    from model_shapes import model_config
-    from qlora import quantize_base_weights
+    from minitrainer.methods.base import count_parameters
+    from minitrainer.methods.lora import LoraSettings, apply_lora
+    from minitrainer.model.shapes import model_config
+    from minitrainer.methods.qlora import quantize_base_weights
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config(shape))
@@ -72,13 +72,13 @@ def main() -> None:
     parser.add_argument("--output-json", default=str(ROOT / "bench" / "lora_results.json"))
     args = parser.parse_args()
 
-    from demo import DemoConfig, build_demo_model
-    from process_data import ProcessDataConfig, process_data
+    from minitrainer.tools.demo import DEMO_DATA, DemoConfig, build_demo_model
+    from minitrainer.data.process_data import ProcessDataConfig, process_data
 
     work = Path(tempfile.mkdtemp(prefix="bench_lora_"))
     demo = DemoConfig(output_dir=str(work), hidden_size=args.hidden_size)
     model_dir = build_demo_model(work / "model", demo)
-    process_data(ProcessDataConfig(input_file=str(ROOT / "data" / "demo_chat.jsonl"), output_dir=str(work / "data"),
+    process_data(ProcessDataConfig(input_file=str(DEMO_DATA), output_dir=str(work / "data"),
                                    model_name_or_path=str(model_dir), num_proc=1, num_printed_samples=0))
     modes = {"full": []}
     for r in args.lora_ranks.split(","):

@@ -55,9 +55,9 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
     """One process, one mode: times and added peak memory of the head's forward + backward."""
     import torch
 
-    from loss import chunked_cross_entropy_sum, learned_positions, make_liger_fused_loss
-    from objective import LogitTransform
-    from utils import IGNORE_INDEX, peak_memory_gb, reset_peak_memory, synchronize
+    from minitrainer.model.loss import chunked_cross_entropy_sum, learned_positions, make_liger_fused_loss
+    from minitrainer.model.objective import LogitTransform
+    from minitrainer.common.utils import IGNORE_INDEX, peak_memory_gb, reset_peak_memory, synchronize
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     device = torch.device(args.device)
@@ -97,7 +97,7 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
 
 def masked_fraction_of(data_path: str) -> tuple[float, int]:
     """(prompt share of all positions, number of samples) of a tokenized dataset (targets already shifted)."""
-    from sampler import load_tokenized_dataset
+    from minitrainer.data.sampler import load_tokenized_dataset
 
     dataset = load_tokenized_dataset(data_path)
     tokens = int(dataset.lengths.sum())
@@ -106,8 +106,8 @@ def masked_fraction_of(data_path: str) -> tuple[float, int]:
 
 def demo_data(folder: Path) -> str:
     """The shipped demo conversations tokenized as ``demo.py`` does (its BPE tokenizer, masked prompts)."""
-    from demo import DEMO_DATA, DemoConfig, build_demo_model
-    from process_data import ProcessDataConfig, process_data
+    from minitrainer.tools.demo import DEMO_DATA, DemoConfig, build_demo_model
+    from minitrainer.data.process_data import ProcessDataConfig, process_data
 
     model_dir = build_demo_model(folder / "model", DemoConfig(hidden_size=32, num_layers=1))
     process_data(ProcessDataConfig(input_file=str(DEMO_DATA), output_dir=str(folder / "data"),

@@ -21,12 +21,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fixtures.e2e import model_vocab_size, write_tokenized_jsonl
-from optimizers import OPTIMIZERS
-from setup_run import batch_loader, setup_run
-from tiny_model import build_tiny_model
-from train_config import TrainConfig
-from train_step import reduce_step, train_step
-from utils import cleanup, config_field, init_distributed, parse_config
+from minitrainer.common.utils import cleanup, config_field, init_distributed, parse_config
+from minitrainer.optimizers import OPTIMIZERS
+from minitrainer.setup_run import batch_loader, setup_run
+from minitrainer.tools.tiny_model import build_tiny_model
+from minitrainer.train_config import TrainConfig
+from minitrainer.train_step import reduce_step, train_step
 
 
 @dataclass(kw_only=True)

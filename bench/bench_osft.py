@@ -62,7 +62,7 @@ def _train(model: Path, data: Path, out: Path, *extra) -> list[dict]:
 
 
 def speed(args, work: Path) -> dict:
-    from tiny_model import build_tiny_model
+    from minitrainer.tools.tiny_model import build_tiny_model
 
     model = build_tiny_model("chatml", work / "speed_model", hidden_size=args.hidden_size,
                              num_layers=args.num_layers, intermediate_size=int(args.hidden_size * 2.75) // 8 * 8,
@@ -94,7 +94,7 @@ def layer_timing(width: int, num_tokens: int, repeats: int = 5) -> dict:
     from torch import nn
     from torch.nn import functional as F
 
-    from osft import OSFTLinear
+    from minitrainer.methods.osft import OSFTLinear
 
     torch.manual_seed(0)
     dense = nn.Linear(width, width, bias=False)
@@ -148,7 +148,7 @@ def heldout_loss(export: Path, data: Path) -> float:
 
 
 def forgetting(args, work: Path) -> dict:
-    from tiny_model import build_tiny_model
+    from minitrainer.tools.tiny_model import build_tiny_model
 
     model = build_tiny_model("chatml", work / "forget_model", hidden_size=128, num_layers=2, intermediate_size=352,
                              num_heads=4, num_kv_heads=2)
@@ -178,7 +178,7 @@ def svd_accuracy(shapes: list[tuple[int, int]], device: str) -> list[dict]:
     """Per shape and driver: relative reconstruction error, its multiple of eps sqrt(max(N, M)), seconds."""
     import torch
 
-    from osft import relative_error, svd_tolerance
+    from minitrainer.methods.osft import relative_error, svd_tolerance
 
     drivers = [None, "gesvd"] if device.startswith("cuda") else [None]
     eps = torch.finfo(torch.float32).eps

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 
-from packing import lpt_minibatches, minibatches_lower_bound, plan_minibatches, rank_loads
+from minitrainer.data.packing import lpt_minibatches, minibatches_lower_bound, plan_minibatches, rank_loads
 
 BATCH_SIZES = (128, 1024, 4096)
 WORLD_SIZES = (1, 8, 64)

@@ -56,8 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tiny_model import build_tokenizer
-from utils import IGNORE_INDEX, collect_errors, config_field, parse_config
+from minitrainer.common.utils import IGNORE_INDEX, collect_errors, config_field, parse_config
+from minitrainer.tools.tiny_model import build_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -34,14 +34,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import schedule
 from fixtures.e2e import model_vocab_size, write_tokenized_jsonl
 from fixtures.sync_count import SyncCounter
-from setup_run import batch_loader, setup_run
-from tiny_model import build_tiny_model
-from train_config import TrainConfig
-from train_step import log_step, reduce_step, train_step
-from utils import cleanup, config_field, init_distributed, parse_config
+from minitrainer import schedule
+from minitrainer.common.utils import cleanup, config_field, init_distributed, parse_config
+from minitrainer.setup_run import batch_loader, setup_run
+from minitrainer.tools.tiny_model import build_tiny_model
+from minitrainer.train_config import TrainConfig
+from minitrainer.train_step import log_step, reduce_step, train_step
 
 
 @dataclass(kw_only=True)

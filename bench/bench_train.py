@@ -5,7 +5,7 @@
     python -m bench.bench_train --shape tiny --max-tokens-per-gpu 2048 --median-len 64 --p99-len 850 \\
         --max-len 1024 --num-steps 4 --repeats 5 --layouts packed,packed_reference,padded   # CPU, ~2 min
 
-A random-init model of a named shape (``model_shapes.py``, nothing downloaded) is
+A random-init model of a named shape (``model/shapes.py``, nothing downloaded) is
 trained exactly as ``train.py`` trains it: FSDP2 (one rank is fine), fp32
 master weights with bf16 compute on GPU, AdamW, the chunked or Liger loss of
 ``loss.CausalLMWithLoss``. Configurations:
@@ -53,15 +53,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, flash_attn_unavailable_reason,
-                       register_attention_backends)
-from autotune import longest_first_plan, probe_max_tokens_per_gpu
-from flops import measure_bf16_matmul_tflops, model_flops, training_flops
-from loss import CausalLMWithLoss
-from model_shapes import SHAPES, model_config
-from utils import (IGNORE_INDEX, DistInfo, cleanup, collect_errors, comma_list, config_field, first_error, gpu_name,
-                   init_distributed, log_rank_0, parse_config, peak_memory_gb,
-                   reset_peak_memory, setup_logging, synchronize)
+from minitrainer.autotune import longest_first_plan, probe_max_tokens_per_gpu
+from minitrainer.common.utils import (IGNORE_INDEX, DistInfo, cleanup, collect_errors, comma_list, config_field,
+                                      first_error, gpu_name, init_distributed, log_rank_0, parse_config, peak_memory_gb,
+                                      reset_peak_memory, setup_logging, synchronize)
+from minitrainer.flops import measure_bf16_matmul_tflops, model_flops, training_flops
+from minitrainer.model.attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs,
+                                         flash_attn_unavailable_reason, register_attention_backends)
+from minitrainer.model.loss import CausalLMWithLoss
+from minitrainer.model.shapes import SHAPES, model_config
 
 LAYOUTS = ("packed", "packed_flash", "packed_reference", "padded")
 DEFAULT_LAYOUTS = "packed,packed_flash,padded"
@@ -189,8 +189,8 @@ def build_model(config: BenchConfig, *, attn: str, liger: bool, ac: bool, dist_i
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    from loss import find_decoder_blocks
-    from setup_model_fsdp import apply_liger_kernels
+    from minitrainer.model.loss import find_decoder_blocks
+    from minitrainer.setup_model_fsdp import apply_liger_kernels
 
     register_attention_backends()
     hf_config = model_config(config.shape, max_position_embeddings=max(32768, config.max_probe_tokens))
@@ -302,7 +302,7 @@ def run_configuration(config: BenchConfig, dist_info: DistInfo, *, layout: str, 
 
 def configurations(config: BenchConfig, device_type: str) -> list[tuple[str, str, bool, bool]]:
     """(layout, attention, liger, ac) to run here, with a warning for each that cannot."""
-    from attention import torch_varlen_unavailable_reason
+    from minitrainer.model.attention import torch_varlen_unavailable_reason
 
     on_gpu = device_type == "cuda"
     attn_for = {"padded": "sdpa", "packed_reference": REFERENCE_VARLEN}

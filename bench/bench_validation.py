@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from demo import DEMO_DATA, DemoConfig, build_demo_model
+from minitrainer.tools.demo import DEMO_DATA, DemoConfig, build_demo_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--json", default="bench/bench_validation.json", help="where to write results")
     args = parser.parse_args()
 
-    from process_data import ProcessDataConfig, process_data
+    from minitrainer.data.process_data import ProcessDataConfig, process_data
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from utils import collect_errors, comma_list, config_field, parse_config
+from minitrainer.common.utils import collect_errors, comma_list, config_field, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -281,7 +281,7 @@ def check_gpu_tests(runner: Runner, deadline: float) -> dict:
 def check_exactness(runner: Runner, deadline: float) -> dict:
     from fixtures.architectures import ARCH_BY_NAME, build_architecture
     from fixtures.e2e import write_tokenized_jsonl
-    from tiny_model import build_tokenizer
+    from minitrainer.tools.tiny_model import build_tokenizer
 
     tokenizer_dir = runner.scratch / "tokenizer"
     tokenizer = build_tokenizer("chatml", tokenizer_dir)
@@ -436,7 +436,7 @@ def fastest_exact(rows: list[dict], budget: int) -> dict | None:
 
 def out_of_memory(output: str) -> bool:
     """Whether a failed train.py ran out of device memory: its traceback names the allocation failure."""
-    from autotune import ALLOCATION_FAILURES
+    from minitrainer.autotune import ALLOCATION_FAILURES
 
     return any(text in output for text in ALLOCATION_FAILURES)
 
@@ -463,7 +463,7 @@ def check_levers(runner: Runner, deadline: float) -> dict:
     when a run that needed no more memory ran out ("skipped: ..."); hence the order of ``settings_order``, so
     whatever fits gives an answer. Out of memory is told from other failures by train.py's traceback.
     """
-    from train import TrainConfig
+    from minitrainer.train import TrainConfig
 
     defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
     reference = tuple(defaults[lever.field] for lever in LEVERS)
@@ -669,8 +669,8 @@ def sub_env(_: dict) -> dict:
     import torch
     import transformers
 
-    from flops import peak_bf16_tflops_for
-    from utils import gpu_name
+    from minitrainer.flops import peak_bf16_tflops_for
+    from minitrainer.common.utils import gpu_name
 
     name = gpu_name()
     return {"device": name, "python": platform.python_version(), "torch": torch.__version__,
@@ -681,8 +681,8 @@ def sub_env(_: dict) -> dict:
 def sub_matmul(args: dict) -> dict:
     import torch
 
-    from flops import time_bf16_matmul
-    from utils import device_type
+    from minitrainer.flops import time_bf16_matmul
+    from minitrainer.common.utils import device_type
 
     device = torch.device(device_type())
     return {"n": args["n"], "device": device.type, "bf16_matmul_tflops": time_bf16_matmul(device, n=args["n"])}
@@ -694,7 +694,7 @@ def sub_reference_loss(args: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from fixtures.e2e import unpacked_loss_sum
-    from utils import device_type
+    from minitrainer.common.utils import device_type
 
     device = torch.device(device_type())
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as setup_model_fsdp computes
@@ -718,9 +718,9 @@ def sub_lever_setup(args: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from bench.bench_train import BenchConfig, draw_samples
-    from model_shapes import model_config
-    from tiny_model import build_tokenizer
-    from utils import device_type
+    from minitrainer.model.shapes import model_config
+    from minitrainer.tools.tiny_model import build_tokenizer
+    from minitrainer.common.utils import device_type
 
     config = model_config(args["shape"], max_position_embeddings=max(32768, args["budget"]))
     device = torch.device(device_type())
@@ -900,7 +900,7 @@ def gpu_check(config: GpuCheckConfig) -> dict:
 
 
 def _cuda_visible() -> bool:
-    from utils import device_type
+    from minitrainer.common.utils import device_type
 
     return device_type() == "cuda"
 

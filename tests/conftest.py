@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_model import TEMPLATES, build_tiny_model
+from minitrainer.tools.tiny_model import TEMPLATES, build_tiny_model
 
 TEMPLATE_NAMES = sorted(TEMPLATES)
 # `make test-matrix` runs the data and packing tests under interpreters that have no CPU build of
@@ -24,7 +24,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    from utils import device_type
+    from minitrainer.common.utils import device_type
 
     if HAS_TORCH and device_type() == "cuda":
         return

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-import sampler
-from attention import model_inputs
-from autotune import make_trial_step, probe_agreement, trial_fits
-from hf_export import gather_full_state_dict
-from setup_model_fsdp import setup_model
-from utils import cleanup, init_distributed
+from minitrainer.autotune import make_trial_step, probe_agreement, trial_fits
+from minitrainer.checkpoint.hf_export import gather_full_state_dict
+from minitrainer.common.utils import cleanup, init_distributed
+from minitrainer.data import sampler
+from minitrainer.model.attention import model_inputs
+from minitrainer.setup_model_fsdp import setup_model
 
 
 def main(model_dir: str, data_file: str, result: str) -> None:

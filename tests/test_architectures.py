@@ -30,8 +30,8 @@ import pytest
 
 from fixtures.architectures import (ARCHITECTURES, ARCH_BY_NAME, NOT_SHIPPED, build_architecture, matrix_args,
                                     reference_step_one)
-from fault_injection import DROP_LOGIT_SCALE
 from fixtures.e2e import read_metrics, torchrun, write_tokenized_jsonl
+from minitrainer.common.fault_injection import DROP_LOGIT_SCALE
 
 REFUSED = "gpt_oss"
 """Its forward builds the attention mask without position_ids, so eager lets packed samples see each other,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune import is_allocation_failure, trial_fits
 from fixtures.e2e import model_vocab_size, torchrun, write_tokenized_jsonl
+from minitrainer.autotune import is_allocation_failure, trial_fits
 
 
 def test_allocation_failures_beyond_out_of_memory_error_mean_does_not_fit():

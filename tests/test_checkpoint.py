@@ -8,9 +8,9 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from hf_export import save_hf_checkpoint
-from setup_model_fsdp import setup_model
-from utils import init_distributed
+from minitrainer.checkpoint.hf_export import save_hf_checkpoint
+from minitrainer.common.utils import init_distributed
+from minitrainer.setup_model_fsdp import setup_model
 
 
 def test_sharded_export_with_index_round_trips(tmp_path, chatml_model):

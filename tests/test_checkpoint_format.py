@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fixtures.e2e import pickle_enums
-from safe_metadata import MetadataSafeReader, _MetadataUnpickler, enum_member_by_name
+from minitrainer.checkpoint.safe_metadata import MetadataSafeReader, _MetadataUnpickler, enum_member_by_name
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
 
 

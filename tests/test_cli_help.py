@@ -12,11 +12,11 @@ import textwrap
 
 import pytest
 
-from demo import DemoConfig
-from inspect_data import InspectDataConfig
-from process_data import ProcessDataConfig
-from train_config import TrainConfig
-from utils import build_arg_parser
+from minitrainer.common.utils import build_arg_parser
+from minitrainer.data.process_data import ProcessDataConfig
+from minitrainer.tools.demo import DemoConfig
+from minitrainer.tools.inspect_data import InspectDataConfig
+from minitrainer.train_config import TrainConfig
 
 CONFIGS = [TrainConfig, ProcessDataConfig, DemoConfig, InspectDataConfig]
 HELP_WIDTH = 100 - 24 - 2  # argparse's help column on a 100-column terminal

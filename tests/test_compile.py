@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
-from full_state import complete_checkpoints
-from setup_model_fsdp import compile_refusal
+from minitrainer.checkpoint.full_state import complete_checkpoints
+from minitrainer.setup_model_fsdp import compile_refusal
 
 BATCH = 12
 STEPS = 6
@@ -110,11 +110,11 @@ def test_compile_without_a_cpp_compiler_is_refused_in_one_line():
 COMPILE_LIGER_SCRIPT = r"""
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-from attention import model_inputs
-from loss import CausalLMWithLoss, find_decoder_blocks, make_liger_fused_loss
-from recomputation import set_policy
-from sampler import collate_minibatch
-from setup_model_fsdp import apply_liger_kernels, compile_blocks
+from minitrainer.model.attention import model_inputs
+from minitrainer.model.loss import CausalLMWithLoss, find_decoder_blocks, make_liger_fused_loss
+from minitrainer.model.recomputation import set_policy
+from minitrainer.data.sampler import collate_minibatch
+from minitrainer.setup_model_fsdp import apply_liger_kernels, compile_blocks
 torch.manual_seed(0)
 gen = torch.Generator().manual_seed(1)
 samples = []

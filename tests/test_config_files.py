@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from config_files import config_from_file, nearest_name, read_config_file
 from fixtures.e2e import ROOT, assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
-from process_data import ProcessDataConfig
-from train_config import TrainConfig
-from utils import parse_config
+from minitrainer.common.config_files import config_from_file, nearest_name, read_config_file
+from minitrainer.common.utils import parse_config
+from minitrainer.data.process_data import ProcessDataConfig
+from minitrainer.train_config import TrainConfig
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 

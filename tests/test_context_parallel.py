@@ -17,20 +17,12 @@ import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attention import REFERENCE_VARLEN, register_attention_backends, varlen_reference
-from context_parallel import (
-    CONTEXT_PARALLEL,
-    context_parallel_attention,
-    context_parallel_plan,
-    document_lengths,
-    loss_counted_tokens_per_rank,
-    query_segments,
-    rank_attention_costs,
-    register_context_parallel_backend,
-    shard_row,
-    split_row,
-)
-from utils import IGNORE_INDEX
+from minitrainer.common.utils import IGNORE_INDEX
+from minitrainer.model.attention import REFERENCE_VARLEN, register_attention_backends, varlen_reference
+from minitrainer.model.context_parallel import (CONTEXT_PARALLEL, context_parallel_attention, context_parallel_plan,
+                                                document_lengths, loss_counted_tokens_per_rank, query_segments,
+                                                rank_attention_costs, register_context_parallel_backend, shard_row,
+                                                split_row)
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -25,13 +25,13 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import context_parallel
-import fault_injection
-import setup_run
-from attention import AttentionNeeds
 from fixtures.e2e import model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, write_tokenized_jsonl
-from full_state import complete_checkpoints
-from train_config import TrainConfig
+from minitrainer import setup_run
+from minitrainer.checkpoint.full_state import complete_checkpoints
+from minitrainer.common import fault_injection
+from minitrainer.model import context_parallel
+from minitrainer.model.attention import AttentionNeeds
+from minitrainer.train_config import TrainConfig
 
 BATCH = 8
 STEPS = 3

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.e2e import ROOT, assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
-from leftovers import process_start, remove_dead_leftovers
+from minitrainer.common.leftovers import process_start, remove_dead_leftovers
 from tests.test_faults import _no_worker_traceback, small_disk  # noqa: F401  (small_disk: the tmpfs fixture)
 
 CONVERSATION = [{"role": "system", "content": "Answer in full sentences. " * 4},

@@ -1,4 +1,4 @@
-"""Row formats (data_formats.py) through process_data.py: the same conversations written as
+"""Row formats (data/formats.py) through process_data.py: the same conversations written as
 ``messages`` and as ShareGPT, TRL prompt/completion and text, and alpaca rows give byte-identical
 ``input_ids`` and ``labels`` under real chat templates; bad rows of each kind are counted, listed
 and skipped (exit 0), ``--strict`` stops at the first; a file of no accepted format is refused.
@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chat_masking import SampleError
-from data_formats import parse_columns, read_row, unread_system
-from process_data import ProcessDataConfig, main, process_data
+from minitrainer.common.utils import IGNORE_INDEX, logger
+from minitrainer.data.chat_masking import SampleError
+from minitrainer.data.formats import parse_columns, read_row, unread_system
+from minitrainer.data.process_data import ProcessDataConfig, main, process_data
 from tests.test_process_data import read_jsonl, write_jsonl
-from utils import IGNORE_INDEX, logger
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "fixtures" / "chat_templates"
@@ -659,7 +659,7 @@ def _paths(value, path=()):
 
 @pytest.fixture(scope="module")
 def fuzz_encoder(tiny_models):
-    from process_data import load_tokenizer, make_encoder
+    from minitrainer.data.process_data import load_tokenizer, make_encoder
 
     config = ProcessDataConfig(input_file="rows.jsonl", model_name_or_path=str(tiny_models["tools"]),
                                output_dir="unused")
@@ -673,8 +673,8 @@ def test_any_value_anywhere_in_a_row_is_a_sample_or_one_counted_rejection(fuzz_e
     '\\ud83d' escape each stopped the run with a traceback; a table row (a dict) and a JSON line both."""
     import copy
 
-    from data_sources import Chunk
-    from process_data import encode_chunk
+    from minitrainer.data.sources import Chunk
+    from minitrainer.data.process_data import encode_chunk
 
     config, encoder = fuzz_encoder
     row = copy.deepcopy(data.draw(st.sampled_from(_FUZZ_BASES)))

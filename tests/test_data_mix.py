@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_mix import MixedDataset, MixedStream, Source, data_paths, parse_data_spec
 from fixtures.e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
-from full_state import complete_checkpoints
-from sampler import load_tokenized_dataset
+from minitrainer.checkpoint.full_state import complete_checkpoints
+from minitrainer.data.mix import MixedDataset, MixedStream, Source, data_paths, parse_data_spec
+from minitrainer.data.sampler import load_tokenized_dataset
 
 
 def test_single_path_is_not_a_mix(tmp_path):

@@ -1,4 +1,4 @@
-"""File kinds (data_sources.py) through process_data.py: the same rows as JSON lines, a ``.json``
+"""File kinds (data/sources.py) through process_data.py: the same rows as JSON lines, a ``.json``
 array, gzip, parquet, arrow (file and stream), csv, a ``save_to_disk`` folder, a folder and a glob
 of shards, and a hub id through ``datasets.load_dataset`` give a byte-identical ``data.jsonl``;
 table rows are numbered by row in ``rejected.jsonl`` and ``--strict``; readers stream.
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from data_cache import is_tokenized
-from data_sources import SPLIT_FLAG, open_input
-from process_data import ProcessDataConfig, main, process_data
+from minitrainer.data.cache import is_tokenized
+from minitrainer.data.process_data import ProcessDataConfig, main, process_data
+from minitrainer.data.sources import SPLIT_FLAG, open_input
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = [{"id": i, "messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from fixtures.e2e import ROOT, read_metrics, write_tokenized_jsonl
+from minitrainer.tools.demo import DEMO_DATA
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -32,7 +32,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def api_run(tmp_path_factory, chatml_model) -> Path:
     from transformers import AutoConfig
 
-    from api import TorchrunArgs, TrainConfig, run_training
+    from minitrainer.api import TorchrunArgs, TrainConfig, run_training
 
     root = tmp_path_factory.mktemp("api_run")
     vocab = AutoConfig.from_pretrained(chatml_model).vocab_size
@@ -58,19 +58,17 @@ def test_run_training_launches_a_real_two_process_run(api_run):
 
 
 def test_run_training_raises_when_torchrun_fails(tmp_path, monkeypatch):
-    import api
+    from minitrainer import api
 
-    failing = tmp_path / "failing.py"
-    failing.write_text("raise SystemExit(3)\n")
-    monkeypatch.setattr(api, "TRAIN_SCRIPT", failing)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    config = api.TrainConfig(output_dir=str(tmp_path / "out"), min_samples_per_checkpoint=10)
+    config = api.TrainConfig(output_dir=str(tmp_path / "out"), min_samples_per_checkpoint=10,
+                             model_name_or_path=str(tmp_path / "no-such-model"), data_path=str(tmp_path / "data"))
     with pytest.raises(subprocess.CalledProcessError):
         api.run_training(api.TorchrunArgs(nproc_per_node=1), config)
 
 
 def test_reloaded_checkpoint_generates(api_run):
-    from demo import generate_reply, latest_checkpoint
+    from minitrainer.tools.demo import generate_reply, latest_checkpoint
 
     checkpoint = latest_checkpoint(api_run)
     assert checkpoint.name == "samples_16"
@@ -79,7 +77,7 @@ def test_reloaded_checkpoint_generates(api_run):
 
 
 def test_latest_checkpoint_is_numeric_not_lexicographic(tmp_path):
-    from demo import latest_checkpoint
+    from minitrainer.tools.demo import latest_checkpoint
 
     for n in (9, 10, 100):
         (tmp_path / "hf_format" / f"samples_{n}").mkdir(parents=True)
@@ -95,7 +93,7 @@ def test_latest_checkpoint_is_numeric_not_lexicographic(tmp_path):
 def test_plots_are_valid_pngs(api_run, tmp_path):
     import matplotlib.image
 
-    from plot_metrics import plot_metrics
+    from minitrainer.tools.plot_metrics import plot_metrics
 
     paths = plot_metrics(api_run, out_dir=tmp_path)
     assert sorted(p.name for p in paths) == ["loss.png", "metrics_by_samples.png", "metrics_by_step.png"]
@@ -106,7 +104,7 @@ def test_plots_are_valid_pngs(api_run, tmp_path):
 
 
 def test_plot_cli_and_errors(api_run, tmp_path, monkeypatch, capsys):
-    import plot_metrics
+    from minitrainer.tools import plot_metrics
 
     plot_metrics.main([str(api_run), "--out-dir", str(tmp_path / "cli")])
     assert len(capsys.readouterr().out.split()) == 3
@@ -118,7 +116,7 @@ def test_plot_cli_and_errors(api_run, tmp_path, monkeypatch, capsys):
 
 
 def test_smoothing_is_a_bias_corrected_ema():
-    from plot_metrics import smooth
+    from minitrainer.tools.plot_metrics import smooth
 
     values = np.array([4.0, 2.0, np.nan, 1.0])
     out = smooth(values, 0.5)
@@ -133,7 +131,7 @@ def test_smoothing_is_a_bias_corrected_ema():
 
 
 def _non_default_config():
-    from train import TrainConfig
+    from minitrainer.train import TrainConfig
 
     return TrainConfig(output_dir="/tmp/o", min_samples_per_checkpoint=7, model_name_or_path="m",
                        data_path="d", batch_size=3, max_tokens_per_gpu=99, learning_rate=1.2345678901234e-5,
@@ -146,9 +144,9 @@ def _non_default_config():
 
 @pytest.mark.parametrize("which", ["defaults", "non_defaults"])
 def test_config_flags_round_trip_through_train_parser(which):
-    from api import config_to_argv
-    from train import TrainConfig
-    from utils import build_arg_parser, parse_config
+    from minitrainer.api import config_to_argv
+    from minitrainer.train import TrainConfig
+    from minitrainer.common.utils import build_arg_parser, parse_config
 
     config = TrainConfig(output_dir="o", min_samples_per_checkpoint=1) if which == "defaults" \
         else _non_default_config()
@@ -161,8 +159,8 @@ def test_config_flags_round_trip_through_train_parser(which):
 
 
 def test_config_to_argv_spells_bools_tuples_and_none():
-    from api import config_to_argv
-    from train import TrainConfig
+    from minitrainer.api import config_to_argv
+    from minitrainer.train import TrainConfig
 
     argv = config_to_argv(TrainConfig(output_dir="o", min_samples_per_checkpoint=1, adam_betas=(0.5, 0.6),
                                       cpu_offload=False, use_liger_kernels=True))
@@ -175,8 +173,8 @@ def test_config_to_argv_spells_bools_tuples_and_none():
 def test_torchrun_args_parse_with_torchruns_own_parser():
     from torch.distributed.run import get_args_parser
 
-    from api import TorchrunArgs, torchrun_command
-    from train import TrainConfig
+    from minitrainer.api import TorchrunArgs, torchrun_command
+    from minitrainer.train import TrainConfig
 
     parser = get_args_parser()
     single = parser.parse_args([*TorchrunArgs(nproc_per_node=4).to_argv(), "train.py"])
@@ -188,7 +186,7 @@ def test_torchrun_args_parse_with_torchruns_own_parser():
     static = parser.parse_args([*TorchrunArgs(nnodes=2, node_rank=1, master_addr="10.0.0.1").to_argv(), "x.py"])
     assert (static.node_rank, static.master_addr, static.master_port) == (1, "10.0.0.1", 29500)
     command = torchrun_command(TorchrunArgs(), TrainConfig(output_dir="o", min_samples_per_checkpoint=1))
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and command[6].endswith("train.py")
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and command[6:8] == ["-m", "minitrainer.train"]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -198,15 +196,15 @@ def test_torchrun_args_parse_with_torchruns_own_parser():
     ({"nproc_per_node": 0}, ">= 1"),
 ])
 def test_torchrun_args_validation(kwargs, match):
-    from api import TorchrunArgs
+    from minitrainer.api import TorchrunArgs
 
     with pytest.raises(ValueError, match=match):
         TorchrunArgs(**kwargs)
 
 
 def test_api_reexports_process_data():
-    import api
-    import process_data
+    from minitrainer import api
+    from minitrainer.data import process_data
 
     assert api.process_data is process_data.process_data and api.ProcessDataConfig is process_data.ProcessDataConfig
 
@@ -231,8 +229,8 @@ def test_sbatch_script_parses_and_builds_torchrun_from_slurm():
 
 
 def test_sbatch_train_flags_exist_in_train_parser():
-    from train import TrainConfig
-    from utils import build_arg_parser
+    from minitrainer.train import TrainConfig
+    from minitrainer.common.utils import build_arg_parser
 
     text = (ROOT / "slurm_multi_node.sbatch").read_text()
     launch = text[text.index('"$SLURM_SUBMIT_DIR/train.py"'):text.index("SRUN_PID=$!")]
@@ -247,13 +245,13 @@ def test_sbatch_train_flags_exist_in_train_parser():
 
 
 def _demo_rows() -> list[dict]:
-    return [json.loads(line) for line in (ROOT / "data" / "demo_chat.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in DEMO_DATA.read_text().splitlines()]
 
 
 def test_demo_dataset_is_valid_and_varied():
-    from chat_masking import parse_row
+    from minitrainer.data.chat_masking import parse_row
 
-    path = ROOT / "data" / "demo_chat.jsonl"
+    path = DEMO_DATA
     assert path.stat().st_size < 1_000_000
     lines = path.read_bytes().splitlines()
     for line in lines:
@@ -271,16 +269,17 @@ def test_demo_dataset_is_valid_and_varied():
 
 
 def test_demo_dataset_is_the_generator_output():
-    build_rows = runpy.run_path(str(ROOT / "data" / "make_demo_data.py"))["build_rows"]  # a script, not a module
+    from minitrainer.tools.make_demo_data import build_rows
+
     assert build_rows(0, num_conversations=360) == _demo_rows()
 
 
 def test_demo_dataset_tokenizes_without_rejections(tmp_path):
-    from demo import DemoConfig, build_demo_model
-    from process_data import ProcessDataConfig, process_data
+    from minitrainer.tools.demo import DemoConfig, build_demo_model
+    from minitrainer.data.process_data import ProcessDataConfig, process_data
 
     model = build_demo_model(tmp_path / "model", DemoConfig(vocab_size=512, hidden_size=32, num_layers=1))
-    summary = process_data(ProcessDataConfig(input_file=str(ROOT / "data" / "demo_chat.jsonl"),
+    summary = process_data(ProcessDataConfig(input_file=str(DEMO_DATA),
                                              output_dir=str(tmp_path / "data"), model_name_or_path=str(model),
                                              num_proc=1, num_printed_samples=0))
     assert summary["num_rejected"] == 0 and summary["num_written"] == len(_demo_rows())
@@ -293,7 +292,7 @@ def test_demo_dataset_tokenizes_without_rejections(tmp_path):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_inspect_data_reports_the_trainers_plan(tmp_path, capsys, world_size):
-    from inspect_data import main
+    from minitrainer.tools.inspect_data import main
 
     data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=30, vocab_size=100, seed=2, max_len=48)
     rows = [json.loads(line) for line in data.read_text().splitlines()]

@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from divergence import HISTORY, detect, remember, rewind_target
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
-from full_state import complete_checkpoints
+from minitrainer.checkpoint.full_state import complete_checkpoints
+from minitrainer.divergence import HISTORY, detect, remember, rewind_target
 
 BATCH = 8
 

@@ -9,12 +9,14 @@ Pages: README.md and docs/*.md. Every fenced ``bash``/``sh``/``console``/``pytho
   in one scratch folder that stands in for ``/tmp/quickstart`` (the README's quick start: tiny model,
   tokenizing, a 2-rank CPU training, loading the checkpoint);
 - ``# needs: gpu, hub, ...``: what a test machine lacks. Such a block is not run, but each of its
-  commands must still parse: ``train.py`` and ``process_data.py`` through ``utils.parse_config`` (what
-  their ``main`` does, ``__post_init__`` validation included), after stripping environment variables
-  and a ``torchrun`` prefix (parsed by torchrun's own parser); other root scripts, and
-  ``python -m bench.<script>`` (the only way a script outside the root runs), through their own
-  argparse (run up to ``parse_args`` and stopped there); ``make`` targets and variables against the
-  Makefile; ``pip install -r`` files, ``bash`` scripts and ``pytest`` paths must exist.
+  commands must still parse: training and tokenizing (``train.py``, ``process_data.py``, ``-m
+  minitrainer.train``, ``minitrainer-train``, ...) through ``parse_config`` (what their ``main`` does,
+  ``__post_init__`` validation included), after stripping environment variables and a ``torchrun``
+  prefix (parsed by torchrun's own parser); other modules run with ``python -m`` (the only way a script
+  outside the root runs: ``minitrainer.tools.demo``, ``bench.<script>``) and the console scripts of
+  ``pyproject.toml``, through their own argparse (run up to ``parse_args`` and stopped there); ``make``
+  targets and variables against the Makefile; ``pip install`` of requirement files or of the checkout
+  (with extras ``pyproject.toml`` declares), ``bash`` scripts and ``pytest`` paths must exist.
   A command that fits none of these fails the test, so no block can rot unseen.
 """
 
@@ -28,13 +30,14 @@ import runpy
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from process_data import ProcessDataConfig
-from train import TrainConfig
-from utils import build_arg_parser, parse_config
+from minitrainer.common.utils import build_arg_parser, parse_config
+from minitrainer.data.process_data import ProcessDataConfig
+from minitrainer.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -44,6 +47,10 @@ CHECKED_LANGS = {"bash", "sh", "console", "python"}
 NEEDS = {"nothing", "gpu", "hub", "network", "nodes", "slurm", "data", "time"}
 QUICKSTART = "/tmp/quickstart"
 MAKEFILE = (ROOT / "Makefile").read_text()
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+CONSOLE_SCRIPTS = PYPROJECT["scripts"]
+CONFIG_OF_MODULE = {"minitrainer.train": TrainConfig, "minitrainer.data.process_data": ProcessDataConfig}
+"""The entry points whose flags come from a config dataclass: parsed as their ``main`` parses them."""
 SBATCH_SCRIPT = "slurm_multi_node.sbatch"
 # The flags slurm_multi_node.sbatch passes to train.py before the ones given at submission.
 SBATCH_TRAIN_FLAGS = ["--model-name-or-path", "m", "--data-path", "d", "--output-dir", "o",
@@ -132,9 +139,13 @@ def check_script(script: str, args: list[str]) -> None:
 
 
 def check_module(module: str, args: list[str]) -> None:
-    """``python -m bench.x ...`` from the repository root (docs/code-layout.md, "How imports work")."""
+    """``python -m minitrainer.tools.demo ...``, ``python -m bench.x ...`` from the repository root
+    (docs/code-layout.md, "How imports work")."""
     path = ROOT / (module.replace(".", "/") + ".py")
-    assert path.is_file() and path.parent != ROOT, f"no module {module} under bench/, tests/ or fixtures/"
+    assert path.is_file() and path.parent != ROOT, f"no module {module} in minitrainer/, bench/, tests/ or fixtures/"
+    if module in CONFIG_OF_MODULE:
+        parse_config(CONFIG_OF_MODULE[module], args)
+        return
     imported = sys.modules.pop(module, None)  # another script imported it: `python -m` would run it fresh
     try:
         _parse_with_own_argparse(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True), str(path),
@@ -149,8 +160,14 @@ def check_torchrun(args: list[str]) -> None:
 
     # Shell variables stand for values the job knows ($NNODES, $HEAD_NODE:29500): any number fits them.
     parsed = get_args_parser().parse_args([re.sub(r"\$\{?\w+\}?", "1", word) for word in args])
-    check = check_module if parsed.module else check_script
+    check = check_module if parsed.module else check_console_script if parsed.no_python else check_script
     check(parsed.training_script, parsed.training_script_args)
+
+
+def check_console_script(name: str, args: list[str]) -> None:
+    """A console script of ``pyproject.toml`` (``minitrainer-train``): its module's command line."""
+    assert name in CONSOLE_SCRIPTS, f"pyproject.toml declares no console script {name}"
+    check_module(CONSOLE_SCRIPTS[name].split(":")[0], args)
 
 
 def check_make(args: list[str]) -> None:
@@ -183,6 +200,8 @@ def check_command(words: list[str]) -> None:
         check_pip(rest)
     elif name == "bash":
         assert (ROOT / rest[0]).is_file(), f"no such script {rest[0]}"
+    elif name in CONSOLE_SCRIPTS:
+        check_console_script(name, rest)
     elif name in ("python", "python3"):
         if rest[:2] == ["-m", "venv"]:
             return
@@ -204,10 +223,14 @@ def check_command(words: list[str]) -> None:
 
 
 def check_pip(args: list[str]) -> None:
+    """``pip install -r FILE``, ``pip install [-e] .[extras]`` (the checkout) or packages by name."""
     assert args[:1] == ["install"], f"pip {args}"
     for i, word in enumerate(args):
         if word == "-r":
             assert (ROOT / args[i + 1]).is_file(), f"no such requirements file {args[i + 1]}"
+        elif match := re.fullmatch(r"\.(?:\[([\w,-]+)\])?", word):
+            extras = set(match.group(1).split(",")) if match.group(1) else set()
+            assert extras <= set(PYPROJECT["optional-dependencies"]), f"pyproject.toml declares no extras {extras}"
 
 
 # ---------------------------------------------------------------------------------------------------

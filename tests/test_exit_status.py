@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.e2e import ROOT, _free_port, model_vocab_size, torchrun, write_tokenized_jsonl
-from tests.test_faults import _args, _children, _Launch
+from tests.test_faults import _Launch, _args, _children
 
 SECONDS_TO_EXIT = 30
 
@@ -59,7 +59,7 @@ def _status(out: Path) -> dict:
 
 
 def _wait_gone(pids: list[int], seconds: float) -> None:
-    from utils import pid_alive
+    from minitrainer.common.utils import pid_alive
 
     deadline = time.monotonic() + seconds
     while any(pid_alive(pid) for pid in pids):
@@ -178,7 +178,7 @@ def test_ranks_whose_launcher_was_killed_save_and_stop_freeing_the_lock(tmp_path
 @pytest.mark.parametrize("kind", ["missing_relative", "missing_absolute", "missing_deep", "file", "no_config",
                                   "model_folder", "hub_id"])
 def test_model_path_refusals_are_one_line(tmp_path, chatml_model, kind, monkeypatch):
-    from setup_run import model_path_error
+    from minitrainer.setup_run import model_path_error
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
@@ -217,7 +217,7 @@ def test_an_orphan_stuck_where_no_python_runs_exits_after_its_grace():
     """A rank whose launcher died while it waits in a collective for a peer that died too: the main thread runs
     no Python there (here: a blocking read), so only the watching thread can end it, unsaved, after its grace."""
     rank = ("import os; os.environ['TORCHELASTIC_RUN_ID'] = 'x'\n"
-            "from preemption import PreemptionFlag\n"
+            "from minitrainer.preemption import PreemptionFlag\n"
             "flag = PreemptionFlag(poll_s=0.1, orphan_grace_s=1.0)\n"
             "r, w = os.pipe(); print('ready', flush=True); os.read(r, 1)\n")
     launcher = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "

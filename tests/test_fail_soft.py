@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from train_config import TrainConfig
-from utils import DistInfo
+from minitrainer.common.utils import DistInfo
+from minitrainer.train_config import TrainConfig
 
 
 def _warnings(caplog) -> list[str]:
@@ -26,7 +26,7 @@ def _warnings(caplog) -> list[str]:
 
 def test_plots_that_cannot_be_drawn_are_one_warning(tmp_path, caplog):
     """A run folder without metrics: plot_metrics raises; the demo warns and goes on without plots."""
-    from demo import make_plots
+    from minitrainer.tools.demo import make_plots
 
     with caplog.at_level(logging.WARNING):
         assert make_plots(tmp_path) == []
@@ -44,7 +44,7 @@ def params_args(tmp_path):
 
 
 def test_training_params_record_non_json_values_as_text(params_args, tmp_path):
-    from setup_run import _write_training_params
+    from minitrainer.setup_run import _write_training_params
 
     _write_training_params(*params_args, 64)
     params = json.loads((tmp_path / "training_params.json").read_text())
@@ -53,7 +53,7 @@ def test_training_params_record_non_json_values_as_text(params_args, tmp_path):
 
 
 def test_training_params_that_cannot_be_written_are_one_warning(params_args, tmp_path, caplog):
-    from setup_run import _write_training_params
+    from minitrainer.setup_run import _write_training_params
 
     (tmp_path / "training_params.json").mkdir()  # the record's name is taken by a folder: IsADirectoryError
     with caplog.at_level(logging.WARNING):

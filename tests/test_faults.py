@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.e2e import ROOT, _free_port, assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
-from full_state import complete_checkpoints
+from minitrainer.checkpoint.full_state import complete_checkpoints
 
 BATCH = 12
 STEPS = 8
@@ -184,7 +184,7 @@ def _next_line_needs_a_page(metrics: Path) -> bool:
 
 
 def _complete_and_verified(out: Path) -> list[str]:
-    from full_state import verify
+    from minitrainer.checkpoint.full_state import verify
 
     found = []
     for path in complete_checkpoints(out / "full_state"):
@@ -292,7 +292,7 @@ def test_data_retokenized_with_the_same_lengths_is_refused(tmp_path, chatml_mode
 
 def test_a_checkpoint_older_than_the_content_fingerprint_resumes_with_a_warning(tmp_path, uninterrupted):
     """Decided: accept it (its sample count and lengths still must match), and say what was not compared."""
-    from resume_policy import check_resume
+    from minitrainer.checkpoint.resume_policy import check_resume
 
     newest = complete_checkpoints(uninterrupted / "full_state")[-1]
     state = json.loads((newest / "trainer_state.json").read_text())
@@ -331,8 +331,8 @@ def test_a_second_run_on_the_same_output_dir_is_refused_and_a_dead_runs_lock_tak
     _no_worker_traceback(output)
     assert holder["host"] == socket.gethostname() and (out / ".lock").is_file()
 
-    import output_lock
-    from utils import logger, pid_alive
+    from minitrainer.checkpoint import output_lock
+    from minitrainer.common.utils import logger, pid_alive
 
     deadline = time.monotonic() + 30
     while pid_alive(holder["pid"]):  # SIGKILL of the group is delivered, not awaited, by killpg
@@ -354,7 +354,7 @@ def test_a_second_run_on_the_same_output_dir_is_refused_and_a_dead_runs_lock_tak
 def test_a_lock_from_another_host_is_taken_over_only_by_the_same_slurm_job(tmp_path, monkeypatch, same_job):
     """A requeued SLURM job keeps its id and may land on another node: its own dead lock must not block it.
     Another job's lock on another host cannot be checked from here, so it is refused."""
-    import output_lock
+    from minitrainer.checkpoint import output_lock
 
     holder = {"host": "another-node", "pid": 12345, "started": "earlier", "slurm_job_id": "777"}
     (tmp_path / ".lock").write_text(json.dumps(holder))

@@ -9,11 +9,10 @@ import math
 
 import pytest
 import torch
-from fixtures.architectures import ARCHITECTURES, COMMON
 
-from flops import (ModelFlops, attended_pairs, checked_model_flops, matmul_params_of, model_flops,
-                   speed_metrics, training_flops)
-from flops import peak_bf16_tflops_for
+from fixtures.architectures import ARCHITECTURES, COMMON
+from minitrainer.flops import (ModelFlops, attended_pairs, checked_model_flops, matmul_params_of, model_flops,
+                               peak_bf16_tflops_for, speed_metrics, training_flops)
 
 
 def _meta_model(arch, vocab_size: int = 100):

@@ -1,13 +1,15 @@
-"""The house's shape: no import cycle anywhere in the repository; each folder imports only the ones below
-it; the training loop fits one screen.
+"""The house's shape: one package whose folders import downward only, no import cycle anywhere in the
+repository, thin entry scripts at the root, the training loop in one screen.
 
     .venv/bin/python -m pytest -q tests/test_layout.py
 
-The import graph covers every ``*.py`` of the root, ``fixtures/``, ``bench/``, ``tests/`` and ``data/``,
-imports inside functions included. The folders are layers (docs/code-layout.md, "How imports work"): the
-root imports only the root; ``fixtures/`` the root and itself; ``bench/`` those and itself; ``tests/``
-everything. A module outside the root is imported by its dotted path from the repository root
-(``fixtures.e2e``, ``bench.bench_train``); a bare name that only a sys.path edit could resolve is reported.
+The import graph covers every ``*.py`` of ``minitrainer/``, the root, ``fixtures/``, ``bench/`` and ``tests/``,
+imports inside functions included. The layers, lowest first (docs/code-layout.md): the package's
+``common``, ``data``, ``model``, ``methods``, ``checkpoint``, the run (``minitrainer/*.py``) and ``tools``;
+then the root's entry scripts, ``fixtures/``, ``bench/``, ``tests/``. A module imports its own layer or a
+lower one, by its dotted path from the repository root (``minitrainer.data.sampler``, ``fixtures.e2e``); a
+bare name that only a sys.path edit could resolve is reported. How the package installs and what a user's
+own modules do to it: tests/test_packaging.py.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import pytest
 
 from fixtures.e2e import ROOT
 
-LAYERS = {"": 0, "data": 0, "fixtures": 1, "bench": 2, "tests": 3}
-"""A module may import modules of its own layer or a lower one (``data/``: the demo data's standalone generator)."""
-FOLDERS = ("", "fixtures", "bench", "tests", "data")
-MODULES = {path.stem: path for path in ROOT.glob("*.py")}
+PACKAGE = ROOT / "minitrainer"
+LAYERS = ("minitrainer.common", "minitrainer.data", "minitrainer.model", "minitrainer.methods",
+          "minitrainer.checkpoint", "minitrainer", "minitrainer.tools", "", "fixtures", "bench", "tests")
+"""Lowest first: a module may import modules of its own layer or a lower one (``""``: the root's entry scripts)."""
+ENTRY_SCRIPTS = ("batch_metrics.py", "process_data.py", "sampler.py", "setup_model_fsdp.py", "train.py", "utils.py")
+"""The brief's six root files: entry scripts and re-exports of the package, nothing of their own."""
 
 
 def _module_name(path: Path) -> str:
@@ -35,11 +39,20 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-TREE = {_module_name(path): path for folder in FOLDERS for path in sorted((ROOT / folder).glob("*.py"))}
+FILES = sorted([*PACKAGE.rglob("*.py"), *ROOT.glob("*.py"),
+                *(path for folder in ("fixtures", "bench", "tests") for path in (ROOT / folder).glob("*.py"))])
+TREE = {_module_name(path): path for path in FILES}
+PACKAGE_MODULES = {name: path for name, path in TREE.items() if name.split(".")[0] == "minitrainer"}
 
 
-def _folder(name: str) -> str:
-    return name.split(".")[0] if "." in name or name in FOLDERS else ""
+def _layer(name: str) -> str:
+    """The layer of module ``name``: its package folder, the run's top folder, or the repository folder."""
+    if name.split(".")[0] != "minitrainer":
+        return name.split(".")[0] if "." in name or name in LAYERS else ""
+    parts = name.split(".")
+    is_package = TREE.get(name, Path()).name == "__init__.py"
+    folder = parts if is_package else parts[:-1]
+    return ".".join(folder[:2])
 
 
 def _resolve(name: str, importer: str) -> tuple[str | None, bool]:
@@ -53,20 +66,22 @@ def _resolve(name: str, importer: str) -> tuple[str | None, bool]:
     siblings = [n for n in TREE if n.rsplit(".", 1)[-1] == parts[0] and n != parts[0]]
     if not siblings:
         return None, True
-    own = [n for n in siblings if _folder(n) == _folder(importer)]
+    own = [n for n in siblings if _layer(n) == _layer(importer)]
     return (own or siblings)[0], False
 
 
 def _imports(path: Path) -> dict[str, bool]:
     """``{module: spelled from the root}`` for every repository module ``path`` imports, anywhere in it."""
     importer, found = _module_name(path), {}
+    package = importer.split(".") if path.name == "__init__.py" else importer.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            package = importer.split(".")[:len(importer.split(".")) - node.level] if node.level else []
-            base = ".".join([*package, *([node.module] if node.module else [])])
-            # `from bench import bench_train` names a module; `from utils import IGNORE_INDEX` does not.
+            anchor = package[:len(package) - node.level + 1] if node.level else []
+            base = ".".join([*anchor, *([node.module] if node.module else [])])
+            # `from minitrainer.data import sampler` names a module; `from minitrainer.common.utils import
+            # IGNORE_INDEX` does not.
             names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in TREE else base for alias in node.names]
         else:
             continue
@@ -98,17 +113,23 @@ def test_no_module_imports_itself_through_others():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_each_folder_imports_only_its_own_layer_or_lower():
+def test_each_layer_imports_only_its_own_or_lower_ones():
     upward = [f"{name} -> {imported}" for name, imports in sorted(GRAPH.items()) for imported in sorted(imports)
-              if _folder(name) in LAYERS and LAYERS[_folder(imported)] > LAYERS[_folder(name)]]
-    assert not upward, ("imports against the layers (root < fixtures < bench < tests; shared helpers go to "
-                        "fixtures/): " + "; ".join(upward))
+              if LAYERS.index(_layer(imported)) > LAYERS.index(_layer(name))]
+    assert not upward, ("imports against the layers (common < data < model < methods < checkpoint < the run < "
+                        "tools < the root's entry scripts < fixtures < bench < tests; a function that needs a "
+                        "higher layer moves to the layer it belongs to): " + "; ".join(upward))
 
 
-def test_modules_outside_the_root_are_imported_from_the_root():
+def test_every_package_module_is_in_a_layer():
+    folders = {_layer(name) for name in PACKAGE_MODULES}
+    assert folders <= set(LAYERS), f"folders of the package outside the layers: {sorted(folders - set(LAYERS))}"
+
+
+def test_modules_are_imported_from_the_root():
     bare = [f"{name} imports {imported} by a bare name" for name, imports in sorted(GRAPH.items())
             for imported, rooted in sorted(imports.items()) if not rooted]
-    assert not bare, "; ".join(bare) + " (write `fixtures.e2e`, `bench.bench_train`, ...)"
+    assert not bare, "; ".join(bare) + " (write `minitrainer.data.sampler`, `fixtures.e2e`, ...)"
 
 
 def test_no_file_edits_sys_path():
@@ -119,28 +140,51 @@ def test_no_file_edits_sys_path():
     assert not edits, f"sys.path used at {edits}: the repository root is the import root (docs/code-layout.md)"
 
 
-def test_only_entry_points_import_train():
-    importers = sorted(name for name, imports in GRAPH.items() if "train" in imports and _folder(name) == "")
-    assert importers == [], f"{importers} import train.py: import train_config (the config) instead"
+def test_the_root_holds_only_the_entry_scripts():
+    assert sorted(path.name for path in ROOT.glob("*.py")) == sorted(ENTRY_SCRIPTS), (
+        "a module of the library belongs in minitrainer/ (docs/code-layout.md)")
+
+
+@pytest.mark.parametrize("script", ENTRY_SCRIPTS)
+def test_an_entry_script_only_re_exports_the_package(script):
+    """A docstring, imports from ``minitrainer`` and at most ``if __name__ == "__main__": <imported>()``."""
+    tree = ast.parse((ROOT / script).read_text())
+    body = tree.body[1:] if ast.get_docstring(tree) else tree.body
+    imported = {alias.asname or alias.name for node in body if isinstance(node, ast.ImportFrom)
+                for alias in node.names}
+    for node in body:
+        if isinstance(node, ast.ImportFrom):
+            assert node.module.split(".")[0] == "minitrainer" and node.level == 0, ast.dump(node)
+        else:
+            assert isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'", ast.unparse(node)
+            [call] = node.body
+            assert isinstance(call.value, ast.Call) and not call.value.args and call.value.func.id in imported
+
+
+def test_nothing_of_the_package_imports_the_loop():
+    importers = sorted(name for name in PACKAGE_MODULES if "minitrainer.train" in GRAPH[name])
+    assert importers == [], f"{importers} import minitrainer/train.py: import minitrainer.train_config (the config)"
 
 
 def test_the_training_loop_fits_one_screen():
-    tree = ast.parse((ROOT / "train.py").read_text())
+    tree = ast.parse((PACKAGE / "train.py").read_text())
     loop = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "_train")
     assert loop.end_lineno - loop.lineno + 1 <= 60
 
 
 def test_every_module_is_in_the_code_layout_page():
     page = (ROOT / "docs" / "code-layout.md").read_text()
-    missing = sorted(name for name in MODULES if f"`{name}.py`" not in page)
+    named = [str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if path.name != "__init__.py"]
+    missing = sorted(name for name in named + list(ENTRY_SCRIPTS) if f"`{name}`" not in page)
     assert not missing, f"docs/code-layout.md does not say what {missing} are for"
 
 
-METHOD_NAMES = {"LoRA": (r"lora", {"lora.py", "qlora.py"}),
-                "QLoRA": (r"qlora|nf4|quantiz", {"qlora.py", "lora.py"}),  # LoraSettings carries the NF4 flag
-                "OSFT": (r"osft", {"osft.py"})}
-"""Each fine-tuning method, as its code spells it, and its own modules. Besides them only the config
-(``train_config.py``: its flags and ``fine_tuning_method``, the one place that picks a method) names it."""
+METHOD_NAMES = {"LoRA": (r"lora", {"methods/lora.py", "methods/qlora.py"}),
+                "QLoRA": (r"qlora|nf4|quantiz", {"methods/qlora.py", "methods/lora.py"}),  # LoraSettings: NF4 flag
+                "OSFT": (r"osft", {"methods/osft.py"})}
+"""Each fine-tuning method, as its code spells it, and its own modules of ``minitrainer/``. Besides them only
+the config (``train_config.py``: its flags and ``fine_tuning_method``, the one place that picks a method)
+names it."""
 
 
 def _code_tokens(path: Path) -> list[str]:
@@ -162,18 +206,22 @@ def _code_tokens(path: Path) -> list[str]:
 @pytest.mark.parametrize("method", sorted(METHOD_NAMES))
 def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(method):
     pattern, own = METHOD_NAMES[method]
-    named = sorted(name for name, path in MODULES.items() if f"{name}.py" not in own | {"train_config.py"}
+    allowed = {f"minitrainer/{name}" for name in own | {"train_config.py"}}
+    code = [*PACKAGE_MODULES.values(), *(ROOT / name for name in ENTRY_SCRIPTS)]
+    named = sorted(str(path.relative_to(ROOT)) for path in code if str(path.relative_to(ROOT)) not in allowed
                    and any(re.search(pattern, token, re.IGNORECASE) for token in _code_tokens(path)))
     assert not named, (f"{named} name {method}: ask the run's FineTuningMethod instead (docs/code-layout.md, "
                        "'How to add a fine-tuning method')")
 
 
 def test_optional_packages_are_imported_only_by_their_feature():
-    """Importing the trainer (every root module a plain full fine-tuning run imports) loads none of peft,
-    torchao, liger, or a tracker's package: each is imported where its feature is switched on."""
+    """Importing the trainer (every module a plain full fine-tuning run imports, and the methods) loads none
+    of peft, torchao, liger, or a tracker's package: each is imported where its feature is switched on."""
     optional = ("peft", "torchao", "liger_kernel", "wandb", "mlflow", "tensorboard", "torch.utils.tensorboard")
-    code = ("import sys, train, setup_run, setup_model_fsdp, run_actions, train_step, trackers, lora, qlora, osft; "
-            f"print(sorted(m for m in {optional!r} if m in sys.modules))")
+    modules = ("minitrainer.train", "minitrainer.setup_run", "minitrainer.setup_model_fsdp", "minitrainer.run_actions",
+               "minitrainer.train_step", "minitrainer.trackers", "minitrainer.methods.lora", "minitrainer.methods.qlora",
+               "minitrainer.methods.osft")
+    code = f"import sys, {', '.join(modules)}; print(sorted(m for m in {optional!r} if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[]", result.stdout
@@ -182,10 +230,8 @@ def test_optional_packages_are_imported_only_by_their_feature():
 def test_a_method_that_acts_after_the_update_says_so():
     """``acts_after_update`` is what train_step asks before it lets the optimizer skip a non-finite step on
     the device alone: each method declares it exactly when it overrides ``after_update``."""
-    import lora  # noqa: F401  (the methods register as subclasses on import)
-    import osft  # noqa: F401
-    import qlora  # noqa: F401
-    from finetune_method import FineTuningMethod
+    from minitrainer.methods import lora, osft, qlora  # noqa: F401  (the methods register as subclasses on import)
+    from minitrainer.methods.base import FineTuningMethod
 
     methods, todo = [FineTuningMethod], [FineTuningMethod]
     while todo:

@@ -19,13 +19,13 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from api import config_to_argv
 from fixtures.e2e import (assert_ok, model_vocab_size, read_metrics, reference_adamw_losses, torchrun,
                           write_tokenized_jsonl)
-from full_state import complete_checkpoints
-from lora import LoraSettings, apply_lora, export_states, lora_preflight
-from train import TrainConfig
-from utils import parse_config
+from minitrainer.api import config_to_argv
+from minitrainer.checkpoint.full_state import complete_checkpoints
+from minitrainer.common.utils import parse_config
+from minitrainer.methods.lora import LoraSettings, apply_lora, export_states, lora_preflight
+from minitrainer.train import TrainConfig
 
 BATCH = 12
 BUDGET = 64  # forces several packed minibatches per rank

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
-import resume_policy
-from resume_policy import check_resume, fingerprint_mismatch
-from tiny_model import build_model
+from minitrainer.checkpoint import resume_policy
+from minitrainer.checkpoint.resume_policy import check_resume, fingerprint_mismatch
+from minitrainer.tools.tiny_model import build_model
 
 BATCH = 8
 

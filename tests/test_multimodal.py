@@ -82,7 +82,7 @@ def test_export_is_the_whole_checkpoint(matrix, name):
     model's trained; the processor file along; and so after loading with AutoModelForImageTextToText."""
     from transformers import AutoModelForImageTextToText
 
-    from multimodal import detach_non_text
+    from minitrainer.model.multimodal import detach_non_text
 
     source_dir, export = matrix["models"][name], _export(matrix["runs"] / name)
     assert export_differs(source_dir, matrix["runs"] / name) is None

@@ -39,19 +39,19 @@ import pytest
 import torch
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from attention import attention_needs, backend_refusal, reference_varlen_attention_forward
 from fixtures.architectures import ARCH_BY_NAME, COMMON
 from fixtures.e2e import ROOT, write_tokenized_jsonl
-from objective import LogitTransform, router_aux_sum
-from sampler import load_tokenized_dataset
-from selfcheck import MAX_ROW_TOKENS, check_data_fits_model, pick_rows
-from attention import explicit_attention_refusal, resolve_attn_implementation
-from utils import logger
+from minitrainer.common.utils import logger
+from minitrainer.data.sampler import load_tokenized_dataset
+from minitrainer.model.attention import (attention_needs, backend_refusal, explicit_attention_refusal,
+                                         reference_varlen_attention_forward, resolve_attn_implementation)
+from minitrainer.model.objective import LogitTransform, router_aux_sum
+from minitrainer.selfcheck import MAX_ROW_TOKENS, check_data_fits_model, pick_rows
 
 LIGER_SCRIPT = r"""
 import json, torch
-from loss import chunked_cross_entropy_sum, learned_positions, make_liger_fused_loss
-from objective import LogitTransform
+from minitrainer.model.loss import chunked_cross_entropy_sum, learned_positions, make_liger_fused_loss
+from minitrainer.model.objective import LogitTransform
 torch.manual_seed(0)
 T, H, V = 24, 16, 64
 results = {}
@@ -124,8 +124,8 @@ def _loss_and_grads(wrapper, batch: dict, *, learned_only: bool) -> tuple[torch.
 def test_head_on_learned_positions_equals_head_on_every_position(name, lora):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from loss import CausalLMWithLoss
-    from lora import LoraSettings, apply_lora
+    from minitrainer.model.loss import CausalLMWithLoss
+    from minitrainer.methods.lora import LoraSettings, apply_lora
 
     arch = ARCH_BY_NAME[name]
     vocab = 96
@@ -164,7 +164,7 @@ def test_head_on_learned_positions_equals_head_on_every_position(name, lora):
 def test_a_row_without_learned_positions_still_reaches_every_parameter():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from loss import CausalLMWithLoss, learned_positions
+    from minitrainer.model.loss import CausalLMWithLoss, learned_positions
 
     assert learned_positions(torch.full((5,), -100)).tolist() == [0]
     assert learned_positions(torch.tensor([-100, 3, -100, 4])).tolist() == [1, 3]
@@ -209,7 +209,7 @@ def _meta(name: str):
 @pytest.mark.parametrize("name,cpu,cuda", [("llama", "sdpa", "torch_varlen"), ("gemma2", "eager", "eager"),
                                            ("gpt_oss", "eager", "eager"), ("mistral_swa", "sdpa", "torch_varlen")])
 def test_auto_picks_what_the_architecture_accepts(name, cpu, cuda):
-    from attention import flash_attn_unavailable_reason, torch_varlen_unavailable_reason
+    from minitrainer.model.attention import flash_attn_unavailable_reason, torch_varlen_unavailable_reason
 
     needs = attention_needs(_meta(name))
     assert resolve_attn_implementation("auto", "cpu", needs) == cpu
@@ -281,8 +281,8 @@ def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str =
     from transformers import AutoModelForCausalLM
 
     from fixtures.tiny_configs import tiny_config
-    from loss import CausalLMWithLoss
-    from selfcheck import check_objective
+    from minitrainer.model.loss import CausalLMWithLoss
+    from minitrainer.selfcheck import check_objective
 
     vocab = 96
     torch.manual_seed(0)

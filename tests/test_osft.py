@@ -21,9 +21,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from osft import (FACTORS, TRAINABLE, OSFTLinear, apply_osft, assign_by_flops, decompose, fill_osft_factors,
-                  num_frozen_directions, osft_export_state, osft_modules, osft_targets, project_gradients,
-                  project_parameters, reconstruct, svd, svd_flops, svd_tolerance)
+from minitrainer.methods.osft import (FACTORS, TRAINABLE, OSFTLinear, apply_osft, assign_by_flops, decompose,
+                                      fill_osft_factors, num_frozen_directions, osft_export_state, osft_modules,
+                                      osft_targets, project_gradients, project_parameters, reconstruct, svd, svd_flops,
+                                      svd_tolerance)
 
 LAYER_NAMES = [f"model.layers.{i}.{part}" for i in range(2) for part in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

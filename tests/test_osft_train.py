@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from api import config_to_argv
-from fault_injection import KILL_AFTER_SAVE
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, write_tokenized_jsonl
-from full_state import complete_checkpoints
-from osft import FACTORS, apply_osft, osft_export_state, osft_targets
-from train_config import TrainConfig
-from utils import parse_config
+from minitrainer.api import config_to_argv
+from minitrainer.checkpoint.full_state import complete_checkpoints
+from minitrainer.common.fault_injection import KILL_AFTER_SAVE
+from minitrainer.common.utils import parse_config
+from minitrainer.methods.osft import FACTORS, apply_osft, osft_export_state, osft_targets
+from minitrainer.train_config import TrainConfig
 
 BATCH = 8
 STEPS = 3

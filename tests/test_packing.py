@@ -8,17 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packing import (
-    batch_lengths_to_minibatches_lpt,
-    bins_lower_bound,
-    lpt_minibatches,
-    minibatches_lower_bound,
-    plan_minibatches,
-    rank_loads,
-    sample_costs,
-)
-from packing import _BestFit
-from sampler import batch_lengths_to_minibatches
+from minitrainer.data.packing import (_BestFit, batch_lengths_to_minibatches_lpt, bins_lower_bound, lpt_minibatches,
+                                      minibatches_lower_bound, plan_minibatches, rank_loads, sample_costs)
+from minitrainer.data.sampler import batch_lengths_to_minibatches
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures.e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
-from tiny_model import build_tiny_model
+from minitrainer.tools.tiny_model import build_tiny_model
 
 # (step, loss, grad_norm, lr) of each optimizer step, then (step, val_loss) of each validation.
 PINNED_STEPS = [

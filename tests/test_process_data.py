@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chat_masking import ChatEncoder, Sample, SampleError, labels_from_token_spans, parse_row
-from process_data import ProcessDataConfig, main, process_data, render_labels
-from utils import IGNORE_INDEX
+from minitrainer.common.utils import IGNORE_INDEX
+from minitrainer.data.chat_masking import ChatEncoder, Sample, SampleError, labels_from_token_spans, parse_row
+from minitrainer.data.process_data import ProcessDataConfig, main, process_data, render_labels
 
 ROOT = Path(__file__).resolve().parent.parent
 # The end-of-turn token of each template family, written out (the encoder detects it).
@@ -359,7 +359,7 @@ def test_tool_results_stay_masked(tokenizers, encoders):
 
 def test_straddling_token_at_reply_start_is_masked(tmp_path):
     """Header '\\n' + reply's leading spaces can merge into one BPE token: it stays masked."""
-    from tiny_model import build_tokenizer
+    from minitrainer.tools.tiny_model import build_tokenizer
 
     # A corpus of indented code makes '\\n' + 3 spaces one token, whatever order BPE breaks ties in.
     tok = build_tokenizer("chatml", tmp_path / "tok", corpus=["def f(a, b):\n    return a + b\n"] * 8)
@@ -833,7 +833,7 @@ def test_bad_input_rows_never_fail_the_run(tiny_models, tmp_path):
 
 
 def test_audit_rule_on_replies_without_a_learned_end(tiny_models):
-    from process_data import ChunkAudit, _audit, _Totals
+    from minitrainer.data.process_data import ChunkAudit, _audit, _Totals
 
     totals = _Totals()
     totals.audit = ChunkAudit(num_chat_tokens=100, num_chat_loss_tokens=30, num_replies=3, num_replies_end_learned=2)

@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2Config
 
 from fixtures.e2e import model_vocab_size, read_metrics, reference_adamw_losses, torchrun, write_tokenized_jsonl
-from full_state import complete_checkpoints
-from lora import LoraSettings, apply_lora
-from qlora import NF4_GROUP, nf4_refusal, qlora_preflight, quantize_base_weights
-from tiny_model import build_tiny_model
-from train import TrainConfig
+from minitrainer.checkpoint.full_state import complete_checkpoints
+from minitrainer.methods.lora import LoraSettings, apply_lora
+from minitrainer.methods.qlora import NF4_GROUP, nf4_refusal, qlora_preflight, quantize_base_weights
+from minitrainer.tools.tiny_model import build_tiny_model
+from minitrainer.train import TrainConfig
 
 pytest.importorskip("torchao", reason="QLoRA needs torchao (requirements-dev.txt)")  # none of the above imports it
 
@@ -241,8 +241,8 @@ def test_resume_after_sigkill_is_exact_and_quantization_is_fingerprinted(tmp_pat
 
 
 def test_the_python_api_passes_the_quantization_to_the_cli():
-    from api import config_to_argv
-    from utils import parse_config
+    from minitrainer.api import config_to_argv
+    from minitrainer.common.utils import parse_config
 
     config = TrainConfig(output_dir="out", min_samples_per_checkpoint=12, lora_rank=4,
                          lora_quantize_data_type="nf4")

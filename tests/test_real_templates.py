@@ -20,9 +20,9 @@ import json
 
 import pytest
 
-from chat_masking import TEMPLATE_ERRORS, ChatEncoder, SampleError
 from fixtures.real_templates import CONVERSATIONS, TEMPLATES, TOOLS, TokenizerUnavailable, load
-from utils import IGNORE_INDEX
+from minitrainer.common.utils import IGNORE_INDEX
+from minitrainer.data.chat_masking import TEMPLATE_ERRORS, ChatEncoder, SampleError
 
 # What each model writes at the start of a reply (the masked text right before it ends with one of
 # these) and at its end (a learned run ends with one of these): read off each template by hand.

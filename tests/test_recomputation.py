@@ -18,13 +18,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attention import model_inputs
-from autotune import probe_recomputation
 from fixtures.e2e import model_vocab_size
-from sampler import collate_minibatch
-from setup_model_fsdp import setup_model
-from train_config import TrainConfig
-from utils import IGNORE_INDEX, init_distributed, parse_config
+from minitrainer.autotune import probe_recomputation
+from minitrainer.common.utils import IGNORE_INDEX, init_distributed, parse_config
+from minitrainer.data.sampler import collate_minibatch
+from minitrainer.model.attention import model_inputs
+from minitrainer.setup_model_fsdp import setup_model
+from minitrainer.train_config import TrainConfig
 
 LENGTHS = [7, 3, 12, 5]
 

@@ -16,9 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fixtures.tiny_configs import tiny_config
-from loss import decoder_of
-from recurrent import recurrent_mixers, run_mixers_per_sample
-from loss import find_decoder_blocks
+from minitrainer.model.loss import decoder_of, find_decoder_blocks
+from minitrainer.model.recurrent import recurrent_mixers, run_mixers_per_sample
 
 LENGTHS = [5, 11, 7]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-import fault_injection
 from fixtures.e2e import model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
+from minitrainer.common import fault_injection
 
 BATCH = 8
 CHECKPOINT_EVERY = 2 * BATCH

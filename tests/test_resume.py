@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from fixtures.e2e import (ROOT, _free_port, assert_ok, model_vocab_size, pickle_enums, read_metrics, torchrun,
                           write_tokenized_jsonl)
-from full_state import complete_checkpoints
+from minitrainer.checkpoint.full_state import complete_checkpoints
 
 BATCH = 12
 STEPS = 8
@@ -308,7 +308,7 @@ class _RunsCode:
 
 
 def test_checkpoint_metadata_cannot_run_code(tmp_path, chatml_model, data_path, uninterrupted):
-    from safe_metadata import MetadataSafeReader
+    from minitrainer.checkpoint.safe_metadata import MetadataSafeReader
 
     newest = complete_checkpoints(uninterrupted / "full_state")[-1]
     with (newest / ".metadata").open("rb") as f:

@@ -11,14 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from sampler import (
-    InfiniteSampler,
-    collate_minibatch,
-    load_tokenized_dataset,
-    make_batch_loader,
-    resolve_data_file,
-)
-from utils import IGNORE_INDEX, logger
+from minitrainer.common.utils import IGNORE_INDEX, logger
+from minitrainer.data.sampler import (InfiniteSampler, collate_minibatch, load_tokenized_dataset, make_batch_loader,
+                                      resolve_data_file)
 
 
 def write_jsonl(path, rows):
@@ -279,7 +274,7 @@ def test_the_originals_public_packer_imports_from_sampler_and_packs_as_its_tests
     """mini_trainer's own tests import ``batch_lengths_to_minibatches`` from ``sampler`` and call it with
     positional ``(batch_lengths, max_tokens_per_rank, num_ranks, rank)``: every index lands once on one
     rank, every rank gets the same number of minibatches, none over budget."""
-    from sampler import batch_lengths_to_minibatches
+    from minitrainer.data.sampler import batch_lengths_to_minibatches
 
     assert batch_lengths_to_minibatches([], 130000, 4, 0) == []
     assert batch_lengths_to_minibatches([5000], 130000, 4, 0) == [[0]]

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fixtures.e2e import ROOT
-from schedule import build_scheduler, check_scheduler, schedule_warnings, total_steps
-from train_config import TrainConfig
-from utils import parse_config
+from minitrainer.common.utils import parse_config
+from minitrainer.schedule import build_scheduler, check_scheduler, schedule_warnings, total_steps
+from minitrainer.train_config import TrainConfig
 
 
 def _warnings(config: TrainConfig, steps: int | None) -> list[str]:

@@ -34,7 +34,7 @@ import torch
 from transformers import AutoConfig
 
 from fixtures.e2e import ROOT, _free_port, read_metrics, torchrun, write_tokenized_jsonl
-from full_state import complete_checkpoints
+from minitrainer.checkpoint.full_state import complete_checkpoints
 from tests.local_slurm import LocalSlurm, unavailable_reason
 from tests.test_resume import _assert_same_steps, _final_weights
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fixtures.e2e import (ROOT, assert_ok, model_vocab_size, read_metrics, torchrun, torchrun_two_nodes,
                           unpacked_loss_sum, write_tokenized_jsonl)
-from sampler import InfiniteSampler, load_tokenized_dataset
+from minitrainer.data.sampler import InfiniteSampler, load_tokenized_dataset
 
 BATCH = 12
 BUDGET = 64  # tokens per rank per minibatch: forces several minibatches for 12 samples of up to 48 tokens
@@ -198,7 +198,7 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path, chatml_model, data_path, c
 
 
 def test_decaying_scheduler_without_stop_condition_is_refused():
-    from train import TrainConfig
+    from minitrainer.train import TrainConfig
 
     with pytest.raises(ValueError, match="--max-steps"):
         TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler="cosine")
@@ -210,7 +210,7 @@ def test_decaying_scheduler_without_stop_condition_is_refused():
                                         ("max_grad_norm", float("inf"))])
 def test_non_finite_or_negative_optimizer_numbers_are_refused_with_the_others(flag, value):
     """``nan < 0`` is False: a NaN learning rate passed the check and failed inside torch after the model loaded."""
-    from train import TrainConfig
+    from minitrainer.train import TrainConfig
 
     with pytest.raises(ValueError) as err:
         TrainConfig(output_dir="x", min_samples_per_checkpoint=0, **{flag: value})
@@ -229,8 +229,8 @@ def test_learning_rate_nan_is_one_usage_line_on_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("name", ["cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"])
 def test_every_offered_scheduler_builds_and_reaches_its_floor(name):
-    from schedule import build_scheduler
-    from train import TrainConfig
+    from minitrainer.schedule import build_scheduler
+    from minitrainer.train import TrainConfig
 
     config = TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20,
                          num_warmup_steps=2, learning_rate=1.0, min_lr_ratio=0.25, decay_fraction=0.5)
@@ -283,9 +283,9 @@ def test_batch_without_loss_tokens_does_not_move_the_weights(tmp_path, chatml_mo
 def test_step_counts_are_summed_exactly_past_fp32_precision():
     import torch.distributed as dist
 
-    from sampler import StepBatch
-    from train_step import reduce_step_counts
-    from utils import init_distributed
+    from minitrainer.data.sampler import StepBatch
+    from minitrainer.train_step import reduce_step_counts
+    from minitrainer.common.utils import init_distributed
 
     info = init_distributed()
     tokens = 2**24 + 1  # the first integer fp32 cannot hold
@@ -299,7 +299,7 @@ def test_step_counts_are_summed_exactly_past_fp32_precision():
 def test_cpu_offload_on_gpu_gets_a_cpu_collective_backend():
     from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-    from utils import process_group_backend
+    from minitrainer.common.utils import process_group_backend
 
     mixed = BackendConfig(Backend(process_group_backend("cuda", cpu_offload=True))).get_device_backend_map()
     assert mixed == {"cuda": "nccl", "cpu": "gloo"}

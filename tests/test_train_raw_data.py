@@ -23,13 +23,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_cache import is_tokenized, tokenize_once, validation_split
 from fixtures.e2e import ROOT, assert_ok, read_metrics, torchrun, write_tokenized_jsonl
-from process_data import ProcessDataConfig
-from train_config import TrainConfig
-from utils import parse_config
+from minitrainer.common.utils import parse_config
+from minitrainer.data.cache import is_tokenized, tokenize_once, validation_split
+from minitrainer.data.process_data import ProcessDataConfig
+from minitrainer.tools.demo import DEMO_DATA
+from minitrainer.train_config import TrainConfig
 
-DEMO = ROOT / "data" / "demo_chat.jsonl"
+DEMO = DEMO_DATA
 NUM_ROWS = 48
 
 
@@ -261,8 +262,8 @@ def test_data_of_another_tokenizer_is_refused_unless_overridden(tmp_path, tiny_m
 _WAIT_SCRIPT = """
 import sys, time
 import torch.distributed as dist
-import setup_run
-from utils import init_distributed
+from minitrainer import setup_run
+from minitrainer.common.utils import init_distributed
 
 info = init_distributed(timeout_minutes=0.05)  # a 3-second process-group timeout
 if info.rank == 0:

@@ -21,13 +21,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import checkpoint_policy
-import resume_policy
-import validation
-from batch_metrics import MetricsWriter
 from fixtures.e2e import assert_ok, model_vocab_size, torchrun, unpacked_loss_sum, write_tokenized_jsonl
-from full_state import complete_checkpoints
-from sampler import InfiniteSampler, load_tokenized_dataset
+from minitrainer import validation
+from minitrainer.batch_metrics import MetricsWriter
+from minitrainer.checkpoint import resume_policy
+from minitrainer.checkpoint import policy as checkpoint_policy
+from minitrainer.checkpoint.full_state import complete_checkpoints
+from minitrainer.data.sampler import InfiniteSampler, load_tokenized_dataset
 
 BATCH = 8
 BUDGET = 64
@@ -105,7 +105,7 @@ def test_improvement_threshold_and_patience():
         save_best_val_loss = True
         early_stopping_patience = 2
 
-    from train_state import TrainState
+    from minitrainer.checkpoint.train_state import TrainState
 
     state, saved = TrainState(), []
     verdicts = [validation.update_best(state, loss, config=Config, save_best=lambda loss=loss: saved.append(loss))
@@ -254,7 +254,7 @@ def test_resume_refuses_changed_params_then_applies_them_when_asked(tmp_path, ch
 
 def test_plot_draws_validation_points_from_their_own_lines(tmp_path):
     matplotlib_image = pytest.importorskip("matplotlib.image")
-    from plot_metrics import plot_metrics
+    from minitrainer.tools.plot_metrics import plot_metrics
 
     def orange_pixels(path: Path) -> int:
         pixels = matplotlib_image.imread(path)[..., :3]

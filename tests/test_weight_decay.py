@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fixtures.architectures import ARCH_BY_NAME, COMMON
-from resume_policy import check_resume
-from finetune_method import param_groups
+from minitrainer.checkpoint.resume_policy import check_resume
+from minitrainer.methods.base import param_groups
 
 LR, WD = 0.1, 0.5
 

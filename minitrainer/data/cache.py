@@ -1,0 +1,198 @@
+"""``train.py --data-path`` on untokenized data: tokenized once by rank 0, into a cache under ``--output-dir``.
+
+    torchrun --nproc-per-node=2 train.py --data-path data/chat.parquet --output-dir out ...
+    # rank 0 runs process_data.py's pipeline once into
+    #   out/tokenized_data/chat-<fingerprint>/{data.jsonl,summary.json,rejected.jsonl}
+    # and every rank trains on that folder; a rerun or a resume finds it and tokenizes nothing.
+
+A ``--data-path`` source is *tokenized* when its rows carry ``input_ids`` (a ``process_data.py``
+output folder or jsonl, judged by its first row); anything else is *raw* input in any format
+``process_data.py`` reads (``data/sources.py``, ``data/formats.py``).
+
+The cache folder is named by a fingerprint of everything that decides its bytes:
+
+* the input's content (every file's bytes, streamed through xxh3-128, with its name relative to
+  the input), so an edited file makes a new cache and a touched one does not;
+* the tokenizer as loaded (its serialised Rust tokenizer, special tokens) and the chat template
+  used (``--chat-template``'s text or the tokenizer's own);
+* the options: ``--max-sample-num-tokens``, ``--end-of-turn-token``, ``--mask-reasoning``,
+  ``--input-format``, ``--columns``, the split and subset (``--data-split``, ``--data-subset``),
+  ``--text-sample-by``;
+* the code that turns rows into tokens and labels (the source of ``process_data.py``,
+  ``chat_masking.py``, ``formats.py``, ``sources.py`` of ``minitrainer/data/``) and the transformers and tokenizers
+  versions that render and encode: a fix to the masking never trains on labels the old code made.
+  The cost of that choice is a re-tokenization after an upgrade, never a stale cache.
+
+What only judges the data (``--allow-audit-failures``) is left out: changing it reuses the cache.
+``process_data.py`` writes ``summary.json`` last, under a temporary name renamed when complete: a cache
+folder with a summary is whole, and one without (a killed run) is tokenized again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from minitrainer.common.utils import logger
+from minitrainer.data.mix import data_paths
+from minitrainer.data.sources import held_out_split, is_table, is_text, json_document, open_binary
+
+CACHE_FOLDER = "tokenized_data"
+_BLOCK = 1 << 22
+
+
+def is_tokenized(path: str | Path) -> bool:
+    """Whether ``--data-path`` source ``path`` holds tokenized rows (``input_ids``), judged by its first row.
+
+    A folder counts when it has ``data.jsonl`` or exactly one ``*.jsonl`` whose first row is tokenized
+    (``sampler.resolve_data_file``'s choice). A line that is no JSON leaves the judgement to the next
+    one (raw input may hold bad rows); a file of nothing but such lines goes to the tokenized reader,
+    whose error names the first.
+    """
+    path = Path(path)
+    if path.is_dir():
+        named = path / "data.jsonl"
+        candidates = [named] if named.is_file() else [p for p in path.glob("*.jsonl") if p.is_file()]
+        if len(candidates) != 1:
+            return False
+        path = candidates[0]
+    if not path.is_file() or is_table(path) or is_text(path) or json_document(path):
+        return False  # a table, text, or one .json array or object of raw rows
+    with open_binary(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            return isinstance(row, dict) and "input_ids" in row
+    return True
+
+
+def validation_split(config, source: str) -> str:
+    """The split raw validation source ``source`` is read as: ``--validation-data-split``, else the held-out
+    split of a dataset folder (``validation``, else ``test``), else ``--data-split``.
+
+    Raises:
+        ValueError: the last choice would validate on the rows a ``--data-path`` folder trains on.
+    """
+    if config.validation_data_split is not None:
+        return config.validation_data_split
+    held_out = held_out_split(source, config.data_subset)
+    if held_out is not None:
+        return held_out
+    if Path(source).is_dir() and any(Path(path).resolve() == Path(source).resolve()
+                                     for path in data_paths(config.data_path)):
+        raise ValueError(f"--validation-data-path {source} has no validation or test split, so it would validate on "
+                         f"the rows --data-path trains on (split {config.data_split}); name a held-out split with "
+                         "--validation-data-split, or hold rows out with --validation-split")
+    return config.data_split
+
+
+def _hash_file(hasher, path: Path) -> None:
+    with path.open("rb") as f:
+        while block := f.read(_BLOCK):
+            hasher.update(block)
+
+
+def _input_files(source) -> list[Path]:
+    """The files whose bytes are the input: those ``sources`` reads (a folder's files of the split
+    read, not what else lies there), or every file of a ``save_to_disk`` folder."""
+    if source.kind == "files":
+        return list(source.files)
+    return sorted(p for p in Path(source.spec).rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def fingerprint(config, source, tokenizer, chat_template: str | None) -> str:
+    """The cache key of ``process_data.ProcessDataConfig`` ``config`` with ``tokenizer`` (module docstring).
+
+    Args:
+        config: the tokenizing settings.
+        source: its ``input_file`` opened (``sources.Input``), a local file, folder or glob.
+        tokenizer: the loaded tokenizer (a fast one: its Rust serialisation is hashed).
+        chat_template: the template the rows are rendered with (``--chat-template``'s text or the tokenizer's).
+
+    Returns:
+        32 hex digits.
+    """
+    import tokenizers
+    import transformers
+    import xxhash
+
+    hasher = xxhash.xxh3_128()
+    root = Path(config.input_file)
+    for path in _input_files(source):
+        name = str(path.relative_to(root)) if path != root and path.is_relative_to(root) else path.name
+        hasher.update(f"\0file {name}\0".encode())
+        _hash_file(hasher, path)
+    options = {name: getattr(config, name) for name in ("max_sample_num_tokens", "split_long_text",
+                                                        "end_of_turn_token", "mask_reasoning", "input_format",
+                                                        "columns", "split", "subset", "text_sample_by")}
+    hasher.update(json.dumps({
+        "options": options,
+        "tokenizer": tokenizer.backend_tokenizer.to_str(),
+        "special": [tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token],
+        "chat_template": chat_template,
+        "versions": [transformers.__version__, tokenizers.__version__],
+    }, sort_keys=True, default=str).encode())
+    from minitrainer.data import chat_masking, formats, process_data, sources
+
+    for module in (process_data, chat_masking, formats, sources):  # the code that turns rows into labels
+        _hash_file(hasher, Path(module.__file__))
+    return hasher.hexdigest()
+
+
+def cache_folder(cache_root: str | Path, input_file: str, key: str) -> Path:
+    """``<cache_root>/<input name>-<16 digits of the key>``: readable, and one per key."""
+    stem = Path(input_file).name.split(".")[0] or "data"
+    return Path(cache_root) / f"{stem}-{key[:16]}"
+
+
+def tokenize_once(config) -> Path:
+    """Rank 0: the cache folder of raw input ``config.input_file``, tokenized now unless a whole one exists.
+
+    Args:
+        config: a ``process_data.ProcessDataConfig`` whose ``output_dir`` is the cache root
+            (``<--output-dir>/tokenized_data``); the data goes into a folder of it named by the fingerprint.
+
+    Returns:
+        The folder (``data.jsonl``, ``summary.json``, ``rejected.jsonl``).
+
+    Raises:
+        ValueError: one line, as ``process_data.py`` would stop (an unreadable input, no sample written). A
+            failed label audit does not raise here: the dataset is kept, with its verdict in
+            ``summary.json``, for the training-time gate (``selfcheck.audit_refusal``) to judge.
+    """
+    from minitrainer.data import process_data
+
+    tokenizer, source, _ = process_data.check_run(config, process_data.OutputPaths.from_config(config))
+    key = fingerprint(config, source, tokenizer, tokenizer.chat_template)
+    folder = cache_folder(config.output_dir, config.input_file, key)
+    if (folder / "summary.json").is_file():
+        summary = json.loads((folder / "summary.json").read_text())
+        logger.info("tokenized data: reusing %s (fingerprint %s of the input, tokenizer, template and options): "
+                    "%d samples (%d chat, %d pretrain), %d tokens, from %s", folder, key[:16], summary["num_written"],
+                    summary["num_chat"], summary["num_pretrain"], summary["num_tokens"], config.input_file)
+        return folder
+    logger.info("tokenized data: %s is raw input; tokenizing it once into %s (fingerprint %s of the input, "
+                "tokenizer, template and options)", config.input_file, folder, key[:16])
+    try:
+        process_data.process_data(dataclasses.replace(config, output_dir=str(folder), output_file=None,
+                                                      overwrite=True))
+    except ValueError:
+        # A failed audit's verdict is the training-time gate's to give, so the dataset stays; any other
+        # stop (nothing written, an unreadable input) is this run's error and leaves no cache behind.
+        if not _audit_failed_only(folder / "summary.json"):
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+    return folder
+
+
+def _audit_failed_only(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    summary = json.loads(path.read_text())
+    return summary["num_written"] > 0 and not summary["audit"]["passed"]

@@ -1,0 +1,448 @@
+"""Input row formats: find a row's format from its keys and convert it to the ``messages`` format.
+
+Pure functions, a row dict in, a ``ChatRow`` out (``chat_masking`` then validates and encodes
+it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has an example of each):
+
+    format             a row has                       becomes
+    messages           messages                        itself (other fields copied, as always)
+                                                       OpenAI's legacy functions / function_call -> tools
+    sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt -> assistant,
+                                                       function_call -> an assistant tool call,
+                                                       observation / tool -> tool; a turn's learning marks
+                                                       (weight, train, training, loss) kept;
+                                                       an {input, output} turn (Capybara) -> user, assistant
+    prompt_completion  prompt, completion              lists of messages: prompt + completion through the
+                                                       template, only the completion's replies learned (a
+                                                       string completion is one reply);
+                                                       strings: no template, prompt masked, completion + EOS;
+                                                       label false (TRL's unpaired preference, KTO): rejected
+    text               text                            a pretrain row (every token learned)
+    alpaca             instruction, output             [system], [history's rounds], user (instruction
+                       (input, system, history         + newline + input), assistant (output)
+                       optional)
+
+A row with ``messages`` is read as today whatever else it carries. Otherwise exactly one of the
+other shapes must match: no match is ``missing_messages``, two (an alpaca row with a ``text``
+column) is ``ambiguous_format``; ``--input-format`` picks one. ``--columns`` renames columns first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minitrainer.data.chat_masking import LEARNING_MARKS, ChatRow, SampleError, json_field, load_row
+from minitrainer.data.sources import BadRow
+
+FORMATS = ("messages", "sharegpt", "prompt_completion", "text", "alpaca")
+INPUT_FORMATS = ("auto",) + FORMATS
+# The keys that make each format (all must be there); "messages" wins over every other shape.
+SHAPES = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
+          "text": ("text",), "alpaca": ("instruction", "output")}
+# The column names --columns may map to.
+COLUMNS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output", "system",
+           "tools")
+ACCEPTED = "; ".join(f"{name} ({' + '.join(keys)})" for name, keys in SHAPES.items())
+
+# The column holding a format's conversation, which is never a string of text (a prompt may be).
+_TURNS = {"messages": "messages", "sharegpt": "conversations"}
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
+
+
+def parse_columns(text: str | None) -> dict[str, str]:
+    """``"prompt=question,completion=answer"`` -> ``{"question": "prompt", "answer": "completion"}``
+    (input column -> accepted name). ``ValueError`` names the first bad pair."""
+    mapping: dict[str, str] = {}
+    for pair in (text or "").split(","):
+        if not pair.strip():
+            continue
+        name, sep, column = (part.strip() for part in pair.partition("="))
+        if not sep or not column or name not in COLUMNS:
+            raise ValueError(f"--columns {pair!r}: expected NAME=COLUMN with NAME one of {', '.join(COLUMNS)}")
+        mapping[column] = name
+    return mapping
+
+
+def detect_format(row: dict[str, Any]) -> str:
+    """The row's format by its keys; ``SampleError`` for none or several (module docstring)."""
+    if "messages" in row:
+        return "messages"
+    found = [name for name, keys in SHAPES.items() if all(key in row for key in keys)]
+    if len(found) == 1:
+        return found[0]
+    keys = ", ".join(map(repr, row)) or "none"
+    if not found:
+        raise SampleError("missing_messages", f"no 'messages' field nor another accepted format: the row has keys "
+                                              f"{keys}; accepted: {ACCEPTED}")
+    raise SampleError("ambiguous_format", f"the row has the keys of {' and '.join(found)} ({keys}); "
+                                          "--input-format picks one")
+
+
+def row_format(row: dict[str, Any], input_format: str = "auto") -> str:
+    """The format the row is read as: detected (``"auto"``) or forced, its keys checked."""
+    fmt = detect_format(row) if input_format == "auto" else input_format
+    missing = [key for key in SHAPES[fmt] if key not in row]
+    if missing:
+        raise SampleError("missing_messages" if fmt == "messages" else "missing_field",
+                          f"no {' nor '.join(map(repr, missing))} field (--input-format {fmt}); the row has keys "
+                          f"{', '.join(map(repr, row)) or 'none'}")
+    return fmt
+
+
+def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | None = None,
+             from_table: bool = False) -> tuple[str, ChatRow]:
+    """Convert one input row.
+
+    Args:
+        raw: a JSON line (``bytes``), a parsed row (a table row, a JSON array element) or a
+            ``BadRow`` the reader could not parse.
+        input_format: ``"auto"`` (detect per row) or one of ``FORMATS``.
+        columns: input column -> accepted name (``parse_columns``), applied first.
+        from_table: ``raw`` is an Arrow table's row (``_without_struct_nulls``).
+
+    Returns:
+        ``(format, chat_row)``.
+
+    Raises:
+        SampleError: the row is not an object of an accepted format, or not a valid row of its format.
+    """
+    if isinstance(raw, BadRow):
+        raise SampleError(raw.reason, raw.detail)
+    row = load_row(raw) if isinstance(raw, bytes) else raw
+    if not isinstance(row, dict):
+        raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
+    if columns:
+        row = _renamed(row, columns)
+    fmt = row_format(row, input_format)
+    if from_table:
+        row = _without_struct_nulls(row)
+    try:
+        return fmt, _convert(fmt, row)
+    except SampleError as err:
+        err.row_format = fmt
+        raise
+
+
+def _renamed(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
+    """The row with ``--columns``' renames (input column -> accepted name) applied. A mapped column
+    replaces a column already under its new name, wherever either stands in the row."""
+    targets = {columns[key] for key in row if key in columns}
+    return {columns.get(key, key): value for key, value in row.items() if key in columns or key not in targets}
+
+
+# Names public datasets give these columns. Only a refusal's hint reads them (suggest_columns), and
+# it offers only a mapping under which the row then converts: nothing is renamed unasked.
+_PROMPT_NAMES = ("instruction", "question", "query", "problem", "prompt", "input", "user")
+_ANSWER_NAMES = ("response", "answer", "output", "completion", "generated_solution", "solution", "target",
+                 "assistant")
+_TEXT_NAMES = ("content", "document", "body", "article", "passage")
+_SYSTEM_NAMES = ("system", "system_prompt", "system_message")
+_REPLY_ROLES = ("assistant", "gpt", "function_call")
+
+
+def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None = None,
+                    from_table: bool = False) -> list[tuple[str, str]]:
+    """``--columns`` values (with ``columns``, the one given, kept in front) under which a row of no
+    accepted shape converts, each with the format it is then read as: a column of role/content turns
+    holding a prompt and a reply as ``messages`` (from/value or input/output: ``conversations``), one of
+    prompt turns beside an answer-like string as a conversational prompt and its reply, a question-like
+    and an answer-like string column as alpaca (through the chat template) and as plain
+    prompt/completion (no template), or one text-like column as ``text``; of a preference row
+    (``chosen`` and ``rejected``), only ``chosen``: as the completion of its ``prompt``, as the
+    conversation when it holds one, or as the answer to a question-like column. The format is named
+    with how it is then tokenized. Empty when none converts."""
+    try:
+        row = load_row(raw) if isinstance(raw, bytes) else raw
+    except SampleError:
+        return []
+    if not isinstance(row, dict):
+        return []
+    row = _renamed(row, parse_columns(columns))
+    if {"chosen", "rejected"} <= row.keys():  # preference rows: SFT learns the chosen reply, never the other
+        chosen = {key: value for key, value in row.items() if key != "rejected"}
+        candidates = [{"prompt": "prompt", "completion": "chosen"}] + _candidates(chosen, answers=("chosen",))
+    else:
+        candidates = _candidates(row)
+    found = []
+    for candidate in dict.fromkeys(tuple(candidate.items()) for candidate in candidates):
+        candidate = dict(candidate)
+        renames = {column: name for name, column in candidate.items() if name != column}
+        try:
+            fmt, chat_row = read_row(row, input_format=input_format, columns=renames, from_table=from_table)
+        except SampleError:
+            continue
+        plain = chat_row.fields["messages"][0]["role"] == "pretrain"
+        note = {"alpaca": " (through the chat template)", "prompt_completion": " (plain text, no chat template)"
+                if plain else " (conversational, through the chat template)"}.get(fmt, "")
+        found.append((",".join([*filter(None, [columns]), *(f"{name}={column}" for column, name in renames.items())]),
+                      fmt + note))
+    return found
+
+
+def _candidates(row: dict[str, Any], answers: tuple[str, ...] = _ANSWER_NAMES) -> list[dict[str, str]]:
+    """Renames (accepted name -> column) that may read ``row``, by its columns' shapes and names; an
+    answer is a string column named one of ``answers``."""
+    candidates, prompt_turns = [], []
+    for key, value in row.items():
+        first = value[0] if isinstance(value, list) and value else None
+        if not isinstance(first, dict):
+            continue
+        if not any(map(_prompts, value)):
+            continue  # replies alone (OpenAI's preference rows: preferred_output, non_preferred_output)
+        if not any(map(_replies, value)):
+            prompt_turns.append(key)  # a prompt whose reply may be a string column (Llama-Nemotron's input/output)
+        elif {"role", "content"} <= first.keys():
+            candidates.append({"messages": key})
+        elif {"from", "value"} <= first.keys() or {"input", "output"} <= first.keys():
+            candidates.append({"conversations": key})
+    strings = [key for key, value in row.items() if isinstance(value, str)]
+    prompt = next((key for key in _PROMPT_NAMES if key in strings), None)
+    answer = next((key for key in answers if key in strings and key != prompt), None)
+    system = {"system": next((key for key in _SYSTEM_NAMES if key in strings), "system")}
+    if answer:
+        candidates += [{"prompt": key, "completion": answer, **system} for key in prompt_turns[:1]]
+    if prompt and answer:
+        context = {"input": "context"} if "context" in strings and "input" not in row else {}
+        candidates.append({"instruction": prompt, "output": answer, **context, **system})
+        if prompt != "instruction":  # an instruction's row may hold more (input, context) than a prompt would
+            candidates.append({"prompt": prompt, "completion": answer})
+    return candidates + [{"text": key} for key in _TEXT_NAMES if key in strings][:1]
+
+
+def unread_system(fmt: str, chat_row: ChatRow) -> str | None:
+    """The copied column that looks like the system prompt of a conversation that has none, in a format
+    that reads one from a ``system`` column (``--columns system=NAME`` then does): a non-empty string
+    under a system-like name (Locutusque/function-calling-chatml's ``system_message``, which tells the
+    model it may call functions). None otherwise."""
+    messages = chat_row.fields.get("messages")
+    if fmt not in ("sharegpt", "alpaca", "prompt_completion") or not isinstance(messages, list) or any(
+            isinstance(message, dict) and message.get("role") in ("system", "developer", "pretrain")
+            for message in messages):
+        return None
+    return next((key for key in _SYSTEM_NAMES if isinstance(chat_row.fields.get(key), str)
+                 and chat_row.fields[key].strip()), None)
+
+
+def _prompts(turn: Any) -> bool:
+    """A turn that is not a reply: what a conversation offered for learning must hold before its replies."""
+    return isinstance(turn, dict) and (turn.get("role") or turn.get("from")) not in _REPLY_ROLES
+
+
+def _replies(turn: Any) -> bool:
+    """A turn a model learns: an assistant's (``gpt``, ``function_call``), or an exchange's ``output``."""
+    return isinstance(turn, dict) and ((turn.get("role") or turn.get("from")) in _REPLY_ROLES or "output" in turn)
+
+
+def _without_struct_nulls(row: dict[str, Any]) -> dict[str, Any]:
+    """A table row with the tool schemas and tool calls it has, not those of other rows.
+
+    A column of structs holds every field any row has: a row's tool schema gains the other tools'
+    parameters and its call's arguments the other calls' argument names, all ``None``, which a
+    template would write as ``null`` and the model learn to call with. A table cannot tell such a
+    ``None`` from a JSON null, so inside these two every ``None`` goes (a JSON string, parsed later,
+    keeps its nulls)."""
+    if isinstance(row.get("tools"), list):
+        row = {**row, "tools": _no_nulls(row["tools"])}
+    for key in ("messages", "prompt", "completion", "conversations"):
+        turns = row.get(key)
+        if isinstance(turns, list) and any(map(_calls_tools, turns)):
+            row = {**row, key: [{**turn, "tool_calls": _no_nulls(turn["tool_calls"])} if _calls_tools(turn) else turn
+                                for turn in turns]}
+    return row
+
+
+def _calls_tools(turn: Any) -> bool:
+    return isinstance(turn, dict) and isinstance(turn.get("tool_calls"), list)
+
+
+def _no_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _no_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_no_nulls(item) for item in value]
+    return value
+
+
+def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
+    if isinstance(row.get("tools"), str):
+        # Tables keep tool schemas as one JSON string (LLaMA-Factory, hub parquet files): as a column of
+        # structs, each schema would gain every other tool's parameters as nulls.
+        row = {**row, "tools": json_field(row["tools"], "invalid_tools", "'tools'")}
+    turns = _TURNS.get(fmt)
+    if turns and isinstance(row[turns], str):
+        # A CSV cell holds no list: a conversation there (or in any table column of strings) is JSON text.
+        row = {**row, turns: json_field(row[turns], "messages_not_a_list", f"'{turns}' is a string and")}
+    if fmt == "messages":
+        return ChatRow(_openai_functions(row) if _uses_functions(row) else row)
+    rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
+    if fmt == "text":
+        return ChatRow({"messages": [{"role": "pretrain", "content": _decoded(row["text"])}], **rest})
+    if fmt == "alpaca":
+        return ChatRow(_alpaca(row, rest))
+    if fmt == "sharegpt":
+        return ChatRow(_sharegpt(row, rest))
+    return _prompt_completion(row["prompt"], row["completion"], rest)
+
+
+def _uses_functions(row: dict[str, Any]) -> bool:
+    """OpenAI's fine-tuning files before tools: ``functions``, ``function_call`` turns, ``function`` results."""
+    return "functions" in row or isinstance(row["messages"], list) and any(
+        isinstance(m, dict) and (m.get("function_call") is not None or m.get("role") == "function")
+        for m in row["messages"])
+
+
+def _openai_functions(row: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's legacy function calling as the tools format it became: ``functions`` -> ``tools``, an
+    assistant's ``function_call`` -> its one tool call, a ``function`` message -> a ``tool`` message."""
+    row = dict(row)
+    functions = row.pop("functions", None)
+    if functions is not None:
+        if row.get("tools") is not None:
+            raise SampleError("invalid_tools", "the row has both 'functions' (OpenAI's legacy format) and 'tools'")
+        if not isinstance(functions, list):
+            raise SampleError("invalid_tools", "'functions' must be a list of JSON schema objects")
+        row["tools"] = [{"type": "function", "function": schema} for schema in functions]
+    if not isinstance(row["messages"], list):
+        return row  # check_row says what is wrong with it
+    messages = []
+    for index, message in enumerate(row["messages"]):
+        if isinstance(message, dict) and message.get("function_call") is not None:
+            if message.get("tool_calls"):
+                raise SampleError("invalid_tool_calls", f"message {index} has both function_call and tool_calls")
+            message = {key: value for key, value in message.items() if key != "function_call"} | {
+                "tool_calls": _tool_calls(index, message["function_call"])}
+        elif isinstance(message, dict) and message.get("role") == "function":
+            message = {**message, "role": "tool"}
+        messages.append(message)
+    row["messages"] = messages
+    return row
+
+
+def _decoded(text: Any) -> Any:
+    """A text file's row arrives as bytes (``sources._text_rows``): decoded here, in the workers."""
+    if not isinstance(text, bytes):
+        return text
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SampleError("invalid_utf8", f"the text is not UTF-8: {err}") from None
+
+
+def _string_or_none(row: dict[str, Any], key: str) -> str | None:
+    value = row.get(key)
+    if value is not None and not isinstance(value, str):
+        raise SampleError("non_string_content", f"'{key}' is a {type(value).__name__}")
+    return value
+
+
+def _system_turns(rest: dict[str, Any]) -> list[dict[str, str]]:
+    """The system message a ``system`` column holds (alpaca, ShareGPT and conversational prompt/completion
+    rows read one), taken out of ``rest``: none when the column is missing or empty."""
+    system = _string_or_none(rest, "system")
+    rest.pop("system", None)
+    return [{"role": "system", "content": system}] if system else []
+
+
+def _alpaca(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+    """One user turn (instruction, then input on the next line, as LLaMA-Factory joins them), one reply,
+    after the earlier rounds of LLaMA-Factory's ``history`` (``[[instruction, reply], ...]``), whose
+    replies are learned too, as every reply of a conversation is."""
+    instruction, extra_input = _string_or_none(row, "instruction"), _string_or_none(row, "input")
+    output, messages = _string_or_none(row, "output"), _system_turns(rest)
+    if instruction is None or output is None:
+        raise SampleError("missing_content", f"'{'instruction' if instruction is None else 'output'}' is null")
+    history = _history(rest.pop("history", None))
+    rest.pop("input", None)
+    for earlier, reply in history:
+        messages += [{"role": "user", "content": earlier}, {"role": "assistant", "content": reply}]
+    messages += [{"role": "user", "content": "\n".join(part for part in (instruction, extra_input) if part)},
+                 {"role": "assistant", "content": output}]
+    return {"messages": messages, **rest}
+
+
+def _history(value: Any) -> list[list[str]]:
+    if value is None:
+        return []
+    if not (isinstance(value, list) and all(isinstance(pair, (list, tuple)) and len(pair) == 2
+                                            and all(isinstance(text, str) for text in pair) for pair in value)):
+        raise SampleError("invalid_history", "'history' must be a list of [instruction, reply] string pairs")
+    return value
+
+
+def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+    turns = row["conversations"]
+    if not isinstance(turns, list):
+        raise SampleError("messages_not_a_list", f"'conversations' is a {type(turns).__name__}")
+    if not turns:
+        raise SampleError("empty_messages", "'conversations' is empty")
+    messages = _system_turns(rest)
+    for index, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise SampleError("message_not_an_object", f"turn {index} is a {type(turn).__name__}")
+        if "from" not in turn and "role" in turn:  # a 'conversations' column in the messages format
+            messages.append(turn)
+            continue
+        if "from" not in turn and {"input", "output"} <= turn.keys():  # LDJnr/Capybara: one exchange a turn
+            if len(turn) > 2:  # an alpaca row has instruction beside them: a list of rows, not one conversation
+                others = ", ".join(repr(key) for key in turn if key not in ("input", "output"))
+                raise SampleError("invalid_exchange", f"turn {index} has 'input' and 'output' (an exchange) but also "
+                                                      f"{others}, which an exchange does not hold")
+            messages += [{"role": "user", "content": turn["input"]}, {"role": "assistant", "content": turn["output"]}]
+            continue
+        role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn.get("from"), str) else None
+        if role is None:
+            raise SampleError("unknown_role", f"turn {index} has from {turn.get('from')!r}; allowed: "
+                                              f"{', '.join(SHAREGPT_ROLES)}")
+        if turn["from"] == "function_call":
+            message = {"role": "assistant", "content": "", "tool_calls": _tool_calls(index, turn.get("value"))}
+        else:
+            message = {"role": role, "content": turn.get("value")}
+        # weight 0 / 1 as in OpenAI's format (null in OpenHermes), axolotl's train / training, agent data's loss
+        message.update({key: turn[key] for key in LEARNING_MARKS if turn.get(key) is not None})
+        messages.append(message)
+    if isinstance(rest.get("tools"), list):  # LLaMA-Factory lists bare function schemas
+        rest["tools"] = [tool if not isinstance(tool, dict) or "function" in tool else
+                         {"type": "function", "function": tool} for tool in rest["tools"]]
+    return {"messages": messages, **rest}
+
+
+def _tool_calls(index: int, value: Any) -> list[dict]:
+    """A ShareGPT ``function_call`` turn's value (``{"name", "arguments"}`` or a list, maybe as a JSON
+    string) as OpenAI ``tool_calls``."""
+    calls = json_field(value, "invalid_tool_calls", f"turn {index} (function_call)") if isinstance(value, str) \
+        else value
+    calls = calls if isinstance(calls, list) else [calls]
+    if not all(isinstance(call, dict) and "name" in call for call in calls):
+        raise SampleError("invalid_tool_calls", f"turn {index} (function_call): expected "
+                                                "{\"name\": ..., \"arguments\": ...}")
+    return [{"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
+            for call in calls]
+
+
+def _prompt_completion(prompt: Any, completion: Any, rest: dict[str, Any]) -> ChatRow:
+    """TRL's prompt/completion: conversational (lists of messages) or plain strings. A string completion
+    after a conversational prompt (Llama-Nemotron's post-training data: ``input`` messages, ``output``
+    text) is the assistant's reply. A ``system`` column goes before a conversational prompt (Llama-Nemotron's
+    ``system_prompt``, "detailed thinking on", switches its reasoning); plain strings have no system prompt."""
+    if rest.get("label") is False:  # TRL's unpaired preference (KTO) rows: SFT learns a completion, never this one
+        raise SampleError("undesirable_completion", "'label' is false: in TRL's unpaired preference (KTO) rows that "
+                                                    "marks a completion not to learn; rows labelled true are learned")
+    if isinstance(prompt, list):
+        prompt = _system_turns(rest) + prompt
+    if isinstance(prompt, list) and isinstance(completion, str):
+        if not completion.strip():
+            raise SampleError("empty_completion", "the completion is empty")
+        completion = [{"role": "assistant", "content": completion}]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        if not completion:
+            raise SampleError("empty_messages", "'completion' is empty")
+        return ChatRow({"messages": prompt + completion, **rest}, num_prompt_messages=len(prompt))
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion.strip():
+            raise SampleError("empty_completion", "the completion is empty")
+        return ChatRow({"messages": [{"role": "pretrain", "content": prompt + completion}], **rest},
+                       num_prompt_chars=len(prompt))
+    raise SampleError("invalid_prompt_completion", f"'prompt' is a {type(prompt).__name__} and 'completion' a "
+                                                   f"{type(completion).__name__}: both strings, both lists of "
+                                                   "messages, or a list of messages and the reply's string")

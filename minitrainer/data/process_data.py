@@ -1,0 +1,801 @@
+"""Tokenize chat (or plain text) data into training rows with loss masks.
+
+    TOKENIZERS_PARALLELISM=false python process_data.py \\
+        --input-file data/chat.jsonl --output-dir data/chat_tkns \\
+        --model-name-or-path Qwen/Qwen2.5-1.5B-Instruct \\
+        --max-sample-num-tokens 128000 --num-proc 4
+
+CPU only, no torchrun: tokenization runs in ``--num-proc`` worker processes.
+``--output-file data/chat_tkns.jsonl`` (the older form) writes one file instead.
+``--config FILE`` reads these flags' values from a YAML or JSON file (``config_files.py``).
+
+Input rows: ``messages``, a list of ``{"role", "content"}`` (roles system,
+user, assistant, tool; assistant turns may carry ``tool_calls`` and
+``reasoning_content``), or a single ``{"role": "pretrain", "content": ...}``
+message. A row's ``tools`` (JSON schemas) is passed to the chat template. Other
+top-level fields (an ``id``, a source tag) are copied to the output row
+unchanged. ShareGPT ``conversations``, TRL ``prompt``/``completion`` and
+``text``, and alpaca ``instruction``/``input``/``output`` rows are recognised
+row by row and converted (``data/formats.py``). ``--input-file`` is a JSON lines
+file (or ``.json`` array, ``.gz``, ``.zst``, ``.bz2``, ``.xz``), ``.parquet``, ``.arrow``, ``.csv``, ``.tsv``,
+``.txt`` (text rows, one per ``--text-sample-by`` line, paragraph or file), a ``save_to_disk``
+folder, a folder (its ``--split``, as datasets splits a dataset repository) or glob of such files,
+or a hub dataset id (``data/sources.py``).
+
+Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
+``F.summary.json``, ``F.rejected.jsonl``):
+  D/data.jsonl      ``input_ids``, ``labels`` (-100 = masked, unshifted),
+                    ``len``, ``num_loss_counted_tokens`` + the row's other fields
+  D/rejected.jsonl  ``{"line": N, "reason": ..., "detail": ...}`` per unusable row
+                    (``"row"`` for table rows, ``"file"`` when several files)
+  D/summary.json    counts by outcome, format and reason, length statistics,
+                    tokenizer, arguments and the label audit; written last
+
+Bad rows (bad JSON, an unknown shape, a missing field...) are input errors:
+counted, listed and skipped; they never stop the run (``--strict`` makes the
+first one fatal). The label audit (docs/data.md) judges the masking only: the
+run exits non-zero, after writing everything, when a reply's end-of-turn is not
+learned or more than ``--max-rejected-fraction`` of the conversations the chat
+template was given could not be masked (``--allow-audit-failures`` keeps going).
+
+How replies are found and masked: see ``chat_masking.py``. Output files are
+written under temporary names and renamed when complete; ``--num-proc N``
+gives byte-identical output for every N.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from minitrainer.common.leftovers import remove_dead_leftovers, temporary_name
+from minitrainer.common.utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
+from minitrainer.data.chat_masking import ChatEncoder, ChatRow, SampleError
+from minitrainer.data.formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row, suggest_columns, unread_system
+from minitrainer.data.sources import TEXT_SAMPLE_BY, Chunk, Input, open_input
+
+
+def _default_num_proc() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass
+class ProcessDataConfig:
+    input_file: str = config_field(help="input rows: JSON lines (.json array, .gz), .parquet, .arrow, .csv/.tsv, .txt, a "
+                                        "folder or glob of them, or a hub dataset id")
+    model_name_or_path: str = config_field(help="Hugging Face tokenizer with a chat template (local folder or hub id)")
+    output_dir: str | None = config_field(None, help="output folder: data.jsonl, summary.json, rejected.jsonl")
+    output_file: str | None = config_field(None, help="single output JSONL (older form); the summary and "
+                                                      "rejected files go beside it")
+    max_sample_num_tokens: int = config_field(2147483647, help="longer samples are rejected (and counted)")
+    split_long_text: bool = config_field(False, help="cut a text row longer than --max-sample-num-tokens into "
+                                                     "pieces (overlapping by one token) instead of rejecting it")
+    chat_template: str | None = config_field(None, help="jinja file that replaces the tokenizer's chat template")
+    end_of_turn_token: str | None = config_field(None, help="the string that ends an assistant turn (default: "
+                                                            "the special token the template writes after a reply)")
+    mask_reasoning: bool = config_field(False, help="mask reasoning (reasoning_content, <think> blocks) instead "
+                                                    "of learning it with the reply")
+    num_proc: int = config_field(default_factory=_default_num_proc, help="worker processes (default: CPUs)")
+    string_for_printing_masks: str = config_field("<|mAsK|>", help="shown in place of masked label tokens "
+                                                                    "in the printed examples")
+    strict: bool = config_field(False, help="stop with file:line: reason at the first unusable line")
+    overwrite: bool = config_field(False, help="replace existing output files")
+    num_printed_samples: int = config_field(2, help="random samples printed at the end to eyeball masking")
+    seed: int = config_field(42, help="seed for choosing the printed samples")
+    chunk_size: int = config_field(256, help="lines per worker task (output is the same for any value)")
+    logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR")
+    input_format: str = config_field("auto", choices=list(INPUT_FORMATS),
+                                     help="row format; auto recognises each row's from its keys")
+    columns: str | None = config_field(None, help="rename input columns first, NAME=COLUMN,... "
+                                                  "(e.g. prompt=question,completion=answer)")
+    split: str = config_field("train", help="split of a hub dataset id, a dataset folder (by file names or "
+                                            "README.md configs) or a save_to_disk folder")
+    subset: str | None = config_field(None, help="configuration (subset) of a hub dataset id or of a dataset "
+                                                 "folder's README.md")
+    text_sample_by: str = config_field("line", choices=list(TEXT_SAMPLE_BY),
+                                       help="a .txt file's rows, each learned whole and ended by EOS: each line (as "
+                                            "datasets reads text), each paragraph, or the whole file")
+    max_rejected_fraction: float = config_field(0.01, help="label audit: fail when more than this fraction of the "
+                                                           "conversations cannot be masked by the template")
+    allow_audit_failures: bool = config_field(False, help="label audit: write the dataset and exit 0 even when a "
+                                                          "rule is broken (a warning instead of an error)")
+
+    def __post_init__(self):
+        errors = []
+        if (self.output_dir is None) == (self.output_file is None):
+            errors.append("give exactly one of --output-dir and --output-file")
+        if self.output_file is not None and not self.output_file.endswith(".jsonl"):
+            errors.append(f"--output-file must end in .jsonl, got {self.output_file!r}")
+        if self.max_sample_num_tokens < 1:
+            errors.append(f"--max-sample-num-tokens must be >= 1, got {self.max_sample_num_tokens}")
+        elif self.split_long_text and self.max_sample_num_tokens < 2:
+            errors.append("--split-long-text needs --max-sample-num-tokens >= 2 "
+                          "(a piece of one token predicts nothing)")
+        if self.num_proc < 1:
+            errors.append(f"--num-proc must be >= 1, got {self.num_proc}")
+        if self.chunk_size < 1:
+            errors.append(f"--chunk-size must be >= 1, got {self.chunk_size}")
+        if self.num_printed_samples < 0:
+            errors.append(f"--num-printed-samples must be >= 0, got {self.num_printed_samples}")
+        if not self.string_for_printing_masks:
+            errors.append("--string-for-printing-masks must not be empty")
+        if self.end_of_turn_token == "":
+            errors.append("--end-of-turn-token must not be empty")
+        if self.input_format not in INPUT_FORMATS:
+            errors.append(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {self.input_format!r}")
+        try:
+            parse_columns(self.columns)
+        except ValueError as err:
+            errors.append(str(err))
+        if not 0.0 <= self.max_rejected_fraction <= 1.0:
+            errors.append(f"--max-rejected-fraction must be in [0, 1], got {self.max_rejected_fraction}")
+        collect_errors(errors)
+
+
+@dataclass(frozen=True)
+class OutputPaths:
+    data: Path
+    summary: Path
+    rejected: Path
+
+    @classmethod
+    def from_config(cls, config: ProcessDataConfig) -> OutputPaths:
+        if config.output_dir is not None:
+            root = Path(config.output_dir)
+            return cls(root / "data.jsonl", root / "summary.json", root / "rejected.jsonl")
+        data = Path(config.output_file)
+        stem = data.name[: -len(".jsonl")]
+        return cls(data, data.with_name(stem + ".summary.json"), data.with_name(stem + ".rejected.jsonl"))
+
+    def all(self) -> tuple[Path, ...]:
+        return self.data, self.rejected, self.summary
+
+
+@dataclass
+class ChunkResult:
+    """What a worker returns for one chunk of rows; the main process only writes and counts."""
+
+    data: bytes
+    rejected: bytes
+    row_bytes: list[int]
+    lengths: list[int]
+    num_loss_counted_tokens: list[int]
+    num_pretrain: int
+    reasons: Counter  # every rejection, by reason
+    first_rejection: str | None  # "file:line: reason: detail"
+    audit: ChunkAudit  # the label audit's counts, its findings (rejected by the template or masking) included
+    input_errors: ChunkAudit  # rows rejected for their input (bad JSON, shape, content), examples by reason
+    formats: Counter  # rows by the format they were read as
+    num_split_rows: int = 0  # text rows longer than --max-sample-num-tokens, cut (--split-long-text)
+    num_pieces: int = 0  # the samples they were cut into
+
+
+NUM_AUDIT_EXAMPLES = 3  # decoded examples kept per rejection reason and per broken rule
+EXAMPLE_CHARS = 400  # an example's text is cut to this many characters
+
+
+@dataclass
+class ChunkAudit:
+    """The label audit's counts of one chunk (chat rows only; pretrain rows learn every token)."""
+
+    num_chat_tokens: int = 0
+    num_chat_loss_tokens: int = 0
+    num_replies: int = 0
+    num_replies_end_learned: int = 0
+    num_replies_marked: int = 0  # shown but not learned, as the row marks them (_TRAINING_MARKS)
+    reasons: Counter = dataclasses.field(default_factory=Counter)  # rejected rows by reason
+    rules: Counter = dataclasses.field(default_factory=Counter)  # rows by how their replies were located
+    # reason (a rejection reason or "reply_end_not_learned") -> [{"line", "detail", "text"}]
+    examples: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
+
+    def add_example(self, reason: str, example: dict) -> None:
+        kept = self.examples.setdefault(reason, [])
+        if len(kept) < NUM_AUDIT_EXAMPLES:
+            kept.append(example)
+
+    def merge(self, other: ChunkAudit) -> None:
+        self.num_chat_tokens += other.num_chat_tokens
+        self.num_chat_loss_tokens += other.num_chat_loss_tokens
+        self.num_replies += other.num_replies
+        self.num_replies_end_learned += other.num_replies_end_learned
+        self.num_replies_marked += other.num_replies_marked
+        self.reasons.update(other.reasons)
+        self.rules.update(other.rules)
+        for reason, examples in other.examples.items():
+            for example in examples:
+                self.add_example(reason, example)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + f"... ({len(text)} chars)"
+
+
+# ----------------------------------------------------------------------------
+# Workers
+
+
+_ENCODER: ChatEncoder | None = None  # one per worker process, set by _init_worker (the Pool initializer pattern)
+_CONFIG: ProcessDataConfig | None = None
+
+
+def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_tokens: tuple[str, ...]) -> None:
+    global _ENCODER, _CONFIG
+    # N worker processes already use the cores; Rust threads inside each would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    tokenizer.chat_template = chat_template
+    # The main process probed the end-of-turn tokens once: workers take them as given.
+    _ENCODER = make_encoder(config, tokenizer, end_of_turn=end_of_turn_tokens)
+    _CONFIG = config
+
+
+def make_encoder(config: ProcessDataConfig, tokenizer, *, end_of_turn: str | tuple[str, ...] | None,
+                 probe_tools: list[dict] | None = None) -> ChatEncoder:
+    """The encoder; ``probe_tools`` (the rows' tools) make tool-only templates renderable when probing."""
+    return ChatEncoder(tokenizer, max_sample_num_tokens=config.max_sample_num_tokens, end_of_turn_token=end_of_turn,
+                       mask_reasoning=config.mask_reasoning, probe_tools=probe_tools,
+                       split_long_text=config.split_long_text)
+
+
+def _process_chunk(chunk: Chunk) -> ChunkResult:
+    assert _ENCODER is not None and _CONFIG is not None, "worker not initialised"
+    return encode_chunk(_ENCODER, chunk, config=_CONFIG)
+
+
+def convert_rows(chunk: Chunk, config: ProcessDataConfig) -> list[tuple[str, ChatRow] | SampleError]:
+    """Each row of the chunk in the ``messages`` format, with the format it was read as, or why it cannot be."""
+    columns = parse_columns(config.columns)
+    converted: list[tuple[str, ChatRow] | SampleError] = []
+    for raw in chunk.rows:
+        try:
+            converted.append(read_row(raw, input_format=config.input_format, columns=columns,
+                                      from_table=chunk.from_table))
+        except SampleError as err:
+            converted.append(err)
+    return converted
+
+
+def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig) -> ChunkResult:
+    """Convert and encode one chunk of rows into output bytes and counts."""
+    data, rejected, row_bytes, lengths, num_loss = [], [], [], [], []
+    reasons: Counter = Counter()
+    formats: Counter = Counter()
+    first_rejection = None
+    num_pretrain = num_split_rows = num_pieces = 0
+    audit, input_errors = ChunkAudit(), ChunkAudit()
+    converted = convert_rows(chunk, config)
+    encoded = iter(encoder.encode_rows([item[1] for item in converted if not isinstance(item, SampleError)]))
+    named = chunk.file != config.input_file  # one of several files: rejected rows say which
+    for offset, item in enumerate(converted):
+        number = chunk.numbers[offset]
+        if isinstance(item, SampleError):
+            result = item
+            if item.row_format is not None:
+                formats[item.row_format] += 1
+        else:
+            formats[item[0]] += 1
+            result = next(encoded)
+            if not isinstance(result, SampleError):
+                pieces = result.pieces(encoder.max_sample_num_tokens)
+                try:
+                    lines = [piece.to_json_line(encoder.id_strings) for piece in pieces]
+                except SampleError as err:
+                    result = err
+        if isinstance(result, SampleError):
+            reasons[result.reason] += 1
+            record = {"file": chunk.file} if named else {}
+            record.update({chunk.unit: number, "reason": result.reason, "detail": result.detail})
+            rejected.append(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+            where = f"{chunk.file}:{number}" if chunk.unit == "line" else f"{chunk.file}: row {number}"
+            if first_rejection is None:
+                first_rejection = f"{where}: {result.reason}: {result.detail}"
+            kept = audit if result.audit else input_errors
+            kept.reasons[result.reason] += 1
+            if len(kept.examples.get(result.reason, ())) < NUM_AUDIT_EXAMPLES:
+                raw = chunk.rows[offset]
+                text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else \
+                    json.dumps(raw, ensure_ascii=False, default=str)
+                kept.add_example(result.reason, {chunk.unit: number, "detail": result.detail, "text": _cut(text.strip())})
+            continue
+        if len(pieces) > 1:
+            num_split_rows += 1
+            num_pieces += len(pieces)
+        for piece, line in zip(pieces, lines):
+            data.append(line)
+            row_bytes.append(len(line))
+            lengths.append(len(piece.input_ids))
+            num_loss.append(piece.num_loss_counted_tokens)
+        num_pretrain += result.is_pretrain * len(pieces)
+        if not result.is_pretrain:
+            audit.num_chat_tokens += len(result.input_ids)
+            audit.num_chat_loss_tokens += result.num_loss_counted_tokens
+            audit.num_replies += result.num_replies
+            audit.num_replies_end_learned += result.num_replies_end_learned
+            audit.num_replies_marked += result.num_replies_marked
+            audit.rules[result.rule] += 1
+            if result.num_replies_end_learned < result.num_replies:
+                audit.add_example("reply_end_not_learned", {
+                    chunk.unit: number, "detail": f"{result.num_replies - result.num_replies_end_learned} of "
+                                                  f"{result.num_replies} replies have no learned end-of-turn",
+                    "text": _cut(render_labels(encoder.tokenizer, result.input_ids, result.labels, "<|mAsK|>"))})
+    return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss,
+                       num_pretrain, reasons, first_rejection, audit, input_errors, formats, num_split_rows,
+                       num_pieces)
+
+
+# ----------------------------------------------------------------------------
+# Main process
+
+
+def load_tokenizer(model_name_or_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_name_or_path)
+
+
+_SCAN_ROWS = 1000  # rows read before tokenizing: formats, the rows' tools for the end-of-turn probe
+_PROBE_TOOL = [{"type": "function", "function": {"name": "probe_tool", "description": "A tool.", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+@dataclass
+class _Scan:
+    """What the first ``_SCAN_ROWS`` rows show, before any tokenizing."""
+
+    num_rows: int = 0  # non-blank rows
+    formats: Counter = dataclasses.field(default_factory=Counter)  # rows of a recognised format
+    unknown: list[str] = dataclasses.field(default_factory=list)  # first detail of a row of no accepted format
+    tools: list[dict] | None = None  # the first row's tools
+    suggestions: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # --columns for the first unknown
+    calls_tools: bool = False
+    unread_system: Counter = dataclasses.field(default_factory=Counter)  # system-like columns nothing reads
+
+    @property
+    def probe_tools(self) -> list[dict] | None:
+        """The rows' tools, or a stand-in schema when rows call tools without one, so the end-of-turn
+        probe renders the way the rows will be rendered."""
+        return self.tools or (_PROBE_TOOL if self.calls_tools else None)
+
+
+_SHAPE_REASONS = ("missing_messages", "ambiguous_format", "missing_field")
+
+
+def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
+    scan = _Scan()
+    with contextlib.closing(source.chunks(min(config.chunk_size, _SCAN_ROWS))) as chunks:
+        for chunk in chunks:
+            for number, raw, item in zip(chunk.numbers, chunk.rows, convert_rows(chunk, config)):
+                scan.num_rows += not (isinstance(raw, bytes) and not raw.strip())
+                if isinstance(item, SampleError):
+                    if item.row_format is not None:
+                        scan.formats[item.row_format] += 1
+                    elif item.reason in _SHAPE_REASONS and not scan.unknown:
+                        scan.unknown.append(f"{chunk.file} {chunk.unit} {number}: {item.detail}")
+                        scan.suggestions = suggest_columns(raw, input_format=config.input_format,
+                                                           columns=config.columns, from_table=chunk.from_table)
+                    continue
+                scan.formats[item[0]] += 1
+                if unread := unread_system(*item):
+                    scan.unread_system[unread] += 1
+                messages, tools = item[1].fields.get("messages"), item[1].fields.get("tools")
+                if isinstance(tools, list) and tools and scan.tools is None:
+                    scan.tools = tools
+                if isinstance(messages, list):
+                    scan.calls_tools = scan.calls_tools or any(
+                        isinstance(message, dict) and "tool_calls" in message for message in messages)
+            if scan.num_rows >= _SCAN_ROWS:
+                break
+    return scan
+
+
+def check_run(config: ProcessDataConfig, paths: OutputPaths):
+    """Whole-run problems, before any heavy work: raise ValueError with one clear line.
+
+    Returns:
+        ``(tokenizer, source, scan)``: the loaded tokenizer, the input and what its first rows show.
+    """
+    source = open_input(config.input_file, split=config.split, subset=config.subset,
+                        text_sample_by=config.text_sample_by)
+    scan = _scan(source, config)
+    if not scan.num_rows:
+        raise ValueError(f"input file {config.input_file} is empty")
+    if not scan.formats and scan.unknown:
+        accepted = "" if ACCEPTED in scan.unknown[0] else f"; accepted: {ACCEPTED}"
+        offers = "; ".join(f"--columns {text} reads it as {fmt}" for text, fmt in scan.suggestions)
+        raise ValueError(f"no row of an accepted format in the first {scan.num_rows} rows of {config.input_file} "
+                         f"({scan.unknown[0]}){accepted}; --columns maps other column names"
+                         + (f": {offers}" if offers else ""))
+    if not config.overwrite:
+        for path in paths.all():
+            if path.exists() and path.stat().st_size > 0:
+                raise ValueError(f"output {path} exists and is not empty; pass --overwrite to replace it")
+    if config.output_dir is not None and Path(config.output_dir).exists() and not Path(config.output_dir).is_dir():
+        raise ValueError(f"--output-dir {config.output_dir} exists and is not a folder")
+    try:
+        tokenizer = load_tokenizer(config.model_name_or_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load tokenizer {config.model_name_or_path!r}: {err}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"tokenizer {config.model_name_or_path!r} has no fast (Rust) backend; offsets are needed")
+    if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {config.model_name_or_path!r} has no eos_token (ends pretrain rows)")
+    if config.chat_template is not None:
+        try:
+            tokenizer.chat_template = Path(config.chat_template).read_text()
+        except OSError as err:
+            raise ValueError(f"cannot read --chat-template {config.chat_template}: {err}") from None
+    if not tokenizer.chat_template:
+        with contextlib.closing(source.chunks(config.chunk_size)) as chunks:
+            for chunk in chunks:
+                for number, item in zip(chunk.numbers, convert_rows(chunk, config)):
+                    messages = None if isinstance(item, SampleError) else item[1].fields["messages"]
+                    if (isinstance(messages, list) and messages and isinstance(messages[0], dict)
+                            and messages[0].get("role") != "pretrain"):
+                        raise ValueError(f"tokenizer {config.model_name_or_path!r} has no chat template, but "
+                                         f"{chunk.file}:{number} is a conversation")
+    return tokenizer, source, scan
+
+
+def process_data(config: ProcessDataConfig) -> dict[str, Any]:
+    """Tokenize ``config.input_file`` and write the output files.
+
+    Args:
+        config: the run's settings.
+
+    Returns:
+        The summary (also written to the summary JSON).
+
+    Raises:
+        ValueError: a whole-run problem, or with ``strict`` the first unusable row as ``file:line: reason``.
+    """
+    start = time.perf_counter()
+    paths = OutputPaths.from_config(config)
+    tokenizer, source, scan = check_run(config, paths)
+    encoder = make_encoder(config, tokenizer, end_of_turn=config.end_of_turn_token, probe_tools=scan.probe_tools)
+    num_rows = source.num_rows()
+    num_proc = min(config.num_proc, max(1, -(-num_rows // config.chunk_size))) if num_rows else config.num_proc
+    logger.info("tokenizer %s (%s, %d tokens, eos %r), chat template from %s, end of turn %s (%s)",
+                config.model_name_or_path, type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token,
+                config.chat_template or "the tokenizer", " or ".join(map(repr, encoder.end_of_turn_tokens)),
+                "--end-of-turn-token" if config.end_of_turn_token else
+                "probed " + ("with the rows' tools" if scan.probe_tools else "without tools") + ", with and without "
+                "a system prompt")
+    logger.info("input %s: %s rows, %d worker process(es)%s", source.describe(),
+                "unknown number of" if num_rows is None else num_rows, num_proc,
+                "" if num_proc == config.num_proc else f" (--num-proc {config.num_proc}: fewer chunks than that)")
+    logger.info("row format %s in the first %d rows: %s", "detected" if config.input_format == "auto" else
+                f"--input-format {config.input_format}", scan.num_rows, _counts(scan.formats) or "none recognised")
+    for column, count in scan.unread_system.items():
+        logger.warning("%d of the first %d rows have no system message and a %r column, which is copied to the "
+                       "output, not read: --columns system=%s makes it the system message", count, scan.num_rows,
+                       column, column)
+
+    paths.data.parent.mkdir(parents=True, exist_ok=True)
+    if config.overwrite:
+        # The summary marks a complete dataset: drop the old one before touching anything else.
+        paths.summary.unlink(missing_ok=True)
+    remove_dead_leftovers(paths.all())
+    # Every file is written under a temporary name and renamed once all three are complete (the summary
+    # last: it marks a complete dataset), so a full disk or a kill leaves no partial output.
+    tmp = {path: temporary_name(path) for path in paths.all()}
+    totals = _Totals()
+    try:
+        # closing(): on --strict's early exit the worker pool is shut down at once, not at garbage collection.
+        with open(tmp[paths.data], "wb") as data_f, open(tmp[paths.rejected], "wb") as rejected_f, \
+                contextlib.closing(_run_chunks(config, encoder, source, num_proc, num_rows)) as chunks:
+            for chunk in chunks:
+                if config.strict and chunk.first_rejection is not None:
+                    raise ValueError(chunk.first_rejection)
+                data_f.write(chunk.data)
+                rejected_f.write(chunk.rejected)
+                totals.add(chunk)
+        summary = _summary(config, tokenizer, encoder, paths, totals, source, time.perf_counter() - start)
+        tmp[paths.summary].write_text(json.dumps(summary, indent=2) + "\n")
+        for path in paths.all():
+            os.replace(tmp[path], path)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise ValueError(_disk_full(err, paths, tmp, totals.num_rows, num_rows)) from None
+    finally:
+        for tmp_path in tmp.values():
+            tmp_path.unlink(missing_ok=True)
+
+    _log_summary(summary)
+    _print_samples(config, tokenizer, paths.data, totals)
+    if not summary["num_written"]:
+        raise ValueError(f"no sample written from {totals.num_rows} row(s); rejected: "
+                         + ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items())
+                         + f" (see {paths.rejected})")
+    _log_audit(summary["audit"], config)
+    if summary["audit"]["broken_rules"] and not config.allow_audit_failures:
+        raise ValueError(f"label audit failed: {'; '.join(summary['audit']['broken_rules'])} (details in "
+                         f"{paths.summary} under 'audit'; --allow-audit-failures keeps the dataset anyway)")
+    return summary
+
+
+def _disk_full(err: OSError, paths: OutputPaths, tmp: dict[Path, Path], num_read: int, num_rows: int | None) -> str:
+    """One line for a write that met a full disk (or quota): where, how much was written, what is kept."""
+    written = sum(path.stat().st_size for path in tmp.values() if path.exists())
+    folder = paths.data.parent
+    of = f" of {num_rows}" if num_rows is not None else ""
+    return (f"{os.strerror(err.errno).lower()} for the output in {folder}: {written / 1e6:.1f} MB written from "
+            f"the first {num_read}{of} input rows before it filled; nothing was kept (the partial files are "
+            "removed): free space there or choose another output, then rerun the same command")
+
+
+def _counts(counter: Counter) -> str:
+    return ", ".join(f"{key} {count}" for key, count in counter.most_common())
+
+
+def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, source: Input, num_proc: int, num_rows: int | None):
+    """Yield ChunkResults in input order, with a progress bar and a bounded number of chunks in flight."""
+    from tqdm import tqdm
+
+    chunks = source.chunks(config.chunk_size)
+    with tqdm(total=num_rows, unit="row", desc="tokenizing", mininterval=1.0, file=sys.stderr) as progress, \
+            contextlib.closing(chunks):
+        if num_proc == 1:
+            for chunk in chunks:
+                yield encode_chunk(encoder, chunk, config=config)
+                progress.update(len(chunk.rows))
+            return
+        # fork: workers inherit the imported modules instead of importing transformers again.
+        context = multiprocessing.get_context("fork")
+        with context.Pool(num_proc, initializer=_init_worker,
+                          initargs=(config, encoder.chat_template, encoder.end_of_turn_tokens)) as pool:
+            in_flight: deque = deque()
+            for chunk in chunks:
+                in_flight.append((len(chunk.rows), pool.apply_async(_process_chunk, (chunk,))))
+                # Back-pressure: at most 2 chunks per worker are read ahead, so memory stays flat.
+                if len(in_flight) >= 2 * num_proc:
+                    num, result = in_flight.popleft()
+                    yield result.get()
+                    progress.update(num)
+            while in_flight:
+                num, result = in_flight.popleft()
+                yield result.get()
+                progress.update(num)
+
+
+class _Totals:
+    """Running counts over chunks; per-row numbers kept in compact arrays (8 bytes a row)."""
+
+    def __init__(self):
+        self.lengths = array.array("q")
+        self.num_loss = array.array("q")
+        self.row_offsets = array.array("q", [0])
+        self.reasons: Counter = Counter()
+        self.formats: Counter = Counter()
+        self.num_rows = 0
+        self.num_pretrain = 0
+        self.num_split_rows = self.num_pieces = 0
+        self.audit = ChunkAudit()
+        self.input_errors = ChunkAudit()
+
+    def add(self, chunk: ChunkResult) -> None:
+        self.lengths.extend(chunk.lengths)
+        self.num_loss.extend(chunk.num_loss_counted_tokens)
+        for size in chunk.row_bytes:
+            self.row_offsets.append(self.row_offsets[-1] + size)
+        self.reasons.update(chunk.reasons)
+        self.formats.update(chunk.formats)
+        self.num_rows += len(chunk.lengths) - chunk.num_pieces + chunk.num_split_rows + sum(chunk.reasons.values())
+        self.num_pretrain += chunk.num_pretrain
+        self.num_split_rows += chunk.num_split_rows
+        self.num_pieces += chunk.num_pieces
+        self.audit.merge(chunk.audit)
+        self.input_errors.merge(chunk.input_errors)
+
+
+def _stats(values: array.array) -> dict[str, float]:
+    import numpy as np
+
+    if not values:
+        return {}
+    arr = np.frombuffer(values, dtype=np.int64)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"min": int(arr.min()), "mean": round(float(arr.mean()), 2), "p50": float(p50), "p90": float(p90),
+            "p99": float(p99), "max": int(arr.max()), "sum": int(arr.sum())}
+
+
+def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed) -> dict[str, Any]:
+    import tokenizers
+    import transformers
+
+    num_written = len(totals.lengths)
+    template = encoder.chat_template or ""
+    errors = totals.input_errors
+    return {
+        "num_lines": totals.num_rows,
+        "num_written": num_written,
+        "num_chat": num_written - totals.num_pretrain,
+        "num_pretrain": totals.num_pretrain,
+        "num_split_rows": totals.num_split_rows,
+        "num_split_samples": totals.num_pieces,
+        "num_rejected": sum(totals.reasons.values()),
+        "rejected_by_reason": dict(sorted(totals.reasons.items())),
+        "input": source.describe(),
+        "rows_by_format": dict(totals.formats.most_common()),
+        "input_errors": {
+            "num_rows": sum(errors.reasons.values()),
+            "by_reason": dict(sorted(errors.reasons.items())),
+            "examples": {reason: errors.examples[reason] for reason in sorted(errors.examples)},
+        },
+        "num_tokens": int(sum(totals.lengths)),
+        "num_loss_counted_tokens": int(sum(totals.num_loss)),
+        "len": _stats(totals.lengths),
+        "num_loss_counted_tokens_per_sample": _stats(totals.num_loss),
+        "outputs": {"data": str(paths.data), "rejected": str(paths.rejected), "summary": str(paths.summary)},
+        "tokenizer": {
+            "name_or_path": config.model_name_or_path,
+            "class": type(tokenizer).__name__,
+            "num_tokens": len(tokenizer),
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "chat_template_source": config.chat_template or "tokenizer",
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+            "chat_template": template or None,
+            "end_of_turn_token": encoder.end_of_turn_token,
+            "end_of_turn_tokens": list(encoder.end_of_turn_tokens),
+            "mask_reasoning": config.mask_reasoning,
+            "masking": encoder.masking_method,
+            "developer_messages_as": "system" if encoder.developer_as_system else "developer",
+        },
+        "audit": _audit(config, totals),
+        "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
+        "config": dataclasses.asdict(config),
+        "elapsed_s": round(elapsed, 3),
+        "lines_per_s": round(totals.num_rows / elapsed, 1) if elapsed > 0 else None,
+    }
+
+
+def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = None) -> dict[str, Any]:
+    """The label audit: what is learned, per dataset, and which rule is broken.
+
+    It judges the masking only, never the input: its rows are the conversations the chat template
+    was given (input errors and pretrain rows aside). Rules: every reply's end-of-turn is learned
+    (else the model never learns to stop), and at most ``max_rejected_fraction`` of those rows is
+    rejected by the template or the masking (a finding: ``SampleError.audit``). ``num_lines`` is unused
+    (kept for callers of the older signature).
+    """
+    audit = totals.audit
+    num_rejected = sum(audit.reasons.values())
+    num_chat_in = len(totals.lengths) - totals.num_pretrain + num_rejected
+    rejected_fraction = num_rejected / num_chat_in if num_chat_in else 0.0
+    broken = []
+    if audit.num_replies_end_learned < audit.num_replies:
+        broken.append(f"{audit.num_replies - audit.num_replies_end_learned} of {audit.num_replies} replies have no "
+                      "learned end-of-turn (see --end-of-turn-token)")
+    if rejected_fraction > config.max_rejected_fraction:
+        broken.append(f"{num_rejected} of {num_chat_in} conversations could not be masked ({rejected_fraction:.1%} > "
+                      f"--max-rejected-fraction {config.max_rejected_fraction:g})")
+    return {
+        "num_chat_rows_in": num_chat_in,
+        "num_chat_rows_written": len(totals.lengths) - totals.num_pretrain,
+        "learned_token_fraction": round(audit.num_chat_loss_tokens / audit.num_chat_tokens, 4)
+        if audit.num_chat_tokens else 0.0,
+        "num_replies": audit.num_replies,
+        "num_replies_end_of_turn_learned": audit.num_replies_end_learned,
+        "num_replies_marked_not_learned": audit.num_replies_marked,
+        "num_rows_zero_learned": audit.reasons.get("no_loss_tokens", 0),
+        "num_rejected": num_rejected,
+        "rejected_fraction": round(rejected_fraction, 4),
+        "max_rejected_fraction": config.max_rejected_fraction,
+        "rejected_by_reason": dict(sorted(audit.reasons.items())),
+        "rows_by_rule": dict(sorted(audit.rules.items())),
+        "examples": {reason: audit.examples[reason] for reason in sorted(audit.examples)},
+        "broken_rules": broken,
+        "passed": not broken,
+    }
+
+
+def _log_audit(audit: dict[str, Any], config: ProcessDataConfig) -> None:
+    logger.info("label audit: %.1f%% of chat tokens learned; %d of %d replies end with a learned end-of-turn; "
+                "%d conversations with replies but zero learned tokens; %d of %d conversations could not be masked "
+                "(%.2f%%, max %.2f%%)%s%s",
+                100 * audit["learned_token_fraction"], audit["num_replies_end_of_turn_learned"], audit["num_replies"],
+                audit["num_rows_zero_learned"], audit["num_rejected"], audit["num_chat_rows_in"],
+                100 * audit["rejected_fraction"], 100 * audit["max_rejected_fraction"],
+                f"; {audit['num_replies_marked_not_learned']} more replies shown but not learned, as their rows "
+                "mark them (weight 0, train / training / loss false)" if audit["num_replies_marked_not_learned"] else "",
+                "" if audit["rows_by_rule"].get("incremental", 0) == 0 else
+                f"; {audit['rows_by_rule']['incremental']} rows located by the incremental fallback "
+                "(the template rewrites replies)")
+    _log_examples("audit example", audit["examples"])
+    for rule in audit["broken_rules"]:
+        (logger.warning if config.allow_audit_failures else logger.error)("label audit: %s", rule)
+
+
+def _log_examples(what: str, examples: dict[str, list[dict]]) -> None:
+    for reason, kept in examples.items():
+        for example in kept:
+            where = f"line {example['line']}" if "line" in example else f"row {example['row']}"
+            logger.info("%s %s, %s: %s\n%s", what, reason, where, example["detail"], example["text"])
+
+
+def _log_summary(summary: dict[str, Any]) -> None:
+    logger.info("wrote %d samples (%d chat, %d pretrain, %d tokens, %d loss-counted) to %s in %.1fs (%.0f rows/s)",
+                summary["num_written"], summary["num_chat"], summary["num_pretrain"], summary["num_tokens"],
+                summary["num_loss_counted_tokens"], summary["outputs"]["data"], summary["elapsed_s"],
+                summary["lines_per_s"] or 0)
+    logger.info("rows by format: %s", ", ".join(f"{fmt} {count}" for fmt, count in summary["rows_by_format"].items())
+                or "none recognised")
+    if summary["len"]:
+        logger.info("len: p50 %.0f, p90 %.0f, p99 %.0f, max %d", summary["len"]["p50"], summary["len"]["p90"],
+                    summary["len"]["p99"], summary["len"]["max"])
+    if summary["num_split_rows"]:
+        logger.info("cut %d text rows longer than --max-sample-num-tokens into %d samples (--split-long-text)",
+                    summary["num_split_rows"], summary["num_split_samples"])
+    errors = summary["input_errors"]
+    if errors["num_rows"]:
+        _log_examples("input error example", errors["examples"])
+        logger.warning("skipped %d bad input row(s), listed in %s: %s", errors["num_rows"],
+                       summary["outputs"]["rejected"],
+                       ", ".join(f"{reason} {count}" for reason, count in errors["by_reason"].items()))
+
+
+def render_labels(tokenizer, input_ids: list[int], labels: list[int], mask_string: str) -> str:
+    """Decode ``labels`` with each masked run shown as ``mask_string``."""
+    pieces, run, masked = [], [], None
+    for token_id, label in zip(input_ids, labels):
+        is_masked = label == IGNORE_INDEX
+        if run and is_masked != masked:
+            pieces.append(mask_string if masked else tokenizer.decode(run))
+            run = []
+        masked = is_masked
+        run.append(token_id)
+    if run:
+        pieces.append(mask_string if masked else tokenizer.decode(run))
+    return "".join(pieces)
+
+
+def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals: _Totals) -> None:
+    num_written = len(totals.lengths)
+    rows = sorted(random.Random(config.seed).sample(range(num_written), min(num_written, config.num_printed_samples)))
+    try:
+        with open(data_path, "rb") as f:
+            for index in rows:
+                f.seek(totals.row_offsets[index])
+                row = json.loads(f.readline())
+                logger.info("sample %d input:\n%s", index, tokenizer.decode(row["input_ids"]))
+                logger.info("sample %d labels:\n%s", index, render_labels(
+                    tokenizer, row["input_ids"], row["labels"], config.string_for_printing_masks))
+    # Printing is for the eye only: a tokenizer whose decode fails (remote code, a broken decoder) or an
+    # unreadable file must not fail a run whose data is already written. OverflowError: decode of a huge id.
+    except (OSError, ValueError, TypeError, KeyError, IndexError, OverflowError) as err:
+        logger.warning("printing samples stopped (%s: %s); the data is written", type(err).__name__, err)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    config = parse_config(ProcessDataConfig, argv, description=__doc__.split("\n")[0])
+    setup_logging(config.logging_level)
+    logger.info("arguments: %s", json.dumps(dataclasses.asdict(config), default=str))  # never fails on a value
+    try:
+        return process_data(config)
+    # ImportError: a library below its floor that transformers refuses to use (jinja2 < 3.1.6 renders no template).
+    except (ValueError, ImportError) as err:
+        raise SystemExit(f"process_data.py: error: {err}") from None
+
+
+def cli() -> None:
+    """The command line (``python process_data.py``, ``minitrainer-process-data``): ``main``, its summary
+    left in ``summary.json`` rather than returned."""
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,2 @@
+"""The model: attention backends, context parallelism, the loss and the model's own objective, multimodal
+checkpoints, recomputation, recurrent mixers, named shapes. Imports ``common`` and ``data``."""

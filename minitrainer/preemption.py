@@ -1,0 +1,89 @@
+"""The preemption flag: SIGTERM, SIGUSR1 (SLURM's warning before a kill), SIGINT (Ctrl-C) and the loss of
+the launcher ask the loop to save a full state after the step and stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+from minitrainer.common.utils import EXIT_FAILED, exit_process, logger
+
+
+class PreemptionFlag:
+    """SIGTERM/SIGUSR1 (SLURM's warning before a kill) and SIGINT (Ctrl-C) ask for a checkpoint at the end
+    of the step; so does the launcher's death.
+
+    * Ctrl-C reaches torchrun, which passes SIGINT to every rank; a second Ctrl-C makes torchrun send
+      SIGTERM. So after a SIGINT either signal kills this rank at once, unsaved (torchrun's report then
+      names the signal). After SIGTERM or SIGUSR1 a repeat is the same request delivered twice (SLURM
+      signals torchrun and the ranks, and torchrun forwards): the save goes on.
+    * Under torchrun, a rank whose launcher is gone (killed with SIGKILL: it could pass on no signal) is
+      an orphan that would train on, holding the output folder's lock and the devices. A thread notices
+      within ``poll_s`` seconds that the parent changed and asks for the same save-and-stop; a rank that
+      has not stopped ``orphan_grace_s`` later (a step and a full-state save take less) exits unsaved.
+    * Unless a peer rank is already dead: then no checkpoint can be written (it is a collective), and
+      the signal is torchrun ending the job after that rank died. This rank then exits at once,
+      naming the lost rank, rather than waiting in a collective until torchrun kills it 30 s later
+      (with NCCL, a collective whose peer died waits for the collective timeout).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, lost_ranks: Callable[[], list[str]] = list, *, poll_s: float = 1.0,
+                 orphan_grace_s: float = 300.0) -> None:
+        self.requested = False
+        self._signalled = False
+        self._lost_ranks = lost_ranks
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        self._stop_watching = threading.Event()
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun: our parent is the launcher
+            parent = os.getppid()
+            threading.Thread(target=self._watch_launcher, args=(parent, poll_s, orphan_grace_s), daemon=True,
+                             name="launcher-watch").start()
+
+    def __enter__(self) -> PreemptionFlag:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.restore()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        lost = self._lost_ranks()
+        if lost:
+            logger.error("received %s after %s is gone (it stopped on its own error, or was killed, e.g. by the "
+                         "out-of-memory killer): exiting; rerun the same command to resume from the newest full "
+                         "state", name, ", ".join(lost))
+            exit_process(EXIT_FAILED)
+        if signum == signal.SIGINT and not self._signalled:
+            # A second Ctrl-C (torchrun passes it on as SIGTERM) must stop at once, even inside a collective
+            # waiting for a peer, where no Python handler runs: the signals' default action does that.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+        if not self._signalled:
+            self._signalled = True
+            logger.warning("received %s: will checkpoint and exit after this step%s", name,
+                           " (Ctrl-C again to stop at once, unsaved)" if signum == signal.SIGINT else "")
+        self.requested = True
+
+    def _watch_launcher(self, parent: int, poll_s: float, orphan_grace_s: float) -> None:
+        while not self._stop_watching.wait(poll_s):
+            if os.getppid() != parent:
+                logger.warning("the launcher (torchrun, pid %d) is gone: will checkpoint and exit after this step",
+                               parent)
+                self.requested = True
+                # Still here after the grace: the main thread waits in a collective for a peer that is gone
+                # too (no Python runs there, and gloo may wait for the whole collective timeout).
+                if not self._stop_watching.wait(orphan_grace_s):
+                    logger.error("the launcher (torchrun, pid %d) is gone and this rank did not stop within %.0f s "
+                                 "(waiting for a peer that is gone): exiting unsaved; rerun the same command to "
+                                 "resume from the newest full state", parent, orphan_grace_s)
+                    exit_process(EXIT_FAILED)
+                return
+
+    def restore(self) -> None:
+        self._stop_watching.set()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

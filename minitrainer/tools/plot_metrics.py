@@ -1,0 +1,210 @@
+"""Plot a run's metrics JSONL as PNG files.
+
+    python -m minitrainer.tools.plot_metrics ./output                 # writes ./output/plots/*.png
+    python -m minitrainer.tools.plot_metrics ./output --out-dir /tmp/plots --smoothing 0.9
+
+Reads every ``training_metrics_*.jsonl`` in the output folder (rank 0 writes
+``training_metrics_0.jsonl``) and writes:
+
+  loss.png                 loss per optimizer step with a smoothed overlay, and
+                           the validation loss (its own lines, with ``val_loss``)
+                           as points; samples seen on the top axis
+  metrics_by_step.png      loss, learning rate, grad norm, tokens/s, peak
+                           memory, gradient-accumulation steps, tokens/s and
+                           loss-counted tokens/s per GPU, and MFU over steps
+  metrics_by_samples.png   the same panels over samples seen
+
+Needs matplotlib, an optional dependency: ``pip install matplotlib``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PANELS = (
+    ("loss", "loss (per-token mean)"),
+    ("lr", "learning rate"),
+    ("grad_norm", "grad norm (before clipping)"),
+    ("tokens_per_second", "tokens / s (whole job)"),
+    ("peak_memory_usage_GB", "peak memory (GB, rank 0)"),
+    ("grad_accum", "grad-accumulation steps"),
+    ("tokens_per_second_per_gpu", "tokens / s per GPU"),
+    ("loss_tokens_per_second_per_gpu", "loss-counted tokens / s per GPU"),
+    ("mfu", "MFU (model FLOPs / peak bf16; null on CPU)"),
+)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """One JSONL file's records; a torn last line (a run killed mid-write) is skipped."""
+    records = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                continue
+            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+    return records
+
+
+def smooth(values: np.ndarray, weight: float) -> np.ndarray:
+    """Exponential moving average with bias correction (TensorBoard's smoothing), NaN-safe."""
+    out = np.empty(len(values))
+    average, total_weight = 0.0, 0.0
+    for i, value in enumerate(values):
+        if np.isfinite(value):
+            average = weight * average + (1 - weight) * value
+            total_weight = weight * total_weight + (1 - weight)
+        out[i] = average / total_weight if total_weight else np.nan
+    return out
+
+
+def _series(records: list[dict], key: str) -> np.ndarray:
+    return np.array([float(r[key]) if isinstance(r.get(key), (int, float)) else np.nan for r in records])
+
+
+def _samples(records: list[dict]) -> np.ndarray:
+    # samples_seen is the stream position; older logs only have total_samples_accumulated.
+    key = "samples_seen" if all("samples_seen" in r for r in records) else "total_samples_accumulated"
+    return _series(records, key)
+
+
+def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, smoothing: float = 0.6) -> list[Path]:
+    """Render the PNGs for one run.
+
+    Args:
+        output_dir: the training ``--output-dir`` holding ``training_metrics_*.jsonl``.
+        out_dir: where to write the PNGs (default ``output_dir/plots``).
+        smoothing: EMA weight of the smoothed loss overlay, in [0, 1).
+
+    Returns:
+        The written PNG paths.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ValueError: no metrics file, or a file with no records.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: works without a display
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError("plot_metrics.py needs matplotlib (an optional dependency): pip install matplotlib") \
+            from err
+    if not 0 <= smoothing < 1:
+        raise ValueError(f"--smoothing must be in [0, 1), got {smoothing}")
+    output_dir = Path(output_dir)
+    files = sorted(output_dir.glob("training_metrics_*.jsonl"))
+    if not files:
+        raise ValueError(f"{output_dir}: no training_metrics_*.jsonl (is this a train.py --output-dir?)")
+    runs, val_runs = {}, {}
+    for path in files:
+        name = path.stem.removeprefix("training_metrics_")
+        records = read_metrics(path)
+        # Validation passes are their own lines (keyed by val_loss); step panels read the others.
+        val_runs[name] = [r for r in records if "val_loss" in r]
+        runs[name] = [r for r in records if "val_loss" not in r]
+    runs = {name: records for name, records in runs.items() if records}
+    if not runs:
+        raise ValueError(f"{output_dir}: the metrics files are empty (no optimizer step finished yet)")
+    out_dir = Path(out_dir) if out_dir is not None else output_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    label_ranks = len(runs) > 1
+    written = []
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, records in runs.items():
+        steps, loss = _series(records, "step"), _series(records, "loss")
+        suffix = f" (rank {name})" if label_ranks else ""
+        ax.plot(steps, loss, color="tab:blue", alpha=0.35, linewidth=1, label="loss" + suffix)
+        ax.plot(steps, smooth(loss, smoothing), color="tab:blue", linewidth=2,
+                label=f"smoothed (EMA {smoothing:g})" + suffix)
+        if val_runs.get(name):
+            ax.plot(_series(val_runs[name], "step"), _series(val_runs[name], "val_loss"), color="tab:orange",
+                    marker="o", linewidth=1.5, label="validation loss" + suffix)
+    first = next(iter(runs.values()))
+    _samples_axis(ax, _series(first, "step"), _samples(first))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (per-token mean)")
+    ax.set_title(f"{'Training and validation' if any(val_runs.values()) else 'Training'} loss: "
+                 f"{output_dir.resolve().name}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    written.append(_save(fig, out_dir / "loss.png"))
+    plt.close(fig)
+
+    for x_key, x_label, filename in (("step", "optimizer step", "metrics_by_step.png"),
+                                     ("samples", "samples seen", "metrics_by_samples.png")):
+        fig, axes = plt.subplots(3, 3, figsize=(15, 11))
+        for ax, (key, title) in zip(axes.flat, PANELS):
+            for name, records in runs.items():
+                x = _samples(records) if x_key == "samples" else _series(records, "step")
+                y = _series(records, key)
+                if np.isnan(y).all():
+                    ax.text(0.5, 0.5, "n/a (null or not in the metrics file)", ha="center", va="center",
+                            transform=ax.transAxes)
+                    continue
+                label = f"rank {name}" if label_ranks else None
+                if key == "loss":
+                    ax.plot(x, y, color="tab:blue", alpha=0.35, linewidth=1)
+                    ax.plot(x, smooth(y, smoothing), color="tab:blue", linewidth=2, label=label)
+                elif key == "grad_accum":
+                    ax.step(x, y, where="mid", label=label)
+                    ax.yaxis.get_major_locator().set_params(integer=True)
+                else:
+                    ax.plot(x, y, marker="." if len(x) <= 50 else None, label=label)
+            ax.set_title(title)
+            ax.set_xlabel(x_label)
+            ax.grid(True, alpha=0.3)
+            if label_ranks:
+                ax.legend()
+        axes.flat[1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        fig.suptitle(f"{output_dir.resolve().name}: metrics by {x_label}")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / filename))
+        plt.close(fig)
+    return written
+
+
+def _samples_axis(ax, steps: np.ndarray, samples: np.ndarray) -> None:
+    """Top x-axis in samples seen, when samples grow strictly with steps (they do within one run)."""
+    if len(steps) < 2 or np.isnan(samples).any() or not (np.diff(samples) > 0).all() \
+            or not (np.diff(steps) > 0).all():
+        return
+    top = ax.secondary_xaxis("top", functions=(lambda s: np.interp(s, steps, samples),
+                                               lambda n: np.interp(n, samples, steps)))
+    top.set_xlabel("samples seen")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("output_dir", help="train.py --output-dir holding training_metrics_*.jsonl")
+    parser.add_argument("--out-dir", default=None, help="where to write the PNGs (default: OUTPUT_DIR/plots)")
+    parser.add_argument("--smoothing", type=float, default=0.6, help="EMA weight of the smoothed loss, in [0, 1)")
+    args = parser.parse_args(argv)
+    try:
+        paths = plot_metrics(args.output_dir, out_dir=args.out_dir, smoothing=args.smoothing)
+    except (ImportError, ValueError) as err:
+        raise SystemExit(f"plot_metrics.py: error: {err}") from None
+    for path in paths:
+        print(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

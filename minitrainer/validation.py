@@ -1,0 +1,259 @@
+"""Validation loss: the exact per-token mean over a held-out set, across ranks.
+
+    torchrun --nproc-per-node=2 train.py ... --validation-split 0.05 --validation-every-n-steps 50
+    torchrun --nproc-per-node=2 train.py ... --validation-data-path ./data/val_tkns
+
+The held-out samples come from ``--validation-data-path`` (a tokenized file or
+folder, as ``--data-path``) or from ``--validation-split FRACTION`` of
+``--data-path``: ``split_rows`` draws the held-out rows from the seed alone, so
+every rank and every resume gets the same split, and training then samples
+only from the remaining rows (``RowSubset``).
+
+A pass packs the held-out samples exactly as training packs a batch
+(``packing.plan_minibatches``, the sampler's collation, the same attention
+inputs and summed loss), in groups of ``group_size`` samples, forward only
+under ``torch.no_grad()``. Memory is bounded by the token budget of one
+minibatch. Every rank makes the same number of forward calls (a rank with no
+work in a minibatch gets the 1-token dummy), because FSDP all-gathers in each.
+One all-reduce of (loss sum, token count) at the end gives
+
+    val_loss = sum of token cross-entropies / number of loss-counted tokens
+
+over the whole set, written as its own metrics line::
+
+    {"step": 120, "val_loss": 1.93, "val_num_loss_counted_tokens": 48211, "val_time_s": 3.2, ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from minitrainer.common.utils import log_rank_0
+from minitrainer.data.packing import plan_minibatches
+from minitrainer.data.sampler import collate_minibatch
+
+SPLIT_SEED_SALT = 0x5E11
+"""Mixed into the seed so the split does not correlate with epoch 0's shuffle (seed + 0)."""
+
+
+class RowSubset:
+    """A view of some rows of a TokenizedDataset, with the same interface the sampler reads.
+
+    Row ``i`` of the view is row ``rows[i]`` of ``base``.
+    """
+
+    def __init__(self, base, rows: np.ndarray) -> None:
+        self.base = base
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.path = base.path
+        self.lengths = base.lengths[self.rows]
+        self.num_loss_counted_tokens = base.num_loss_counted_tokens[self.rows]
+
+    def __len__(self) -> int:
+        return int(self.rows.size)
+
+    def sample(self, index: int) -> tuple[list[int], list[int]]:
+        return self.base.sample(int(self.rows[index]))
+
+    def content_digest(self) -> str:
+        """The base file's content hash, and which of its rows this view holds."""
+        import xxhash
+
+        return xxhash.xxh3_128(self.base.content_digest().encode() + self.rows.tobytes()).hexdigest()
+
+    def sample_arrays(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.base.sample_arrays(int(self.rows[index]))
+
+
+def split_rows(num_samples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic train/validation split of ``range(num_samples)``.
+
+    Args:
+        num_samples: rows of the dataset.
+        fraction: share held out, in (0, 1); at least one row each side.
+        seed: the run's seed.
+
+    Returns:
+        ``(train_rows, validation_rows)``, each sorted ascending, disjoint, covering every row.
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"validation fraction must be in (0, 1), got {fraction}")
+    if num_samples < 2:
+        raise ValueError(f"cannot split {num_samples} sample(s) into training and validation")
+    num_val = min(max(1, round(fraction * num_samples)), num_samples - 1)
+    order = np.random.default_rng((seed, SPLIT_SEED_SALT)).permutation(num_samples)
+    return np.sort(order[num_val:]), np.sort(order[:num_val])
+
+
+@dataclass(frozen=True)
+class ValidationPlan:
+    """Which rows each rank packs into each validation minibatch (same on every rank).
+
+    ``minibatches[m][rank]`` lists dataset rows; ``[]`` means the dummy.
+    """
+
+    minibatches: list[list[list[int]]]
+    num_samples: int  # samples evaluated
+    num_dropped_samples: int  # longer than the token budget: not evaluated
+    num_loss_counted_tokens: int  # the denominator, known before any forward
+
+
+def plan_validation(lengths: np.ndarray, loss_counts: np.ndarray, *, max_tokens_per_rank: int, num_ranks: int,
+                    group_size: int, balance: str = "tokens") -> ValidationPlan:
+    """Pack every row (in order, ``group_size`` at a time) into per-rank minibatches. Pure.
+
+    Args:
+        lengths: tokens per validation sample.
+        loss_counts: loss-counted (shifted) targets per sample.
+        max_tokens_per_rank: training's token budget; longer samples are dropped and counted.
+        num_ranks: world size.
+        group_size: samples planned together (training's batch size): larger groups pack tighter.
+        balance: packing cost, as in training.
+    """
+    keep = np.flatnonzero(lengths <= max_tokens_per_rank)
+    minibatches: list[list[list[int]]] = []
+    for start in range(0, keep.size, group_size):
+        rows = keep[start:start + group_size]
+        plan = plan_minibatches(lengths[rows], max_tokens_per_rank=max_tokens_per_rank, num_ranks=num_ranks,
+                                cost=balance)
+        for minibatch in plan:
+            minibatches.append([[int(rows[i]) for i in slot if i != -1] for slot in minibatch])
+    return ValidationPlan(minibatches=minibatches, num_samples=int(keep.size),
+                          num_dropped_samples=int(lengths.size - keep.size),
+                          num_loss_counted_tokens=int(loss_counts[keep].sum()))
+
+
+def run_validation(model: torch.nn.Module, dataset, plan: ValidationPlan, *, rank: int, device: torch.device,
+                   model_inputs: Callable, shard: Callable | None = None) -> tuple[float, int]:
+    """One pass over the validation set (collective: every rank calls it with the same plan).
+
+    Args:
+        model: the FSDP-wrapped ``CausalLMWithLoss``; returns the summed loss of a packed row.
+        dataset: the validation samples (``sample_arrays(row)``).
+        plan: from ``plan_validation``.
+        rank: this rank (with context parallelism: its group's data rank).
+        device: where the loss lives.
+        model_inputs: minibatch -> forward kwargs (the training loop's own function).
+        shard: minibatch -> this rank's shard of it (context parallelism; None: the whole row).
+
+    Returns:
+        ``(val_loss, num_loss_counted_tokens)`` over the whole set, all ranks; NaN loss for an empty set.
+    """
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = 0
+    with torch.no_grad():
+        for minibatch in plan.minibatches:
+            packed = collate_minibatch([dataset.sample_arrays(row) for row in minibatch[rank]])
+            if shard is not None:
+                packed = shard(packed)  # its own loss tokens only: the group's shards sum to the row's
+            loss_sum += model(**model_inputs(packed)).double()
+            tokens += packed.num_loss_counted_tokens
+    model.train(was_training)
+    totals = torch.stack([loss_sum, torch.tensor(float(tokens), device=device, dtype=torch.float64)])
+    dist.all_reduce(totals)
+    total_loss, total_tokens = totals.tolist()  # CPU-GPU sync point
+    assert int(total_tokens) == plan.num_loss_counted_tokens, (total_tokens, plan.num_loss_counted_tokens)
+    return (total_loss / total_tokens if total_tokens else float("nan")), int(total_tokens)
+
+
+def validation_record(*, step: int, samples_seen: int, val_loss: float, num_loss_counted_tokens: int,
+                      num_samples: int, elapsed: float) -> dict:
+    """The metrics line of one validation pass (told apart from step lines by ``val_loss``)."""
+    return {"step": step, "val_loss": val_loss, "val_num_loss_counted_tokens": num_loss_counted_tokens,
+            "val_num_samples": num_samples, "val_time_s": elapsed, "samples_seen": samples_seen,
+            "timestamp": time.time()}
+
+
+def should_validate(*, step: int, every_n_steps: int | None, samples_seen: int, previous_samples: int,
+                    every_n_samples: int | None) -> bool:
+    """The cadence: every N steps, and/or when this step's samples crossed a multiple of N.
+
+    ``previous_samples`` is the stream position before this step, so the cadence depends
+    only on positions and is the same whether or not the run was resumed in between.
+    """
+    if every_n_steps and step % every_n_steps == 0:
+        return True
+    return bool(every_n_samples) and samples_seen // every_n_samples > previous_samples // every_n_samples
+
+
+def announce(plan: ValidationPlan, source: str) -> None:
+    log_rank_0("validation %s: %d samples, %d loss tokens, %d minibatches per pass%s", source, plan.num_samples,
+               plan.num_loss_counted_tokens, len(plan.minibatches),
+               f"; {plan.num_dropped_samples} longer than --max-tokens-per-gpu are not evaluated"
+               if plan.num_dropped_samples else "")
+
+
+def is_improvement(val_loss: float, best: float | None, threshold: float) -> bool:
+    """Better than the best so far by more than ``threshold`` (a non-finite loss never is)."""
+    return math.isfinite(val_loss) and (best is None or val_loss < best - threshold)
+
+
+def update_best(state, val_loss: float, *, config, save_best: Callable[[], None]) -> str | None:
+    """Track the best loss in ``state`` (saved with the full state), export it, and decide early stopping.
+
+    Returns:
+        A stop reason when ``--early-stopping-patience`` validations in a row did not improve, else None.
+    """
+    if state.diverged_at_step is not None and is_improvement(val_loss, state.best_val_loss,
+                                                             config.val_loss_improvement_threshold):
+        log_rank_0("validation loss %.6g is not taken as the best: the run diverged at step %d", val_loss,
+                   state.diverged_at_step, level=logging.WARNING)
+    elif is_improvement(val_loss, state.best_val_loss, config.val_loss_improvement_threshold):
+        state.best_val_loss = val_loss
+        state.num_validations_without_improvement = 0
+        if config.save_best_val_loss:
+            save_best()
+        return None
+    state.num_validations_without_improvement += 1
+    patience = config.early_stopping_patience
+    if patience and state.num_validations_without_improvement >= patience:
+        return (f"early stopping: {patience} validations in a row without improving on {state.best_val_loss:.6g} "
+                f"by more than {config.val_loss_improvement_threshold:g}")
+    return None
+
+
+BEST_DIR = "best"
+BEST_RECORD = "best_val_loss.json"
+
+
+def save_best_export(model, *, output_dir: str | Path, step: int, samples_seen: int, val_loss: float, tokenizer,
+                     generation_config, rank: int) -> Path:
+    """Export the model to ``hf_format/best/`` (collective), replacing the previous best only once complete.
+
+    The export is written to a staging folder first; rank 0 then swaps it in with two
+    renames (the old one goes to ``best.old`` and is deleted), so ``best/`` is never half written.
+    """
+    from minitrainer.checkpoint.hf_export import save_hf_checkpoint
+
+    root = Path(output_dir) / "hf_format"
+    staging_root = root / ".best_staging"
+    staged = save_hf_checkpoint(model, output_dir=staging_root, num_samples=samples_seen, tokenizer=tokenizer,
+                                generation_config=generation_config, rank=rank)
+    final = root / BEST_DIR
+    if rank == 0:
+        (staged / BEST_RECORD).write_text(json.dumps({"step": step, "samples_seen": samples_seen,
+                                                      "val_loss": val_loss}, indent=2))
+        old = root / (BEST_DIR + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(staging_root, ignore_errors=True)
+        log_rank_0("new best validation loss %.6g at step %d: exported to %s", val_loss, step, final)
+    dist.barrier()
+    return final
