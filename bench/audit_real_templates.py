@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fixtures.real_templates import CONVERSATIONS, TEMPLATES, TOOLS, load
-from minitrainer.common.utils import config_field, parse_config, setup_logging
+from minitrainer.common.cli import config_field, parse_config
+from minitrainer.common.log import setup_logging
 from minitrainer.data.process_data import ProcessDataConfig, process_data
 
 

@@ -57,7 +57,8 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
 
     from minitrainer.model.loss import chunked_cross_entropy_sum, learned_positions, make_liger_fused_loss
     from minitrainer.model.objective import LogitTransform
-    from minitrainer.common.utils import IGNORE_INDEX, peak_memory_gb, reset_peak_memory, synchronize
+    from minitrainer.common.device import peak_memory_gb, reset_peak_memory, synchronize
+    from minitrainer.common.labels import IGNORE_INDEX
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     device = torch.device(args.device)

@@ -21,7 +21,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fixtures.e2e import model_vocab_size, write_tokenized_jsonl
-from minitrainer.common.utils import cleanup, config_field, init_distributed, parse_config
+from minitrainer.common.cli import config_field, parse_config
+from minitrainer.common.distributed import cleanup, init_distributed
 from minitrainer.optimizers import OPTIMIZERS
 from minitrainer.setup_run import batch_loader, setup_run
 from minitrainer.tools.tiny_model import build_tiny_model

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.bench_process_data import PARQUET_ROW_GROUP, BenchConfig, build_inputs, input_messages, run_timed
-from minitrainer.common.utils import config_field, parse_config
+from minitrainer.common.cli import config_field, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -37,7 +37,8 @@ from tqdm import tqdm
 from fixtures.e2e import model_vocab_size, write_tokenized_jsonl
 from fixtures.sync_count import SyncCounter
 from minitrainer import schedule
-from minitrainer.common.utils import cleanup, config_field, init_distributed, parse_config
+from minitrainer.common.cli import config_field, parse_config
+from minitrainer.common.distributed import cleanup, init_distributed
 from minitrainer.setup_run import batch_loader, setup_run
 from minitrainer.tools.tiny_model import build_tiny_model
 from minitrainer.train_config import TrainConfig

@@ -54,9 +54,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from minitrainer.autotune import longest_first_plan, probe_max_tokens_per_gpu
-from minitrainer.common.utils import (IGNORE_INDEX, DistInfo, cleanup, collect_errors, comma_list, config_field,
-                                      first_error, gpu_name, init_distributed, log_rank_0, parse_config, peak_memory_gb,
-                                      reset_peak_memory, setup_logging, synchronize)
+from minitrainer.common.cli import collect_errors, comma_list, config_field, parse_config
+from minitrainer.common.device import gpu_name, peak_memory_gb, reset_peak_memory, synchronize
+from minitrainer.common.distributed import DistInfo, cleanup, first_error, init_distributed
+from minitrainer.common.labels import IGNORE_INDEX
+from minitrainer.common.log import log_rank_0, setup_logging
 from minitrainer.flops import measure_bf16_matmul_tflops, model_flops, training_flops
 from minitrainer.model.attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs,
                                          flash_attn_unavailable_reason, register_attention_backends)

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from minitrainer.common.utils import collect_errors, comma_list, config_field, parse_config
+from minitrainer.common.cli import collect_errors, comma_list, config_field, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -670,7 +670,7 @@ def sub_env(_: dict) -> dict:
     import transformers
 
     from minitrainer.flops import peak_bf16_tflops_for
-    from minitrainer.common.utils import gpu_name
+    from minitrainer.common.device import gpu_name
 
     name = gpu_name()
     return {"device": name, "python": platform.python_version(), "torch": torch.__version__,
@@ -682,7 +682,7 @@ def sub_matmul(args: dict) -> dict:
     import torch
 
     from minitrainer.flops import time_bf16_matmul
-    from minitrainer.common.utils import device_type
+    from minitrainer.common.device import device_type
 
     device = torch.device(device_type())
     return {"n": args["n"], "device": device.type, "bf16_matmul_tflops": time_bf16_matmul(device, n=args["n"])}
@@ -694,7 +694,7 @@ def sub_reference_loss(args: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from fixtures.e2e import unpacked_loss_sum
-    from minitrainer.common.utils import device_type
+    from minitrainer.common.device import device_type
 
     device = torch.device(device_type())
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as setup_model_fsdp computes
@@ -720,7 +720,7 @@ def sub_lever_setup(args: dict) -> dict:
     from bench.bench_train import BenchConfig, draw_samples
     from minitrainer.model.shapes import model_config
     from minitrainer.tools.tiny_model import build_tokenizer
-    from minitrainer.common.utils import device_type
+    from minitrainer.common.device import device_type
 
     config = model_config(args["shape"], max_position_embeddings=max(32768, args["budget"]))
     device = torch.device(device_type())
@@ -900,7 +900,7 @@ def gpu_check(config: GpuCheckConfig) -> dict:
 
 
 def _cuda_visible() -> bool:
-    from minitrainer.common.utils import device_type
+    from minitrainer.common.device import device_type
 
     return device_type() == "cuda"
 

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minitrainer.common.cli import collect_errors, config_field
 from minitrainer.common.config_files import config_from_file
-from minitrainer.common.utils import collect_errors, config_field, logger
+from minitrainer.common.log import logger
 from minitrainer.data.process_data import ProcessDataConfig, process_data
 from minitrainer.train_config import TrainConfig
 
@@ -90,7 +91,7 @@ class TorchrunArgs:
 
 
 def config_to_argv(config: Any) -> list[str]:
-    """The CLI flags that ``utils.parse_config`` turns back into an equal ``config``.
+    """The CLI flags that ``cli.parse_config`` turns back into an equal ``config``.
 
     ``foo_bar=x`` becomes ``--foo-bar x``; booleans ``--foo``/``--no-foo``;
     tuples several values; ``None`` is omitted (every optional field defaults

@@ -31,7 +31,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from minitrainer.common import fault_injection
-from minitrainer.common.utils import DistInfo, log_rank_0, positive_env_number
+from minitrainer.common.distributed import DistInfo, positive_env_number
+from minitrainer.common.log import log_rank_0
 from minitrainer.model import recomputation
 
 DEFAULT_MAX_TOKENS_PER_GPU = 10000

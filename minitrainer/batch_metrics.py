@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from minitrainer.common.utils import logger
+from minitrainer.common.log import logger
 
 
 @dataclass(frozen=True)

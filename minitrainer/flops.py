@@ -32,7 +32,7 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from minitrainer.common.utils import gpu_name, synchronize
+from minitrainer.common.device import gpu_name, synchronize
 
 if TYPE_CHECKING:
     from minitrainer.methods.base import FineTuningMethod

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from minitrainer.common.utils import log_rank_0
+from minitrainer.common.log import log_rank_0
 
 OPTIMIZERS = ("adamw", "adamw_8bit")
 STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw_8bit": 2.0 + 2 * 4 / 256}

@@ -8,7 +8,8 @@ import signal
 import threading
 from collections.abc import Callable
 
-from minitrainer.common.utils import EXIT_FAILED, exit_process, logger
+from minitrainer.common.exits import EXIT_FAILED, exit_process
+from minitrainer.common.log import logger
 
 
 class PreemptionFlag:

@@ -18,7 +18,8 @@ from minitrainer.checkpoint import policy as checkpoint_policy
 from minitrainer.checkpoint.full_state import complete_checkpoints, full_state_root, load_full_state, save_full_state
 from minitrainer.checkpoint.hf_export import save_hf_checkpoint
 from minitrainer.checkpoint.train_state import TrainState
-from minitrainer.common.utils import EXIT_PREEMPTED, log_rank_0, logger, note_exit_line
+from minitrainer.common.exits import EXIT_PREEMPTED
+from minitrainer.common.log import log_rank_0, logger, note_exit_line
 from minitrainer.data.sampler import StepBatch
 from minitrainer.model.attention import model_inputs
 from minitrainer.model.context_parallel import shard_minibatch

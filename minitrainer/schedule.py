@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from minitrainer.checkpoint.train_state import TrainState
-from minitrainer.common.utils import logger
+from minitrainer.common.log import logger
 from minitrainer.train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 
 

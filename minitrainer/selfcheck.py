@@ -40,7 +40,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from minitrainer.common.utils import IGNORE_INDEX, log_rank_0
+from minitrainer.common.labels import IGNORE_INDEX
+from minitrainer.common.log import log_rank_0
 from minitrainer.model.attention import attention_inputs
 from minitrainer.model.loss import decoder_of
 from minitrainer.model.objective import router_aux_weight

@@ -36,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, PretrainedConfig
 
-from minitrainer.common.utils import DistInfo, log_rank_0
+from minitrainer.common.distributed import DistInfo
+from minitrainer.common.log import log_rank_0
 from minitrainer.methods.base import FineTuningMethod, ModelBuild, count_parameters
 from minitrainer.model import recomputation
 from minitrainer.model.attention import CONTEXT_PARALLEL, attention_needs, resolve_attn_implementation

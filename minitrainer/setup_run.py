@@ -39,8 +39,11 @@ from minitrainer.checkpoint import policy as checkpoint_policy
 from minitrainer.checkpoint.full_state import remove_leftover_tmp, resume_candidates, resume_train_state
 from minitrainer.checkpoint.train_state import TrainState
 from minitrainer.common import fault_injection
-from minitrainer.common.utils import (DistInfo, device_type, fail_together, log_rank_0, logger, seed_everything,
-                                      write_run_status)
+from minitrainer.common.device import device_type
+from minitrainer.common.distributed import DistInfo, fail_together
+from minitrainer.common.exits import write_run_status
+from minitrainer.common.log import log_rank_0, logger
+from minitrainer.common.rng import seed_everything
 from minitrainer.data import sampler
 from minitrainer.data import cache as data_cache
 from minitrainer.data import mix as data_mix
@@ -75,7 +78,7 @@ class Run:
     dist_info: DistInfo
     dataset: TrainingRows
     total_steps: int | None        # None: infinite sampling
-    max_tokens: int                # resolved --max-tokens-per-gpu
+    max_tokens_per_gpu: int        # resolved --max-tokens-per-gpu (auto: measured)
     model: CausalLMWithLoss        # FSDP-sharded
     method: FineTuningMethod       # full fine-tuning, LoRA, QLoRA or OSFT (TrainConfig.fine_tuning_method)
     resolved: ModelSetup           # what setup_model decided: attention backend, dtype, mesh, ...
@@ -93,6 +96,12 @@ class Run:
     context: context_parallel.ContextGroup  # this rank's context-parallel group (size 1 without it)
     val_dataset: TrainingRows | None = None
     val_plan: validation.ValidationPlan | None = None
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        """The packer's budget of one of its ranks: a data-parallel rank, which under context parallelism
+        is a group of GPUs (``ContextGroup.tokens_per_data_rank``). The one place the budget's name changes."""
+        return self.context.tokens_per_data_rank(self.max_tokens_per_gpu)
 
 
 def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
@@ -147,20 +156,20 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     if not config.skip_objective_check:
         check_objective(model, dataset, attn_implementation=resolved.attn_implementation,
                         compute_dtype=resolved.param_dtype, device=dist_info.device)
-    max_tokens = config.max_tokens_per_gpu
-    if max_tokens == "auto":
-        max_tokens = probe_token_budget(
+    max_tokens_per_gpu = config.max_tokens_per_gpu
+    if max_tokens_per_gpu == "auto":
+        max_tokens_per_gpu = probe_token_budget(
             model, dataset, dist_info=dist_info, state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device))
     elif config.activation_checkpointing == "auto" and resolved.recomputation != "none":
         resolved = dataclasses.replace(resolved, recomputation=probe_recomputation(
-            model, dataset, dist_info=dist_info, num_tokens=max_tokens,
+            model, dataset, dist_info=dist_info, num_tokens=max_tokens_per_gpu,
             state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device)))
     val_plan = None
     if val_dataset is not None:
         val_plan = validation.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
-                                              max_tokens_per_rank=max_tokens * context.size,
+                                              max_tokens_per_rank=context.tokens_per_data_rank(max_tokens_per_gpu),
                                               num_ranks=context.num_data_ranks,
                                               group_size=config.batch_size, balance=config.balance)
         validation.announce(val_plan, val_source)
@@ -179,20 +188,20 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         log_rank_0("resume took %.2fs", time.perf_counter() - began)
         if config.allow_config_change:
             resume_policy.apply_new_hyperparameters(optimizer, scheduler, config)
-    _announce(config, dist_info, resolved, method, len(dataset), total_steps, max_tokens)
+    _announce(config, dist_info, resolved, method, len(dataset), total_steps, max_tokens_per_gpu)
     if isinstance(dataset, data_mix.MixedDataset):
         log_rank_0(dataset.describe())
     if dist_info.is_main:
         _announce_disk_plan(config, model, total_steps)
     metrics_path = Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl"
     if dist_info.is_main:
-        _write_training_params(config, dist_info, resolved, max_tokens)
+        _write_training_params(config, dist_info, resolved, max_tokens_per_gpu)
         truncate_metrics(metrics_path, state.step)
     metrics = MetricsWriter(metrics_path) if dist_info.is_main else None
     state.wandb_run_id = tracker.wandb_run_id or state.wandb_run_id
     state.mlflow_run_id = tracker.mlflow_run_id or state.mlflow_run_id
-    return Run(config=config, dist_info=dist_info, dataset=dataset, total_steps=total_steps, max_tokens=max_tokens,
-               model=model, method=method, resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
+    return Run(config=config, dist_info=dist_info, dataset=dataset, total_steps=total_steps,
+               max_tokens_per_gpu=max_tokens_per_gpu, model=model, method=method, resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
                optimizer=optimizer, scheduler=scheduler, state=state, run_params=run_params,
                model_fingerprint=model_fingerprint, tokenizer=tokenizer, generation_config=generation_config,
                metrics=metrics, tracker=tracker, context=context, val_dataset=val_dataset, val_plan=val_plan)
@@ -209,7 +218,7 @@ def batch_loader(run: Run) -> Iterator[Iterator[StepBatch]]:
     """
     config, dist_info, context = run.config, run.dist_info, run.context
     with sampler.make_batch_loader(
-        run.dataset, batch_size=config.batch_size, max_tokens_per_rank=run.max_tokens * context.size,
+        run.dataset, batch_size=config.batch_size, max_tokens_per_rank=run.max_tokens_per_rank,
         rank=context.data_rank, world_size=context.num_data_ranks, seed=config.seed,
         start_position=run.state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
         pin_memory=dist_info.device.type == "cuda",  # lets the non_blocking host-to-GPU copies overlap
@@ -524,7 +533,7 @@ def _original_generation_config(model_name_or_path: str):
 
 
 def _announce(config: TrainConfig, dist_info: DistInfo, resolved, method: FineTuningMethod, num_dataset_samples: int,
-              total_steps: int | None, max_tokens: int) -> None:
+              total_steps: int | None, max_tokens_per_gpu: int) -> None:
     """Print each resolved decision once, with its reason."""
     log_rank_0("world size %d on %s (%s backend)", dist_info.world_size, dist_info.device.type,
                dist.get_backend())
@@ -538,25 +547,25 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, method: FineTu
                method.describe())
     log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
                "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
-               config.batch_size, max_tokens)
+               config.batch_size, max_tokens_per_gpu)
     if config.context_parallel_size > 1:
         size = config.context_parallel_size
         log_rank_0("context parallelism: %d groups of %d consecutive ranks, each one data rank packing rows of up "
                    "to %d tokens (%d x %d) and splitting each row over its ranks; FSDP still shards over all %d "
-                   "ranks", dist_info.world_size // size, size, size * max_tokens, size, max_tokens,
+                   "ranks", dist_info.world_size // size, size, size * max_tokens_per_gpu, size, max_tokens_per_gpu,
                    dist_info.world_size)
     log_rank_0("schedule %s, warmup %d, %s", config.lr_scheduler, config.num_warmup_steps,
                f"{total_steps} steps" if total_steps else "infinite sampling (no stop condition)")
 
 
-def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, max_tokens: int) -> None:
+def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, max_tokens_per_gpu: int) -> None:
     import transformers
 
     params = dataclasses.asdict(config)
     params.update(world_size=dist_info.world_size, device=dist_info.device.type,
                   attn_implementation_resolved=resolved.attn_implementation,
                   context_parallel_inner=resolved.context_parallel_inner,
-                  max_tokens_per_gpu_resolved=max_tokens, activation_checkpointing_resolved=resolved.recomputation,
+                  max_tokens_per_gpu_resolved=max_tokens_per_gpu, activation_checkpointing_resolved=resolved.recomputation,
                   torch_version=torch.__version__, transformers_version=transformers.__version__)
     path = Path(config.output_dir) / "training_params.json"
     try:  # default=str: a Path or other non-JSON value given through the Python API is written as its text

@@ -24,7 +24,7 @@ import json
 import numbers
 from typing import Any, Callable
 
-from minitrainer.common.utils import logger
+from minitrainer.common.log import logger
 from minitrainer.train_config import TrainConfig
 
 

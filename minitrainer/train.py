@@ -37,9 +37,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from minitrainer.checkpoint import output_lock, resume_policy
-from minitrainer.common.utils import (EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, DistInfo, cleanup, exit_line,
-                                      exit_process, init_distributed, log_rank_0, logger, lost_ranks, parse_config,
-                                      setup_logging, stop_in_one_line, write_run_status)
+from minitrainer.common.cli import parse_config
+from minitrainer.common.distributed import DistInfo, cleanup, init_distributed, lost_ranks, stop_in_one_line
+from minitrainer.common.exits import EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, exit_process, write_run_status
+from minitrainer.common.log import exit_line, log_rank_0, logger, setup_logging
 from minitrainer.preemption import PreemptionFlag
 from minitrainer.run_actions import batches, checkpoints_due, rewind, save, stop_preempted, validate, validation_due
 from minitrainer.schedule import stop_reason

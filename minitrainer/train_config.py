@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from minitrainer.common.utils import collect_errors, comma_list, config_field
+from minitrainer.common.cli import collect_errors, comma_list, config_field
 from minitrainer.data.formats import INPUT_FORMATS
 from minitrainer.data.process_data import ProcessDataConfig
 from minitrainer.data.sources import TEXT_SAMPLE_BY

@@ -20,7 +20,9 @@ from tqdm import tqdm
 
 from minitrainer import divergence, flops
 from minitrainer.batch_metrics import StepCounts, step_record
-from minitrainer.common.utils import DistInfo, log_rank_0, logger, peak_memory_gb, reset_peak_memory
+from minitrainer.common.device import peak_memory_gb, reset_peak_memory
+from minitrainer.common.distributed import DistInfo
+from minitrainer.common.log import log_rank_0, logger
 from minitrainer.data import mix as data_mix
 from minitrainer.data.sampler import StepBatch
 from minitrainer.model.attention import model_inputs

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from minitrainer.common.utils import log_rank_0
+from minitrainer.common.log import log_rank_0
 from minitrainer.data.packing import plan_minibatches
 from minitrainer.data.sampler import collate_minibatch
 

@@ -24,7 +24,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    from minitrainer.common.utils import device_type
+    from minitrainer.common.device import device_type
 
     if HAS_TORCH and device_type() == "cuda":
         return

@@ -16,7 +16,7 @@ import torch
 
 from minitrainer.autotune import make_trial_step, probe_agreement, trial_fits
 from minitrainer.checkpoint.hf_export import gather_full_state_dict
-from minitrainer.common.utils import cleanup, init_distributed
+from minitrainer.common.distributed import cleanup, init_distributed
 from minitrainer.data import sampler
 from minitrainer.model.attention import model_inputs
 from minitrainer.setup_model_fsdp import setup_model

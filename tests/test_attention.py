@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM
 from fixtures.e2e import model_vocab_size, torchrun, write_tokenized_jsonl
 from minitrainer.autotune import (DEFAULT_MAX_TOKENS_PER_GPU, longest_first_plan, probe_max_tokens_per_gpu,
                                   search_largest_fitting)
-from minitrainer.common.utils import IGNORE_INDEX, logger
+from minitrainer.common.labels import IGNORE_INDEX
+from minitrainer.common.log import logger
 from minitrainer.model import attention
 from minitrainer.model.attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, cu_seqlens_from_position_ids,
                                          register_attention_backends, resolve_attn_implementation, varlen_reference)
@@ -426,7 +427,7 @@ def test_torch_varlen_model_loss_matches_reference_on_gpu(chatml_model):
 def test_sharded_model_through_setup_model_gives_the_same_loss(chatml_model):
     """setup_model (FSDP2, one gloo process, activation checkpointing) with reference_varlen equals sdpa."""
     from minitrainer.setup_model_fsdp import setup_model
-    from minitrainer.common.utils import init_distributed
+    from minitrainer.common.distributed import init_distributed
 
     dist_info = init_distributed()
     lengths = [6, 2, 9]

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from minitrainer.checkpoint.hf_export import save_hf_checkpoint
-from minitrainer.common.utils import init_distributed
+from minitrainer.common.distributed import init_distributed
 from minitrainer.setup_model_fsdp import setup_model
 
 

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from minitrainer.common.utils import build_arg_parser
+from minitrainer.common.cli import build_arg_parser
 from minitrainer.data.process_data import ProcessDataConfig
 from minitrainer.tools.demo import DemoConfig
 from minitrainer.tools.inspect_data import InspectDataConfig

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from fixtures.e2e import ROOT, assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
+from minitrainer.common.cli import parse_config
 from minitrainer.common.config_files import config_from_file, nearest_name, read_config_file
-from minitrainer.common.utils import parse_config
 from minitrainer.data.process_data import ProcessDataConfig
 from minitrainer.train_config import TrainConfig
 

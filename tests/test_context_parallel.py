@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minitrainer.common.utils import IGNORE_INDEX
+from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.model.attention import REFERENCE_VARLEN, register_attention_backends, varlen_reference
 from minitrainer.model.context_parallel import (CONTEXT_PARALLEL, context_parallel_attention, context_parallel_plan,
                                                 document_lengths, loss_counted_tokens_per_rank, query_segments,

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minitrainer.common.utils import IGNORE_INDEX, logger
+from minitrainer.common.labels import IGNORE_INDEX
+from minitrainer.common.log import logger
 from minitrainer.data.chat_masking import SampleError
 from minitrainer.data.formats import parse_columns, read_row, unread_system
 from minitrainer.data.process_data import ProcessDataConfig, main, process_data

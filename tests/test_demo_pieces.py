@@ -146,7 +146,7 @@ def _non_default_config():
 def test_config_flags_round_trip_through_train_parser(which):
     from minitrainer.api import config_to_argv
     from minitrainer.train import TrainConfig
-    from minitrainer.common.utils import build_arg_parser, parse_config
+    from minitrainer.common.cli import build_arg_parser, parse_config
 
     config = TrainConfig(output_dir="o", min_samples_per_checkpoint=1) if which == "defaults" \
         else _non_default_config()
@@ -230,7 +230,7 @@ def test_sbatch_script_parses_and_builds_torchrun_from_slurm():
 
 def test_sbatch_train_flags_exist_in_train_parser():
     from minitrainer.train import TrainConfig
-    from minitrainer.common.utils import build_arg_parser
+    from minitrainer.common.cli import build_arg_parser
 
     text = (ROOT / "slurm_multi_node.sbatch").read_text()
     launch = text[text.index('"$SLURM_SUBMIT_DIR/train.py"'):text.index("SRUN_PID=$!")]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from minitrainer.common.utils import build_arg_parser, parse_config
+from minitrainer.common.cli import build_arg_parser, parse_config
 from minitrainer.data.process_data import ProcessDataConfig
 from minitrainer.train import TrainConfig
 

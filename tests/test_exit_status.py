@@ -59,7 +59,7 @@ def _status(out: Path) -> dict:
 
 
 def _wait_gone(pids: list[int], seconds: float) -> None:
-    from minitrainer.common.utils import pid_alive
+    from minitrainer.common.distributed import pid_alive
 
     deadline = time.monotonic() + seconds
     while any(pid_alive(pid) for pid in pids):
@@ -126,7 +126,7 @@ def test_ctrl_c_saves_and_stops_in_one_line_then_the_rerun_finishes(tmp_path, ch
     assert Path(match.group(2)).is_dir() and Path(match.group(2)).parent == out / "full_state"
     assert code == 1, "torchrun ends with 1 after a signal of its own, whatever its ranks return"
     assert "KeyboardInterrupt" not in output and _frames_of_ours(output) == [], output[-6000:]
-    # torchao, imported by transformers whenever installed, warns of nothing a user can act on (utils.setup_logging).
+    # torchao, imported by transformers whenever installed, warns of nothing a user can act on (log.setup_logging).
     assert "Failed to load" not in output and "_pytree" not in output, output[-6000:]
 
     resumed = torchrun(_args(chatml_model, data_path, out), timeout=240)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minitrainer.common.utils import DistInfo
+from minitrainer.common.distributed import DistInfo
 from minitrainer.train_config import TrainConfig
 
 

@@ -332,7 +332,8 @@ def test_a_second_run_on_the_same_output_dir_is_refused_and_a_dead_runs_lock_tak
     assert holder["host"] == socket.gethostname() and (out / ".lock").is_file()
 
     from minitrainer.checkpoint import output_lock
-    from minitrainer.common.utils import logger, pid_alive
+    from minitrainer.common.distributed import pid_alive
+    from minitrainer.common.log import logger
 
     deadline = time.monotonic() + 30
     while pid_alive(holder["pid"]):  # SIGKILL of the group is delivered, not awaited, by killpg

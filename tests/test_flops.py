@@ -1,4 +1,4 @@
-"""FLOPs per trained token from a config (flops.py) and the MFU peak table (utils.py).
+"""FLOPs per trained token from a config (flops.py) and the MFU peak table.
 
     .venv/bin/python -m pytest -q tests/test_flops.py
 """

@@ -164,7 +164,7 @@ def test_a_part_of_the_check_still_names_its_machine(tmp_path):
 
 def test_levers_sweep_starts_at_train_py_defaults_and_its_flags_parse_to_its_values(tmp_path):
     from minitrainer.train import TrainConfig
-    from minitrainer.common.utils import parse_config
+    from minitrainer.common.cli import parse_config
 
     defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
     reference = tuple(defaults[lever.field] for lever in gpu_check.LEVERS)

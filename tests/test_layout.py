@@ -80,7 +80,7 @@ def _imports(path: Path) -> dict[str, bool]:
         elif isinstance(node, ast.ImportFrom):
             anchor = package[:len(package) - node.level + 1] if node.level else []
             base = ".".join([*anchor, *([node.module] if node.module else [])])
-            # `from minitrainer.data import sampler` names a module; `from minitrainer.common.utils import
+            # `from minitrainer.data import sampler` names a module; `from minitrainer.common.labels import
             # IGNORE_INDEX` does not.
             names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in TREE else base for alias in node.names]
         else:

@@ -23,7 +23,7 @@ from fixtures.e2e import (assert_ok, model_vocab_size, read_metrics, reference_a
                           write_tokenized_jsonl)
 from minitrainer.api import config_to_argv
 from minitrainer.checkpoint.full_state import complete_checkpoints
-from minitrainer.common.utils import parse_config
+from minitrainer.common.cli import parse_config
 from minitrainer.methods.lora import LoraSettings, apply_lora, export_states, lora_preflight
 from minitrainer.train import TrainConfig
 

@@ -41,7 +41,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from fixtures.architectures import ARCH_BY_NAME, COMMON
 from fixtures.e2e import ROOT, write_tokenized_jsonl
-from minitrainer.common.utils import logger
+from minitrainer.common.log import logger
 from minitrainer.data.sampler import load_tokenized_dataset
 from minitrainer.model.attention import (attention_needs, backend_refusal, explicit_attention_refusal,
                                          reference_varlen_attention_forward, resolve_attn_implementation)

@@ -431,7 +431,7 @@ def _two_rank_worker(rank: int, port: int) -> None:
     dist.destroy_process_group()
     # DTensor's dispatch caches still hold the gloo groups through the meshes, so the interpreter's
     # teardown would destroy them with their threads running and may abort ("terminate called without
-    # an active exception", seen in CI); a passing worker leaves as utils.exit_process makes train.py do.
+    # an active exception", seen in CI); a passing worker leaves as exits.exit_process makes train.py do.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, write_tokenized_jsonl
 from minitrainer.api import config_to_argv
 from minitrainer.checkpoint.full_state import complete_checkpoints
+from minitrainer.common.cli import parse_config
 from minitrainer.common.fault_injection import KILL_AFTER_SAVE
-from minitrainer.common.utils import parse_config
 from minitrainer.methods.osft import FACTORS, apply_osft, osft_export_state, osft_targets
 from minitrainer.train_config import TrainConfig
 

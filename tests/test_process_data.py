@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minitrainer.common.utils import IGNORE_INDEX
+from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.data.chat_masking import ChatEncoder, Sample, SampleError, labels_from_token_spans, parse_row
 from minitrainer.data.process_data import ProcessDataConfig, main, process_data, render_labels
 

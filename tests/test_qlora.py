@@ -242,7 +242,7 @@ def test_resume_after_sigkill_is_exact_and_quantization_is_fingerprinted(tmp_pat
 
 def test_the_python_api_passes_the_quantization_to_the_cli():
     from minitrainer.api import config_to_argv
-    from minitrainer.common.utils import parse_config
+    from minitrainer.common.cli import parse_config
 
     config = TrainConfig(output_dir="out", min_samples_per_checkpoint=12, lora_rank=4,
                          lora_quantize_data_type="nf4")

@@ -21,7 +21,7 @@ import json
 import pytest
 
 from fixtures.real_templates import CONVERSATIONS, TEMPLATES, TOOLS, TokenizerUnavailable, load
-from minitrainer.common.utils import IGNORE_INDEX
+from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.data.chat_masking import TEMPLATE_ERRORS, ChatEncoder, SampleError
 
 # What each model writes at the start of a reply (the masked text right before it ends with one of

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from minitrainer.common.utils import IGNORE_INDEX, logger
+from minitrainer.common.labels import IGNORE_INDEX
+from minitrainer.common.log import logger
 from minitrainer.data.sampler import (InfiniteSampler, collate_minibatch, load_tokenized_dataset, make_batch_loader,
                                       resolve_data_file)
 

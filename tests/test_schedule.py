@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fixtures.e2e import ROOT
-from minitrainer.common.utils import parse_config
+from minitrainer.common.cli import parse_config
 from minitrainer.schedule import build_scheduler, check_scheduler, schedule_warnings, total_steps
 from minitrainer.train_config import TrainConfig
 

@@ -285,7 +285,7 @@ def test_step_counts_are_summed_exactly_past_fp32_precision():
 
     from minitrainer.data.sampler import StepBatch
     from minitrainer.train_step import reduce_step_counts
-    from minitrainer.common.utils import init_distributed
+    from minitrainer.common.distributed import init_distributed
 
     info = init_distributed()
     tokens = 2**24 + 1  # the first integer fp32 cannot hold
@@ -299,7 +299,7 @@ def test_step_counts_are_summed_exactly_past_fp32_precision():
 def test_cpu_offload_on_gpu_gets_a_cpu_collective_backend():
     from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-    from minitrainer.common.utils import process_group_backend
+    from minitrainer.common.distributed import process_group_backend
 
     mixed = BackendConfig(Backend(process_group_backend("cuda", cpu_offload=True))).get_device_backend_map()
     assert mixed == {"cuda": "nccl", "cpu": "gloo"}

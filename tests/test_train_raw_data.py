@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixtures.e2e import ROOT, assert_ok, read_metrics, torchrun, write_tokenized_jsonl
-from minitrainer.common.utils import parse_config
+from minitrainer.common.cli import parse_config
 from minitrainer.data.cache import is_tokenized, tokenize_once, validation_split
 from minitrainer.data.process_data import ProcessDataConfig
 from minitrainer.tools.demo import DEMO_DATA
@@ -263,7 +263,7 @@ _WAIT_SCRIPT = """
 import sys, time
 import torch.distributed as dist
 from minitrainer import setup_run
-from minitrainer.common.utils import init_distributed
+from minitrainer.common.distributed import init_distributed
 
 info = init_distributed(timeout_minutes=0.05)  # a 3-second process-group timeout
 if info.rank == 0:

@@ -36,7 +36,9 @@ from minitrainer.checkpoint import resume_policy
 from minitrainer.checkpoint.safe_metadata import MetadataSafeReader
 from minitrainer.checkpoint.train_state import TrainState
 from minitrainer.common import fault_injection
-from minitrainer.common.utils import DistInfo, first_error, log_rank_0, logger, rng_state, set_rng_state
+from minitrainer.common.distributed import DistInfo, first_error
+from minitrainer.common.log import log_rank_0, logger
+from minitrainer.common.rng import rng_state, set_rng_state
 
 TRAINER_STATE = "trainer_state.json"
 CHECKSUMS = "checksums"

@@ -34,7 +34,8 @@ from safetensors.torch import save_file
 
 from minitrainer.checkpoint.full_state import complete_checkpoints, tmp_folder
 from minitrainer.common import fault_injection
-from minitrainer.common.utils import first_error, logger
+from minitrainer.common.distributed import first_error
+from minitrainer.common.log import logger
 from minitrainer.model.loss import CausalLMWithLoss
 from minitrainer.model.multimodal import PROCESSOR_FILES
 

@@ -29,7 +29,8 @@ import socket
 import time
 from pathlib import Path
 
-from minitrainer.common.utils import logger, pid_alive
+from minitrainer.common.distributed import pid_alive
+from minitrainer.common.log import logger
 
 LOCK_NAME = ".lock"
 

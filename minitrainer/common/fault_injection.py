@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from minitrainer.common.utils import logger
+from minitrainer.common.log import logger
 
 KILL_DURING_SAVE = "MINI_TRAINER_TEST_KILL_DURING_SAVE"
 KILL_AFTER_SAVE = "MINI_TRAINER_TEST_KILL_AFTER_SAVE"

@@ -22,7 +22,8 @@ import os
 import socket
 from pathlib import Path
 
-from minitrainer.common.utils import logger, pid_alive
+from minitrainer.common.distributed import pid_alive
+from minitrainer.common.log import logger
 
 
 def process_start(pid: int) -> int:

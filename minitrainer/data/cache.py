@@ -35,7 +35,7 @@ import json
 import shutil
 from pathlib import Path
 
-from minitrainer.common.utils import logger
+from minitrainer.common.log import logger
 from minitrainer.data.mix import data_paths
 from minitrainer.data.sources import held_out_split, is_table, is_text, json_document, open_binary
 

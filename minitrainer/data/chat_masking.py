@@ -50,7 +50,7 @@ from typing import Any, Callable, Container
 
 import jinja2
 
-from minitrainer.common.utils import IGNORE_INDEX
+from minitrainer.common.labels import IGNORE_INDEX
 
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "pretrain")
 # OpenAI's newer name for the system message: a template that names the role gets it as is, any

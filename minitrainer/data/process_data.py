@@ -61,8 +61,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minitrainer.common.cli import collect_errors, config_field, parse_config
+from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.leftovers import remove_dead_leftovers, temporary_name
-from minitrainer.common.utils import IGNORE_INDEX, collect_errors, config_field, logger, parse_config, setup_logging
+from minitrainer.common.log import logger, setup_logging
 from minitrainer.data.chat_masking import ChatEncoder, ChatRow, SampleError
 from minitrainer.data.formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row, suggest_columns, unread_system
 from minitrainer.data.sources import TEXT_SAMPLE_BY, Chunk, Input, open_input

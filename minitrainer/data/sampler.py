@@ -49,7 +49,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from minitrainer.common.utils import IGNORE_INDEX, logger
+from minitrainer.common.labels import IGNORE_INDEX
+from minitrainer.common.log import logger
 from minitrainer.data.packing import plan_minibatches
 
 BALANCE_CHOICES = ("tokens", "attention")

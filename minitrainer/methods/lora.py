@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from minitrainer.common.utils import comma_list
+from minitrainer.common.cli import comma_list
 from minitrainer.methods.base import FineTuningMethod, ModelBuild
 
 if TYPE_CHECKING:

@@ -41,7 +41,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from minitrainer.common.utils import log_rank_0, peak_memory_gb, reset_peak_memory
+from minitrainer.common.device import peak_memory_gb, reset_peak_memory
+from minitrainer.common.log import log_rank_0
 from minitrainer.methods.base import FineTuningMethod, ModelBuild
 from minitrainer.model.loss import find_decoder_blocks
 
@@ -403,7 +404,7 @@ class DecompositionReport:
     num_decomposed_here: int
     gflop_here: float  # SVD cost units (N*M*min(N,M)) / 1e9 decomposed on this rank
     seconds: float
-    peak_memory_gb: float  # utils.peak_memory_gb: device peak on GPU, process peak RSS on CPU
+    peak_memory_gb: float  # device.peak_memory_gb: device peak on GPU, process peak RSS on CPU
     max_reconstruction_error: float = 0.0  # max over all matrices (all ranks) of ||U S V^T - W|| / ||W||
     num_redone_here: int = 0  # SVDs on this rank that the fast GPU solver missed and gesvd redid
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from minitrainer.common.utils import log_rank_0
+from minitrainer.common.log import log_rank_0
 from minitrainer.methods.base import ModelBuild
 from minitrainer.methods.lora import LoRA, LoraSettings, adapted_meta_model
 

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minitrainer.common.utils import IGNORE_INDEX, log_rank_0
+from minitrainer.common.labels import IGNORE_INDEX
+from minitrainer.common.log import log_rank_0
 
 TORCH_VARLEN = "torch_varlen"
 REFERENCE_VARLEN = "reference_varlen"

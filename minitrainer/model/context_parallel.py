@@ -70,7 +70,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minitrainer.common.utils import IGNORE_INDEX, DistInfo
+from minitrainer.common.distributed import DistInfo
+from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.data.sampler import DUMMY_TOKEN_ID, Minibatch, StepBatch
 from minitrainer.model.attention import (CONTEXT_PARALLEL, REFERENCE_VARLEN, TORCH_VARLEN, AttentionNeeds,
                                          call_varlen_attn, register_attention_backends)
@@ -579,6 +580,11 @@ class ContextGroup:
     data_rank: int  # the group's index: its rank for the sampler
     num_data_ranks: int
     group: dist.ProcessGroup | None  # None with size 1
+
+    def tokens_per_data_rank(self, max_tokens_per_gpu: int) -> int:
+        """The packer's budget of this group, one data rank to it: its GPUs' budgets together (each packed
+        row is then split among them); ``max_tokens_per_gpu`` itself without context parallelism."""
+        return max_tokens_per_gpu * self.size
 
 
 def new_context_group(size: int, dist_info: DistInfo) -> ContextGroup:

@@ -44,7 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from minitrainer.common.utils import IGNORE_INDEX, device_type, log_rank_0
+from minitrainer.common.device import device_type
+from minitrainer.common.labels import IGNORE_INDEX
+from minitrainer.common.log import log_rank_0
 from minitrainer.model.attention import cu_seqlens_from_position_ids, learned_positions
 from minitrainer.model.objective import LogitTransform, logit_transform, router_aux_sum, router_loss
 

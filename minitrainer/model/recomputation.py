@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from minitrainer.common.utils import log_rank_0
+from minitrainer.common.log import log_rank_0
 
 POLICIES = ("full", "selective", "none", "auto")
 LEAST_RECOMPUTATION_FIRST = ("none", "selective", "full")

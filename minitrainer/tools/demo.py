@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from minitrainer.common.utils import collect_errors, config_field, logger, parse_config, setup_logging
+from minitrainer.common.cli import collect_errors, config_field, parse_config
+from minitrainer.common.log import logger, setup_logging
 
 DEMO_DATA = Path(__file__).resolve().with_name("demo_chat.jsonl")  # package data: a wheel carries it
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minitrainer.common.utils import collect_errors, config_field, parse_config
+from minitrainer.common.cli import collect_errors, config_field, parse_config
 
 HISTOGRAM_WIDTH = 40
 
