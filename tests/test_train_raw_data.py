@@ -14,6 +14,7 @@ ranks outwait a rank 0 busy longer than the process group's timeout (a plain col
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pytest
 
 from fixtures.e2e import ROOT, assert_ok, read_metrics, torchrun, write_tokenized_jsonl
 from minitrainer.common.cli import parse_config
+from minitrainer.common.log import logger
 from minitrainer.data.cache import is_tokenized, tokenize_once, validation_split
 from minitrainer.data.process_data import ProcessDataConfig
 from minitrainer.tools.demo import DEMO_DATA
@@ -130,7 +132,20 @@ def test_raw_data_trains_as_its_process_data_output_does(kind, tmp_path, chatml_
     assert [record["loss"] for record in read_metrics(out)][:2] == losses and len(read_metrics(out)) == 3
 
 
-def test_an_edited_input_makes_a_new_cache_and_a_touched_one_does_not(tmp_path, chatml_model):
+@pytest.fixture
+def cache_log() -> list[str]:
+    """The cache's log lines (the toolkit's logger does not propagate to pytest's capture)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_an_edited_input_makes_a_new_cache_and_a_touched_one_does_not(tmp_path, chatml_model, cache_log):
     raw = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows()[:12])
     config = ProcessDataConfig(input_file=str(raw), model_name_or_path=str(chatml_model), num_proc=1,
                                output_dir=str(tmp_path / "cache"), overwrite=True)
@@ -141,8 +156,13 @@ def test_an_edited_input_makes_a_new_cache_and_a_touched_one_does_not(tmp_path, 
     second = tokenize_once(config)
     assert second != first and sorted((tmp_path / "cache").iterdir()) == sorted([first, second])
     assert sum(1 for _ in (second / "data.jsonl").open()) == 11
+    why = [line for line in cache_log if "again into" in line]
+    assert why == [f"tokenized data: {first} was made with other input content: tokenizing {raw} again into "
+                   f"{second} (the earlier folder is not used; remove it to free its space)"]
     masked = tokenize_once(ProcessDataConfig(**{**config.__dict__, "mask_reasoning": True}))
     assert masked not in (first, second)  # an option that shapes the labels is part of the key
+    assert [line for line in cache_log if "again into" in line][-1].startswith(
+        f"tokenized data: {second} was made with other tokenizing options (--mask-reasoning): tokenizing")
     train = parse_config(TrainConfig, ["--data-path", str(raw), "--model-name-or-path", str(chatml_model),
                                        "--output-dir", str(tmp_path / "out"), "--min-samples-per-checkpoint", "1",
                                        "--max-sample-num-tokens", "4096", "--split-long-text"])
@@ -150,6 +170,27 @@ def test_an_edited_input_makes_a_new_cache_and_a_touched_one_does_not(tmp_path, 
     assert cut.split_long_text and cut.max_sample_num_tokens == 4096
     whole = tokenize_once(ProcessDataConfig(**{**cut.__dict__, "split_long_text": False}))
     assert tokenize_once(cut) not in (first, second, masked, whole)
+
+
+def test_a_cache_made_before_the_package_is_made_again_once_saying_why(tmp_path, chatml_model, cache_log):
+    """A cache folder whose fingerprint hashed the tokenizing code under its old file names (the flat layout's
+    process_data.py, data_sources.py, ...) has another key today: the input is tokenized again, once, with
+    one line naming the old folder and why; the next run reuses the new one without a word of the old."""
+    raw = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows()[:12])
+    config = ProcessDataConfig(input_file=str(raw), model_name_or_path=str(chatml_model), num_proc=1,
+                               output_dir=str(tmp_path / "cache"), overwrite=True)
+    old = tmp_path / "cache" / "chat-0123456789abcdef"  # what the flat layout wrote: no fingerprint.json
+    old.mkdir(parents=True)
+    (old / "data.jsonl").write_text("")
+    (old / "summary.json").write_text(json.dumps({"num_written": 12}))
+    new = tokenize_once(config)
+    assert new != old and (new / "fingerprint.json").is_file()
+    [line] = [line for line in cache_log if "tokenizing" in line]
+    assert line.startswith(f"tokenized data: {old} predates the fingerprints caches record (made before the "
+                           "tokenizing code moved into the minitrainer package") and f"again into {new}" in line
+    cache_log.clear()
+    assert tokenize_once(config) == new
+    assert [line for line in cache_log if "tokenizing" in line] == [] and str(old) not in " ".join(cache_log)
 
 
 def test_a_validation_folder_is_read_as_its_held_out_split(tmp_path):

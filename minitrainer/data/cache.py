@@ -19,11 +19,13 @@ The cache folder is named by a fingerprint of everything that decides its bytes:
   ``--input-format``, ``--columns``, the split and subset (``--data-split``, ``--data-subset``),
   ``--text-sample-by``;
 * the code that turns rows into tokens and labels (the source of ``process_data.py``,
-  ``chat_masking.py``, ``formats.py``, ``sources.py`` of ``minitrainer/data/``) and the transformers and tokenizers
-  versions that render and encode: a fix to the masking never trains on labels the old code made.
+  ``chat_masking.py``, ``formats.py``, ``sources.py`` of ``minitrainer/data/``) and the transformers
+  and tokenizers versions that render and encode: a fix to the masking never trains on labels the old code made.
   The cost of that choice is a re-tokenization after an upgrade, never a stale cache.
 
 What only judges the data (``--allow-audit-failures``) is left out: changing it reuses the cache.
+Each folder records those parts in ``fingerprint.json``, so a run that makes a new folder says in one line
+which part changed since the newest earlier folder of the same input name (``why_not_reused``).
 ``process_data.py`` writes ``summary.json`` last, under a temporary name renamed when complete: a cache
 folder with a summary is whole, and one without (a killed run) is tokenized again.
 """
@@ -106,43 +108,80 @@ def _input_files(source) -> list[Path]:
     return sorted(p for p in Path(source.spec).rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def fingerprint(config, source, tokenizer, chat_template: str | None) -> str:
-    """The cache key of ``process_data.ProcessDataConfig`` ``config`` with ``tokenizer`` (module docstring).
+FINGERPRINT_FILE = "fingerprint.json"
+"""What a cache folder was made from (``fingerprint_parts``): a later run that makes another says which part
+changed."""
+PART_NAMES = {"input": "input content", "tokenizer": "tokenizer or chat template", "options": "tokenizing options",
+              "code": "tokenizing code", "versions": "transformers or tokenizers version"}
+
+
+def fingerprint_parts(config, source, tokenizer, chat_template: str | None) -> dict:
+    """What decides a cache's bytes (module docstring), each part digested on its own.
 
     Args:
-        config: the tokenizing settings.
+        config: the tokenizing settings (``process_data.ProcessDataConfig``).
         source: its ``input_file`` opened (``sources.Input``), a local file, folder or glob.
         tokenizer: the loaded tokenizer (a fast one: its Rust serialisation is hashed).
         chat_template: the template the rows are rendered with (``--chat-template``'s text or the tokenizer's).
 
     Returns:
-        32 hex digits.
+        ``{"input", "tokenizer", "code": 32 hex digits, "options": {flag: value}, "versions": [...]}``.
     """
     import tokenizers
     import transformers
     import xxhash
 
-    hasher = xxhash.xxh3_128()
+    from minitrainer.data import chat_masking, formats, process_data, sources
+
+    content = xxhash.xxh3_128()
     root = Path(config.input_file)
     for path in _input_files(source):
         name = str(path.relative_to(root)) if path != root and path.is_relative_to(root) else path.name
-        hasher.update(f"\0file {name}\0".encode())
-        _hash_file(hasher, path)
-    options = {name: getattr(config, name) for name in ("max_sample_num_tokens", "split_long_text",
-                                                        "end_of_turn_token", "mask_reasoning", "input_format",
-                                                        "columns", "split", "subset", "text_sample_by")}
-    hasher.update(json.dumps({
-        "options": options,
+        content.update(f"\0file {name}\0".encode())
+        _hash_file(content, path)
+    encoding = xxhash.xxh3_128(json.dumps({
         "tokenizer": tokenizer.backend_tokenizer.to_str(),
         "special": [tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token],
         "chat_template": chat_template,
-        "versions": [transformers.__version__, tokenizers.__version__],
-    }, sort_keys=True, default=str).encode())
-    from minitrainer.data import chat_masking, formats, process_data, sources
-
+    }, sort_keys=True).encode())
+    code = xxhash.xxh3_128()
     for module in (process_data, chat_masking, formats, sources):  # the code that turns rows into labels
-        _hash_file(hasher, Path(module.__file__))
-    return hasher.hexdigest()
+        _hash_file(code, Path(module.__file__))
+    options = {name: getattr(config, name) for name in ("max_sample_num_tokens", "split_long_text",
+                                                        "end_of_turn_token", "mask_reasoning", "input_format",
+                                                        "columns", "split", "subset", "text_sample_by")}
+    return {"input": content.hexdigest(), "tokenizer": encoding.hexdigest(), "code": code.hexdigest(),
+            "options": json.loads(json.dumps(options, default=str)),
+            "versions": [transformers.__version__, tokenizers.__version__]}
+
+
+def fingerprint(parts: dict) -> str:
+    """The cache key of ``fingerprint_parts``: 32 hex digits."""
+    import xxhash
+
+    return xxhash.xxh3_128(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def why_not_reused(folder: Path, parts: dict) -> str | None:
+    """Why the newest whole cache of the same input name, beside ``folder``, is not ``parts``'s: the parts
+    that differ, or that it predates recorded fingerprints (a cache made before the minitrainer package
+    hashed the tokenizing code under other file names). None when there is no such cache."""
+    stem = folder.name.rsplit("-", 1)[0]
+    earlier = sorted((path for path in folder.parent.glob(f"{stem}-*") if (path / "summary.json").is_file()
+                      and path != folder), key=lambda path: (path / "summary.json").stat().st_mtime)
+    if not earlier:
+        return None
+    newest = earlier[-1]
+    try:
+        recorded = json.loads((newest / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return (f"{newest} predates the fingerprints caches record (made before the tokenizing code moved into "
+                "the minitrainer package, or by hand), so it cannot be told to match")
+    changed = [PART_NAMES[name] for name in PART_NAMES if recorded.get(name) != parts[name]]
+    options = [f"--{name.replace('_', '-')}" for name, value in parts["options"].items()
+               if recorded.get("options", {}).get(name) != value]
+    return (f"{newest} was made with other {', '.join(changed) or 'settings'}"
+            + (f" ({', '.join(options)})" if options else ""))
 
 
 def cache_folder(cache_root: str | Path, input_file: str, key: str) -> Path:
@@ -169,7 +208,8 @@ def tokenize_once(config) -> Path:
     from minitrainer.data import process_data
 
     tokenizer, source, _ = process_data.check_run(config, process_data.OutputPaths.from_config(config))
-    key = fingerprint(config, source, tokenizer, tokenizer.chat_template)
+    parts = fingerprint_parts(config, source, tokenizer, tokenizer.chat_template)
+    key = fingerprint(parts)
     folder = cache_folder(config.output_dir, config.input_file, key)
     if (folder / "summary.json").is_file():
         summary = json.loads((folder / "summary.json").read_text())
@@ -177,8 +217,12 @@ def tokenize_once(config) -> Path:
                     "%d samples (%d chat, %d pretrain), %d tokens, from %s", folder, key[:16], summary["num_written"],
                     summary["num_chat"], summary["num_pretrain"], summary["num_tokens"], config.input_file)
         return folder
-    logger.info("tokenized data: %s is raw input; tokenizing it once into %s (fingerprint %s of the input, "
-                "tokenizer, template and options)", config.input_file, folder, key[:16])
+    if (why := why_not_reused(folder, parts)) is not None:
+        logger.info("tokenized data: %s: tokenizing %s again into %s (the earlier folder is not used; remove it "
+                    "to free its space)", why, config.input_file, folder)
+    else:
+        logger.info("tokenized data: %s is raw input; tokenizing it once into %s (fingerprint %s of the input, "
+                    "tokenizer, template and options)", config.input_file, folder, key[:16])
     try:
         process_data.process_data(dataclasses.replace(config, output_dir=str(folder), output_file=None,
                                                       overwrite=True))
@@ -188,6 +232,7 @@ def tokenize_once(config) -> Path:
         if not _audit_failed_only(folder / "summary.json"):
             shutil.rmtree(folder, ignore_errors=True)
             raise
+    (folder / FINGERPRINT_FILE).write_text(json.dumps(parts, indent=2) + "\n")
     return folder
 
 
