@@ -152,6 +152,11 @@ def test_the_console_scripts_and_the_api_train_from_a_users_folder(installed, us
 
     run(str(installed / "bin" / "minitrainer-tiny-model"), "--output-dir", "tiny", "--hidden-size", "32",
         "--num-layers", "1")
+    refused = subprocess.run([str(installed / "bin" / "minitrainer-process-data"), "--input-file", "missing.jsonl",
+                              "--output-dir", "data", "--model-name-or-path", "tiny"], cwd=user_folder, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert (refused.returncode, refused.stderr.strip().splitlines()[-1]) == (
+        1, "minitrainer-process-data: error: input file missing.jsonl does not exist")  # the name the user typed
     demo_data = installed / "minitrainer" / "tools" / "demo_chat.jsonl"
     run(str(installed / "bin" / "minitrainer-process-data"), "--input-file", str(demo_data), "--output-dir", "data",
         "--model-name-or-path", "tiny", "--num-proc", "1", "--max-sample-num-tokens", "256")

@@ -782,7 +782,8 @@ def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals
         logger.warning("printing samples stopped (%s: %s); the data is written", type(err).__name__, err)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, prog: str = "process_data.py") -> dict[str, Any]:
+    """Parse ``argv`` and tokenize; a bad input ends the process with one ``prog: error: ...`` line."""
     config = parse_config(ProcessDataConfig, argv, description=__doc__.split("\n")[0])
     setup_logging(config.logging_level)
     logger.info("arguments: %s", json.dumps(dataclasses.asdict(config), default=str))  # never fails on a value
@@ -790,13 +791,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return process_data(config)
     # ImportError: a library below its floor that transformers refuses to use (jinja2 < 3.1.6 renders no template).
     except (ValueError, ImportError) as err:
-        raise SystemExit(f"process_data.py: error: {err}") from None
+        raise SystemExit(f"{prog}: error: {err}") from None
 
 
 def cli() -> None:
-    """The command line (``python process_data.py``, ``minitrainer-process-data``): ``main``, its summary
-    left in ``summary.json`` rather than returned."""
-    main()
+    """The command line (``python process_data.py``, ``minitrainer-process-data``): ``main`` under the name it
+    was run by, its summary left in ``summary.json`` rather than returned."""
+    main(prog=Path(sys.argv[0]).name)
 
 
 if __name__ == "__main__":

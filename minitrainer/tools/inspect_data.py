@@ -24,7 +24,9 @@ sets the optimization, and more minibatches per step only cost time.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -156,18 +158,18 @@ def inspect_data(config: InspectDataConfig) -> dict:
             "histogram": histogram, "steps": steps}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, prog: str = "inspect_data.py") -> dict:
     config = parse_config(InspectDataConfig, argv, description=__doc__.split("\n\n")[0])
     try:
         return inspect_data(config)
     except ValueError as err:
-        raise SystemExit(f"inspect_data.py: error: {err}") from None
+        raise SystemExit(f"{prog}: error: {err}") from None
 
 
 def cli() -> None:
     """The command line (``python -m minitrainer.tools.inspect_data``, ``minitrainer-inspect-data``): ``main``,
     its report printed rather than returned."""
-    main()
+    main(prog=Path(sys.argv[0]).name)
 
 
 if __name__ == "__main__":

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         paths = plot_metrics(args.output_dir, out_dir=args.out_dir, smoothing=args.smoothing)
     except (ImportError, ValueError) as err:
-        raise SystemExit(f"plot_metrics.py: error: {err}") from None
+        raise SystemExit(f"{parser.prog}: error: {err}") from None
     for path in paths:
         print(path)
 
