@@ -158,7 +158,7 @@ def test_an_edited_input_makes_a_new_cache_and_a_touched_one_does_not(tmp_path, 
     assert sum(1 for _ in (second / "data.jsonl").open()) == 11
     why = [line for line in cache_log if "again into" in line]
     assert why == [f"tokenized data: {first} was made with other input content: tokenizing {raw} again into "
-                   f"{second} (the earlier folder is not used; remove it to free its space)"]
+                   f"{second} (this run does not read the earlier folder; remove it when no run needs it)"]
     masked = tokenize_once(ProcessDataConfig(**{**config.__dict__, "mask_reasoning": True}))
     assert masked not in (first, second)  # an option that shapes the labels is part of the key
     assert [line for line in cache_log if "again into" in line][-1].startswith(
@@ -180,9 +180,11 @@ def test_a_cache_made_before_the_package_is_made_again_once_saying_why(tmp_path,
     config = ProcessDataConfig(input_file=str(raw), model_name_or_path=str(chatml_model), num_proc=1,
                                output_dir=str(tmp_path / "cache"), overwrite=True)
     old = tmp_path / "cache" / "chat-0123456789abcdef"  # what the flat layout wrote: no fingerprint.json
-    old.mkdir(parents=True)
-    (old / "data.jsonl").write_text("")
-    (old / "summary.json").write_text(json.dumps({"num_written": 12}))
+    other = tmp_path / "cache" / "chat-v2-0123456789abcdef"  # another input's, newer: not this one's
+    for folder in (old, other):
+        folder.mkdir(parents=True)
+        (folder / "data.jsonl").write_text("")
+        (folder / "summary.json").write_text(json.dumps({"num_written": 12}))
     new = tokenize_once(config)
     assert new != old and (new / "fingerprint.json").is_file()
     [line] = [line for line in cache_log if "tokenizing" in line]

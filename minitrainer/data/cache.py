@@ -167,8 +167,9 @@ def why_not_reused(folder: Path, parts: dict) -> str | None:
     that differ, or that it predates recorded fingerprints (a cache made before the minitrainer package
     hashed the tokenizing code under other file names). None when there is no such cache."""
     stem = folder.name.rsplit("-", 1)[0]
-    earlier = sorted((path for path in folder.parent.glob(f"{stem}-*") if (path / "summary.json").is_file()
-                      and path != folder), key=lambda path: (path / "summary.json").stat().st_mtime)
+    earlier = sorted((path for path in folder.parent.glob(f"{stem}-*") if path.name.rsplit("-", 1)[0] == stem
+                      and path != folder and (path / "summary.json").is_file()),
+                     key=lambda path: (path / "summary.json").stat().st_mtime)
     if not earlier:
         return None
     newest = earlier[-1]
@@ -218,8 +219,8 @@ def tokenize_once(config) -> Path:
                     summary["num_chat"], summary["num_pretrain"], summary["num_tokens"], config.input_file)
         return folder
     if (why := why_not_reused(folder, parts)) is not None:
-        logger.info("tokenized data: %s: tokenizing %s again into %s (the earlier folder is not used; remove it "
-                    "to free its space)", why, config.input_file, folder)
+        logger.info("tokenized data: %s: tokenizing %s again into %s (this run does not read the earlier folder; "
+                    "remove it when no run needs it)", why, config.input_file, folder)
     else:
         logger.info("tokenized data: %s is raw input; tokenizing it once into %s (fingerprint %s of the input, "
                     "tokenizer, template and options)", config.input_file, folder, key[:16])
