@@ -195,6 +195,21 @@ def test_a_cache_made_before_the_package_is_made_again_once_saying_why(tmp_path,
     assert [line for line in cache_log if "tokenizing" in line] == [] and str(old) not in " ".join(cache_log)
 
 
+def test_a_fingerprint_file_that_cannot_be_written_is_one_warning(tmp_path, chatml_model, cache_log, monkeypatch):
+    """The record of what a cache was made from is a report: a failed write (here: into a folder that is not
+    there) leaves the cache whole and usable, with one warning."""
+    from minitrainer.data import cache
+
+    monkeypatch.setattr(cache, "FINGERPRINT_FILE", "missing/fingerprint.json")
+    raw = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows()[:4])
+    config = ProcessDataConfig(input_file=str(raw), model_name_or_path=str(chatml_model), num_proc=1,
+                               output_dir=str(tmp_path / "cache"), overwrite=True)
+    folder = tokenize_once(config)
+    assert (folder / "summary.json").is_file() and tokenize_once(config) == folder
+    [warning] = [line for line in cache_log if "not written" in line]
+    assert warning.startswith(f"tokenized data: {folder / 'missing' / 'fingerprint.json'} not written (No such file")
+
+
 def test_a_validation_folder_is_read_as_its_held_out_split(tmp_path):
     """A repository given as --validation-data-path too validates on its validation (else test) split,
     never silently on the rows --data-path trains on."""

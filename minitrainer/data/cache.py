@@ -233,7 +233,11 @@ def tokenize_once(config) -> Path:
         if not _audit_failed_only(folder / "summary.json"):
             shutil.rmtree(folder, ignore_errors=True)
             raise
-    (folder / FINGERPRINT_FILE).write_text(json.dumps(parts, indent=2) + "\n")
+    try:  # a report for a later run: the cache is whole without it
+        (folder / FINGERPRINT_FILE).write_text(json.dumps(parts, indent=2) + "\n")
+    except OSError as err:
+        logger.warning("tokenized data: %s not written (%s): a run that tokenizes this input again cannot say "
+                       "what changed", folder / FINGERPRINT_FILE, err.strerror or err)
     return folder
 
 
