@@ -27,7 +27,9 @@ class PreemptionFlag:
     * Unless a peer rank is already dead: then no checkpoint can be written (it is a collective), and
       the signal is torchrun ending the job after that rank died. This rank then exits at once,
       naming the lost rank, rather than waiting in a collective until torchrun kills it 30 s later
-      (with NCCL, a collective whose peer died waits for the collective timeout).
+      (with NCCL, a collective whose peer died waits for the collective timeout; with gloo, so does one
+      whose peer's connection a forked child of that peer still holds). A thread receives the signal
+      too, as the main thread runs no handler while it waits there.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -38,6 +40,14 @@ class PreemptionFlag:
         self._signalled = False
         self._lost_ranks = lost_ranks
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        self._exiting = threading.Lock()
+        # The handler runs on the main thread, between two Python instructions: not while it waits in a
+        # collective (native code) for a peer that is gone, which lasts until torchrun's SIGKILL 30 s later,
+        # or the collective timeout. The signal's number reaches this pipe at once, wherever the main thread is.
+        self._signals_in, self._signals_out = os.pipe()
+        os.set_blocking(self._signals_out, False)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._signals_out, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch_signals, daemon=True, name="signal-watch").start()
         self._stop_watching = threading.Event()
         if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun: our parent is the launcher
             parent = os.getppid()
@@ -52,12 +62,7 @@ class PreemptionFlag:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        lost = self._lost_ranks()
-        if lost:
-            logger.error("received %s after %s is gone (it stopped on its own error, or was killed, e.g. by the "
-                         "out-of-memory killer): exiting; rerun the same command to resume from the newest full "
-                         "state", name, ", ".join(lost))
-            exit_process(EXIT_FAILED)
+        self._exit_if_a_peer_is_gone(name)
         if signum == signal.SIGINT and not self._signalled:
             # A second Ctrl-C (torchrun passes it on as SIGTERM) must stop at once, even inside a collective
             # waiting for a peer, where no Python handler runs: the signals' default action does that.
@@ -68,6 +73,22 @@ class PreemptionFlag:
             logger.warning("received %s: will checkpoint and exit after this step%s", name,
                            " (Ctrl-C again to stop at once, unsaved)" if signum == signal.SIGINT else "")
         self.requested = True
+
+    def _exit_if_a_peer_is_gone(self, signal_name: str) -> None:
+        lost = self._lost_ranks()
+        # One of the two threads that saw the signal says it; the other goes on until the process ends.
+        if lost and self._exiting.acquire(blocking=False):
+            logger.error("received %s after %s is gone (it stopped on its own error, or was killed, e.g. by the "
+                         "out-of-memory killer): exiting; rerun the same command to resume from the newest full "
+                         "state", signal_name, ", ".join(lost))
+            exit_process(EXIT_FAILED)
+
+    def _watch_signals(self) -> None:
+        with open(self._signals_in, "rb", buffering=0) as signals:
+            while received := signals.read(64):  # b"" once restore() has closed the other end
+                for signum in received:
+                    if signum in self.SIGNALS:
+                        self._exit_if_a_peer_is_gone(signal.Signals(signum).name)
 
     def _watch_launcher(self, parent: int, poll_s: float, orphan_grace_s: float) -> None:
         while not self._stop_watching.wait(poll_s):
@@ -86,5 +107,7 @@ class PreemptionFlag:
 
     def restore(self) -> None:
         self._stop_watching.set()
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
+        os.close(self._signals_out)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

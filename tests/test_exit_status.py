@@ -232,3 +232,57 @@ def test_an_orphan_stuck_where_no_python_runs_exits_after_its_grace():
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rank_pid, signal.SIGKILL)
+
+
+_GLOO_RANK = """
+import datetime, os, socket, sys, time
+import torch, torch.distributed as dist
+from minitrainer.common.distributed import DistInfo, lost_ranks
+from minitrainer.preemption import PreemptionFlag
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 2), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
+processes = [None, None]
+dist.all_gather_object(processes, (socket.gethostname(), os.getpid()))
+info = DistInfo(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), processes=tuple(processes))
+if rank == 1:
+    child = os.fork()
+    if child == 0:  # as a forked worker does, holds this rank's connections open after it is killed
+        time.sleep(600)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(600)
+with PreemptionFlag(lambda: lost_ranks(info)):
+    print("ready", flush=True)
+    dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_a_signal_while_waiting_in_a_collective_for_a_dead_peer_ends_the_rank_at_once_naming_it(tmp_path):
+    """torchrun's SIGTERM after a rank was killed reaches a survivor waiting in a gloo collective for it, whose
+    connection a child of the dead rank still holds open. No Python handler runs inside the collective until it
+    times out (here 120 s; torchrun's SIGKILL comes after 30 s): the flag's signal-watching thread ends it."""
+    store = tmp_path / "store"
+    ranks = [subprocess.Popen([sys.executable, "-c", _GLOO_RANK, str(rank), str(store)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    survivor, victim = ranks
+    holder = None
+    try:
+        holder = int(victim.stdout.readline())
+        assert survivor.stdout.readline().strip() == "ready"
+        victim.kill()
+        victim.wait()
+        time.sleep(1)  # the survivor is inside the collective
+        began = time.monotonic()
+        survivor.send_signal(signal.SIGTERM)
+        _, errors = survivor.communicate(timeout=60)
+        took = time.monotonic() - began
+    finally:
+        for process in ranks:
+            process.kill()
+        if holder:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(holder, signal.SIGKILL)
+    assert survivor.returncode == 1, errors[-3000:]
+    assert f"received SIGTERM after rank 1 (pid {victim.pid} on " in errors, errors[-3000:]
+    assert took < 10, f"the survivor took {took:.1f} s"
