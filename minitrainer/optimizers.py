@@ -24,19 +24,20 @@ STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw_8bit": 2.0 + 2 * 4 / 256}
 
 
 def build_optimizer(name: str, param_groups: list[dict], *, lr: float, betas: tuple[float, float],
-                    device: torch.device) -> torch.optim.Optimizer:
+                    device: torch.device, eps: float = 1e-8) -> torch.optim.Optimizer:
     """The optimizer ``name`` over the method's ``param_groups`` (each carries its weight decay).
 
     Args:
         name: one of ``OPTIMIZERS``.
         param_groups: ``FineTuningMethod.param_groups``.
-        lr, betas: AdamW's.
+        lr, betas, eps: AdamW's.
         device: where the parameters' shards live (with ``--cpu-offload``: the host).
     """
     if name == "adamw":
         # Fused on a GPU: one kernel for every parameter and an on-device skip (``skips_on_device``). CPU keeps
         # torch's default (foreach): its fused kernel rounds differently in the last bit (seen: 3e-8 after 20 steps).
-        return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=True if device.type == "cuda" else None)
+        return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps,
+                                 fused=True if device.type == "cuda" else None)
     assert name == "adamw_8bit", name
     try:
         from torchao.optim import AdamW8bit
@@ -45,7 +46,7 @@ def build_optimizer(name: str, param_groups: list[dict], *, lr: float, betas: tu
     if device.type == "cpu":
         log_rank_0("--optimizer adamw_8bit on CPU: each parameter shape compiles its update once (inductor); "
                    "the first step is slow", level=logging.INFO)
-    return AdamW8bit(param_groups, lr=lr, betas=betas)
+    return AdamW8bit(param_groups, lr=lr, betas=betas, eps=eps)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -62,8 +62,9 @@ def checkpoints_due(run: Run, batch: StepBatch, *, done: str | None, preempted: 
     config, state = run.config, run.state
     # A preemption on the last step (or on a cadence step) still writes the export that step owes:
     # the rerun finds nothing left to train and would never write it.
-    export_due = bool(done) or (state.samples_seen - state.last_checkpoint_samples
-                                >= config.min_samples_per_checkpoint)
+    export_due = (bool(done) or state.samples_seen - state.last_checkpoint_samples >= config.min_samples_per_checkpoint
+                  or config.checkpoint_at_epoch and checkpoint_policy.crossed(batch.start_position, state.samples_seen,
+                                                                              len(run.dataset)))
     full_due = bool(done) or (checkpoint_policy.crossed(batch.start_position, state.samples_seen,
                                                         config.min_samples_per_full_state)
                               if config.min_samples_per_full_state else export_due)

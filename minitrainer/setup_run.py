@@ -177,7 +177,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
     optimizer = build_optimizer(config.optimizer, method.param_groups(model, weight_decay=config.weight_decay),
-                                lr=config.learning_rate, betas=config.adam_betas,
+                                lr=config.learning_rate, betas=config.adam_betas, eps=config.adam_eps,
                                 device=next(model.parameters()).device)  # the host with --cpu-offload
     scheduler = schedule.build_scheduler(config, optimizer, total_steps)
     began = time.perf_counter()
@@ -450,7 +450,8 @@ def _tokenized_source(config: TrainConfig, source: str, *, held_out: bool) -> Pa
     ``held_out`` (validation) source is read as its held-out split (``data.cache.validation_split``)."""
     if data_cache.is_tokenized(source):
         return source
-    cache_root = Path(config.output_dir) / data_cache.CACHE_FOLDER
+    cache_root = (Path(config.tokenized_data_dir) if config.tokenized_data_dir is not None
+                  else Path(config.output_dir) / data_cache.CACHE_FOLDER)
     split = data_cache.validation_split(config, source) if held_out else config.data_split
     return data_cache.tokenize_once(config.tokenizing_config(source, output_dir=str(cache_root), split=split))
 

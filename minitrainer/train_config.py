@@ -86,6 +86,9 @@ class TrainConfig:
     allow_audit_failures: bool = config_field(
         False, help="raw data: train even when the label audit fails (process_data.py output: its own flag, "
                     "recorded in summary.json, decides)")
+    tokenized_data_dir: str | None = config_field(
+        None, help="raw data: the folder its tokenized copy is cached in (default: <--output-dir>/tokenized_data; "
+                   "a fast local disk or /dev/shm speeds up loading)")
     allow_tokenizer_mismatch: bool = config_field(
         False, help="train on data tokenized with a tokenizer that differs from the model's (refused otherwise)")
 
@@ -112,6 +115,7 @@ class TrainConfig:
     weight_decay: float = config_field(0.0, help="AdamW weight decay; biases and norm weights are exempt, as in "
                                                  "transformers' Trainer, TRL and axolotl")
     adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
+    adam_eps: float = config_field(1e-8, help="AdamW epsilon (added to the root of the second moment)")
     optimizer: Literal["adamw", "adamw_8bit"] = config_field(
         "adamw", help="adamw (fused on GPU) or adamw_8bit (torchao: 8-bit moments, ~2 bytes of state per parameter)")
     max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
@@ -131,6 +135,8 @@ class TrainConfig:
     output_dir: str = config_field(section="Output, checkpoints and resume", help="folder for metrics, training_params.json and checkpoints")
     min_samples_per_checkpoint: int = config_field(
         help="samples between Hugging Face checkpoints (hf_format/samples_N); one is always written at the end")
+    checkpoint_at_epoch: bool = config_field(
+        False, help="also write a Hugging Face export (and full state) after the step that completes each epoch")
     keep_last_n_checkpoints: int | None = config_field(
         None, help="keep only the newest N Hugging Face exports (default: keep all); also caps the full states "
                    "kept when --keep-last-n-full-states is not given")
@@ -252,12 +258,16 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not self.adam_eps > 0:
+            errors.append(f"--adam-eps must be positive, got {self.adam_eps}")
         if self.num_warmup_steps < 0:
             errors.append(f"--num-warmup-steps must be non-negative, got {self.num_warmup_steps}")
         errors += _optimizer_errors(self)
         if self.logging_level not in LOG_LEVELS:
             errors.append(f"--logging-level {self.logging_level!r} is not one of {', '.join(LOG_LEVELS)}")
-        if self.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL and not self.has_stop_condition:
+        if self.lr_scheduler not in SCHEDULERS:
+            errors.append(f"--lr-scheduler {self.lr_scheduler!r} is not one of {', '.join(SCHEDULERS)}")
+        elif self.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL and not self.has_stop_condition:
             errors.append(f"--lr-scheduler {self.lr_scheduler} decays over a known number of steps: give "
                           "--max-steps, --max-samples or --num-epochs (sampling is infinite otherwise)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

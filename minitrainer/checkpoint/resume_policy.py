@@ -125,6 +125,8 @@ def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> 
     params["adam_betas"] = list(params["adam_betas"])
     if config.optimizer != "adamw":  # absent for the default, so full states written before the choice resume
         params["optimizer"] = config.optimizer
+    if config.adam_eps != 1e-8:  # the same: absent for AdamW's default, which states before the flag trained with
+        params["adam_eps"] = config.adam_eps
     if schedule_has_total:
         params["scheduled_steps"] = total_steps
     sources = parse_data_spec(config.data_path)
@@ -272,6 +274,6 @@ def apply_new_hyperparameters(optimizer, scheduler, config) -> None:
     factors = [lr_lambda(scheduler.last_epoch) for lr_lambda in scheduler.lr_lambdas]
     for group, factor in zip(optimizer.param_groups, factors, strict=True):
         group.update(initial_lr=config.learning_rate, lr=config.learning_rate * factor,
-                     betas=tuple(config.adam_betas),
+                     betas=tuple(config.adam_betas), eps=config.adam_eps,
                      weight_decay=config.weight_decay if group["weight_decay"] else 0.0)  # biases and norms keep 0
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
