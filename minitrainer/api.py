@@ -21,23 +21,33 @@ Inside an already-running torchrun job, call ``minitrainer.train.train(config)``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from minitrainer.common.cli import collect_errors, config_field
 from minitrainer.common.config_files import config_from_file
+from minitrainer.common.exits import RUN_STATUS_FILE
 from minitrainer.common.log import logger
 from minitrainer.data.process_data import ProcessDataConfig, process_data
+from minitrainer.run_watch import RunEvent, RunWatcher
 from minitrainer.train_config import TrainConfig
 
-__all__ = ["ProcessDataConfig", "TorchrunArgs", "TrainConfig", "config_from_file", "config_to_argv", "process_data",
-           "run_training", "torchrun_command"]
+__all__ = ["ProcessDataConfig", "RunEvent", "RunFailed", "RunResult", "TorchrunArgs", "TrainConfig", "config_from_file",
+           "config_to_argv", "process_data", "run_training", "torchrun_command"]
 
+NPROC_WORDS = ("gpu", "cpu", "auto")
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 """Where ``minitrainer`` is imported from: site-packages once installed, else the checkout."""
 
@@ -52,7 +62,9 @@ class TorchrunArgs:
     (``rdzv_endpoint``, preferred) or a static ``master_addr``/``master_port``.
     """
 
-    nproc_per_node: int = config_field(1, help="processes (GPUs) per node")
+    nproc_per_node: int | Literal["gpu", "cpu", "auto"] = config_field(
+        1, help="processes per node, or torchrun's own words for it: gpu (one per visible GPU), cpu (one per core), "
+                "auto (gpu where there is one, else cpu)")
     nnodes: int = config_field(1, help="number of nodes")
     node_rank: int | None = config_field(None, help="this node's rank (static rendezvous only; c10d assigns it)")
     rdzv_id: str = config_field("mini-trainer", help="job id shared by all nodes of one c10d rendezvous")
@@ -63,8 +75,14 @@ class TorchrunArgs:
 
     def __post_init__(self) -> None:
         errors = []
-        if self.nproc_per_node < 1 or self.nnodes < 1:
-            errors.append(f"nproc_per_node and nnodes must be >= 1, got {self.nproc_per_node} and {self.nnodes}")
+        if isinstance(self.nproc_per_node, str):
+            if self.nproc_per_node not in NPROC_WORDS:
+                errors.append(f"nproc_per_node {self.nproc_per_node!r} is neither a number nor one of "
+                              f"{', '.join(NPROC_WORDS)}")
+        elif self.nproc_per_node < 1:
+            errors.append(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            errors.append(f"nnodes must be >= 1, got {self.nnodes}")
         if self.rdzv_endpoint is not None and self.master_addr is not None:
             errors.append("give rdzv_endpoint (c10d rendezvous) or master_addr (static), not both")
         if self.nnodes > 1 and self.rdzv_endpoint is None and self.master_addr is None:
@@ -115,30 +133,138 @@ def config_to_argv(config: Any) -> list[str]:
     return argv
 
 
-def torchrun_command(torchrun_args: TorchrunArgs, train_args: TrainConfig) -> list[str]:
-    """The full command ``run_training`` executes."""
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args.to_argv(), "-m", "minitrainer.train",
+def torchrun_command(torchrun_args: TorchrunArgs, train_args: TrainConfig, *, log_dir: str | None = None) -> list[str]:
+    """The full command ``run_training`` executes (``log_dir``: where torchrun keeps each rank's error file)."""
+    log = [f"--log-dir={log_dir}"] if log_dir is not None else []
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args.to_argv(), *log, "-m", "minitrainer.train",
             *config_to_argv(train_args)]
 
 
-def run_training(torchrun_args: TorchrunArgs, train_args: TrainConfig) -> None:
-    """Launch ``torchrun -m minitrainer.train`` with ``train_args`` and wait for it.
+@dataclass(frozen=True)
+class RunResult:
+    """Where a finished run left its results."""
 
-    The child inherits this process's environment and terminal (set
-    ``CUDA_VISIBLE_DEVICES``, ``NCCL_*`` or ``OMP_NUM_THREADS`` in
-    ``os.environ`` before calling).
+    output_dir: Path
+    last_checkpoint: Path | None
+    """The newest Hugging Face export (``hf_format/samples_N``): the final model of a finished run."""
+    metrics_path: Path
+    """Rank 0's ``training_metrics_0.jsonl``: a JSON line per step and per validation."""
+
+
+class RunFailed(subprocess.CalledProcessError):
+    """The run did not finish: ``status`` (``run_status.json``'s: failed, preempted, interrupted) and the run's
+    own one line as the message; ``returncode`` is torchrun's."""
+
+    def __init__(self, returncode: int, command: list[str], *, status: str, line: str | None):
+        super().__init__(returncode, command)
+        self.status, self.line = status, line
+
+    def __str__(self) -> str:
+        return f"training {self.status}: {self.line}" if self.line else f"training {self.status} (torchrun exit " \
+                                                                        f"status {self.returncode})"
+
+
+POLL_SECONDS = 0.5
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def run_training(torchrun_args: TorchrunArgs, train_args: TrainConfig, *,
+                 on_event: Callable[[RunEvent], None] | None = None, env: dict[str, str] | None = None) -> RunResult:
+    """Launch ``torchrun -m minitrainer.train`` with ``train_args`` and wait until it and its workers end.
+
+    The child inherits this process's environment (set ``CUDA_VISIBLE_DEVICES``, ``NCCL_*`` or
+    ``OMP_NUM_THREADS`` in ``os.environ`` before calling) and output. It runs in a session of its own, and
+    SIGINT and SIGTERM that reach this process are passed on to it once each: Ctrl-C in a terminal or a
+    notebook, or a pod's preemption, becomes the run's preemption save, not an orphaned job.
 
     Args:
         torchrun_args: node and process layout.
         train_args: the run's parameters, as the CLI would parse them.
+        on_event: called in this process with each ``run_watch.RunEvent`` (steps, validations, exports) while
+            the run goes on; what it raises is logged in one line and the run goes on.
+        env: variables added to the workers' environment (not this process's).
 
     Raises:
-        subprocess.CalledProcessError: torchrun exited non-zero (a rank failed).
+        RunFailed: the run failed, was preempted (saved: the same call resumes) or interrupted; its message is
+            the run's own line (a ``subprocess.CalledProcessError``, as before).
     """
-    command = torchrun_command(torchrun_args, train_args)
+    with tempfile.TemporaryDirectory(prefix="minitrainer-torchrun-") as log_dir:
+        return _launch(torchrun_command(torchrun_args, train_args, log_dir=log_dir), train_args, log_dir=Path(log_dir),
+                       on_event=on_event, env=env)
+
+
+def _launch(command: list[str], train_args: TrainConfig, *, log_dir: Path,
+            on_event: Callable[[RunEvent], None] | None, env: dict[str, str] | None) -> RunResult:
     logger.info("launching: %s", " ".join(command))
     # By module, never by the file's path: a script's folder goes first on sys.path, and the package's
     # modules would shadow the caller's own. The child finds the package where this process found it
     # (a checkout that is not installed included), after whatever the caller's PYTHONPATH puts first.
     path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(PACKAGE_PARENT)]))
-    subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": path})
+    watcher = RunWatcher(train_args.output_dir, started=time.time())
+    process = subprocess.Popen(command, env={**os.environ, **(env or {}), "PYTHONPATH": path},
+                               start_new_session=True)
+    with _signals_passed_to(process):
+        while process.poll() is None:
+            time.sleep(POLL_SECONDS)
+            _deliver(watcher.poll(), on_event)
+        _deliver(watcher.poll(), on_event)
+    output_dir = Path(train_args.output_dir)
+    if process.returncode != 0:
+        status = read_run_status(output_dir)
+        raise RunFailed(process.returncode, command, status=status.get("status", "failed"),
+                        line=status.get("message") or _first_error_line(log_dir))
+    exports = sorted((output_dir / "hf_format").glob("samples_*"), key=lambda p: int(p.name.split("_")[1]))
+    return RunResult(output_dir=output_dir, last_checkpoint=exports[-1] if exports else None,
+                     metrics_path=watcher.metrics_path)
+
+
+def read_run_status(output_dir: Path) -> dict:
+    """``run_status.json`` of ``output_dir``, or ``{}`` where the run wrote none (it stopped before starting)."""
+    try:
+        return json.loads((output_dir / RUN_STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _first_error_line(log_dir: Path) -> str | None:
+    """The line of the rank that failed first, from torchrun's error files: where a run stopped before it
+    held its output folder (a missing model, a refused flag), ``run_status.json`` has none."""
+    reports = []
+    for path in log_dir.rglob("error.json"):
+        try:
+            message = json.loads(path.read_text())["message"]
+            text = message["message"] if isinstance(message, dict) else str(message)
+            stamp = int(message.get("extraInfo", {}).get("timestamp", 0)) if isinstance(message, dict) else 0
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        reports.append((stamp, text.strip().splitlines()[-1] if text.strip() else text))
+    return min(reports)[1] if reports else None
+
+
+def _deliver(events: list[RunEvent], on_event: Callable[[RunEvent], None] | None) -> None:
+    for event in events if on_event is not None else ():
+        try:
+            on_event(event)
+        except Exception as err:  # noqa: BLE001 - a listener's failure is its own, never the run's
+            logger.warning("a listener of the run's %s events failed (%s: %s); training goes on", event.kind,
+                           type(err).__name__, err)
+
+
+@contextlib.contextmanager
+def _signals_passed_to(process: subprocess.Popen):
+    """While the run goes on, SIGINT and SIGTERM to this process go to torchrun, which passes them to the
+    ranks (the first saves and stops; a second SIGINT stops unsaved, as in a terminal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, _frame):
+        if process.poll() is None:
+            process.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

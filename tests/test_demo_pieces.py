@@ -63,8 +63,11 @@ def test_run_training_raises_when_torchrun_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     config = api.TrainConfig(output_dir=str(tmp_path / "out"), min_samples_per_checkpoint=10,
                              model_name_or_path=str(tmp_path / "no-such-model"), data_path=str(tmp_path / "data"))
-    with pytest.raises(subprocess.CalledProcessError):
+    with pytest.raises(subprocess.CalledProcessError) as failed:
         api.run_training(api.TorchrunArgs(nproc_per_node=1), config)
+    # The run's own line, not the command line: what a notebook shows.
+    assert isinstance(failed.value, api.RunFailed) and failed.value.status == "failed"
+    assert str(failed.value) == f"training failed: --data-path {tmp_path / 'data'}: no such file or folder"
 
 
 def test_reloaded_checkpoint_generates(api_run):

@@ -1,0 +1,98 @@
+"""A launched run's progress, read by the launching process from the files the run writes anyway.
+
+``api.run_training`` polls a ``RunWatcher`` while torchrun runs and hands each ``RunEvent`` to the caller:
+rank 0's metrics lines (``training_metrics_0.jsonl``: one per step, one per validation) and each Hugging Face
+export as its folder appears (``hf_format/samples_N`` is renamed into place whole). Nothing crosses into the
+workers, so a listener that is slow or fails cannot touch training, and the events of a run are those its
+metrics file records, whatever launched it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+EXPORT_NAME = re.compile(r"samples_(\d+)")
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """``step``: a step's metrics line; ``validation``: a validation's line; ``export``: a new Hugging Face
+    export (``path``), with the line of the step that wrote it as ``record``."""
+
+    kind: Literal["step", "validation", "export"]
+    record: dict
+    path: Path | None = None
+
+
+class RunWatcher:
+    """New events of the run writing into ``output_dir`` since ``started`` (a ``time.time()``).
+
+    Lines of an earlier attempt are not events: a resumed run cuts its metrics file back to the resumed step
+    and appends, and every line carries the time it was written. Exports already there are not either.
+    """
+
+    def __init__(self, output_dir: str | Path, *, started: float):
+        self.output_dir = Path(output_dir)
+        self.metrics_path = self.output_dir / "training_metrics_0.jsonl"
+        self._started = started
+        self._offset = 0
+        self._tail = b""
+        self._seen: set[tuple[str, int]] = set()
+        self._exports = set(self._export_folders())
+        self._last_step: dict = {}
+        self._step_at_samples: dict[int, dict] = {}
+
+    def poll(self) -> list[RunEvent]:
+        events = [self._event(record) for record in self._new_records()]
+        for folder in sorted(set(self._export_folders()) - self._exports, key=_samples):
+            self._exports.add(folder)
+            events.append(RunEvent("export", self._step_at_samples.get(_samples(folder), self._last_step), folder))
+        return [event for event in events if event is not None]
+
+    def _event(self, record: dict) -> RunEvent | None:
+        kind = "validation" if "val_loss" in record else "step"
+        key = (kind, int(record.get("step", 0)))
+        if key in self._seen or record.get("timestamp", 0.0) < self._started:
+            return None
+        self._seen.add(key)
+        if kind == "step":
+            self._last_step = self._step_at_samples[int(record.get("samples_seen", -1))] = record
+        return RunEvent(kind, record)
+
+    def _new_records(self) -> list[dict]:
+        try:
+            with self.metrics_path.open("rb") as f:
+                # Cut back by a resume (and perhaps grown past where this read up to since): the last line
+                # read is no longer where it was. Read it all again; the times and steps tell what is new.
+                f.seek(max(self._offset - len(self._tail), 0))
+                if f.read(len(self._tail)) != self._tail:
+                    self._offset = 0
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        whole = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self._offset += len(whole)
+        if whole:
+            self._tail = whole[whole.rfind(b"\n", 0, len(whole) - 1) + 1:]
+        records = []
+        for line in whole.splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
+    def _export_folders(self) -> list[Path]:
+        folder = self.output_dir / "hf_format"
+        if not folder.is_dir():
+            return []
+        return [path for path in folder.iterdir() if EXPORT_NAME.fullmatch(path.name) and path.is_dir()]
+
+
+def _samples(path: Path) -> int:
+    return int(EXPORT_NAME.fullmatch(path.name).group(1))

@@ -1,0 +1,158 @@
+"""``run_training`` as a launcher: the run's events reach the caller in order and once (``run_watch``), a
+signal to the launching process becomes the run's preemption save, a rerun resumes, a failing listener
+costs one line; and the settings other trainers' APIs need (``--adam-eps``, ``--checkpoint-at-epoch``,
+``--tokenized-data-dir``).
+
+    .venv/bin/python -m pytest -q tests/test_api_launch.py
+
+The launches are real: ``run_training`` in a child Python (the launching process a notebook or a pod
+would be) starting torchrun with 2 gloo CPU ranks on the tiny chatml model and the demo's raw chat data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures.e2e import ROOT
+from minitrainer.optimizers import build_optimizer
+from minitrainer.run_watch import RunWatcher
+
+DEMO_DATA = ROOT / "minitrainer" / "tools" / "demo_chat.jsonl"
+NUM_ROWS = sum(1 for _ in DEMO_DATA.open())
+
+LAUNCHER = """
+import json, sys
+from minitrainer.api import RunFailed, TorchrunArgs, TrainConfig, run_training
+
+out, model, data, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+events = open(out + ".events.jsonl", "a")
+
+def listen(event):
+    if extra.pop("listener_raises_once", False):
+        raise RuntimeError("a listener's own bug")
+    events.write(json.dumps({"kind": event.kind, "step": event.record.get("step"),
+                             "path": None if event.path is None else str(event.path)}) + "\\n")
+    events.flush()
+
+config = TrainConfig(output_dir=out, data_path=data, model_name_or_path=model, batch_size=16,
+                     max_tokens_per_gpu=2048, min_samples_per_checkpoint=10**9, **extra.pop("config", {}))
+try:
+    result = run_training(TorchrunArgs(nproc_per_node=2), config, on_event=listen)
+except RunFailed as err:
+    print("RUNFAILED", json.dumps({"status": err.status, "line": err.line, "message": str(err)}), flush=True)
+    sys.exit(3)
+print("RESULT", json.dumps({"last_checkpoint": str(result.last_checkpoint)}), flush=True)
+"""
+
+
+def _launch(tmp_path: Path, model: Path, extra: dict, *, wait: bool = True):
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(tmp_path / "out"), str(model), str(DEMO_DATA), json.dumps(extra)]
+    if not wait:
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _events(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "out.events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _metrics(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "out" / "training_metrics_0.jsonl").read_text().splitlines()]
+
+
+def test_every_step_validation_and_export_reaches_the_launcher_once_in_order(tmp_path, chatml_model):
+    """Two epochs with an export at each epoch's end, a validation every 4 steps, AdamW's epsilon and the
+    tokenized cache where the caller put them; a listener that raises once is one line, not a failure."""
+    config = {"num_epochs": 2.0, "checkpoint_at_epoch": True, "validation_split": 0.1,
+              "validation_every_n_steps": 4, "adam_eps": 1e-6, "tokenized_data_dir": str(tmp_path / "tok")}
+    result = _launch(tmp_path, chatml_model, {"config": config, "listener_raises_once": True})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "a listener of the run's step events failed (RuntimeError: a listener's own bug); training goes on" \
+        in result.stdout + result.stderr
+    metrics = _metrics(tmp_path)
+    steps = [m["step"] for m in metrics if "val_loss" not in m]
+    events = _events(tmp_path)
+    # The first step's event went to the listener that raised: every other line arrived, once, in order.
+    assert [e["step"] for e in events if e["kind"] == "step"] == steps[1:]
+    assert [e["step"] for e in events if e["kind"] == "validation"] == [m["step"] for m in metrics if "val_loss" in m]
+    train_rows = NUM_ROWS - round(NUM_ROWS * 0.1)
+    samples = {m["step"]: m["samples_seen"] for m in metrics if "val_loss" not in m}
+    epoch_end = min(step for step, seen in samples.items() if seen >= train_rows)
+    exports = [(e["step"], Path(e["path"]).name) for e in events if e["kind"] == "export"]
+    assert exports == [(epoch_end, f"samples_{samples[epoch_end]}"), (steps[-1], f"samples_{samples[steps[-1]]}")]
+    assert json.loads(result.stdout.split("RESULT ", 1)[1])["last_checkpoint"].endswith(f"samples_{samples[steps[-1]]}")
+    params = json.loads((tmp_path / "out" / "training_params.json").read_text())
+    assert params["adam_eps"] == 1e-6
+    assert list((tmp_path / "tok").glob("demo_chat-*/data.jsonl"))
+    assert not (tmp_path / "out" / "tokenized_data").exists()
+
+
+def test_sigterm_to_the_launching_process_saves_and_the_same_call_resumes(tmp_path, chatml_model):
+    """A pod's preemption reaches the Python process that called ``run_training`` (torchrun runs in a session
+    of its own): it is passed on, the ranks save, the call raises ``RunFailed`` with the run's own line; the
+    same call again resumes, and its events are the new steps only."""
+    extra = {"config": {"max_steps": 12}}
+    launcher = _launch(tmp_path, chatml_model, extra, wait=False)
+    deadline = time.monotonic() + 240
+    while not any(e["kind"] == "step" and e["step"] >= 2 for e in _events(tmp_path)):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()[-3000:]
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    output = launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == 3, output[-3000:]
+    failed = json.loads(output.split("RUNFAILED ", 1)[1].splitlines()[0])
+    assert failed["status"] == "preempted"
+    assert failed["line"].startswith("preempted at step ") and "run the same command to resume" in failed["line"]
+    assert failed["message"] == f"training preempted: {failed['line']}"
+    saved_step = int(failed["line"].split()[3].rstrip(","))
+    assert saved_step < 12
+    first = _events(tmp_path)
+
+    again = _launch(tmp_path, chatml_model, extra)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = _events(tmp_path)[len(first):]
+    assert [e["step"] for e in resumed if e["kind"] == "step"] == list(range(saved_step + 1, 13))
+    assert [m["step"] for m in _metrics(tmp_path)] == list(range(1, 13))
+
+
+def test_a_resumed_metrics_file_cut_back_yields_only_lines_written_after_the_launch(tmp_path):
+    metrics = tmp_path / "training_metrics_0.jsonl"
+    old = [{"step": step, "samples_seen": 8 * step, "timestamp": 100.0 + step} for step in (1, 2, 3, 4)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in old))
+    watcher = RunWatcher(tmp_path, started=200.0)
+    assert watcher.poll() == []
+    # The resumed run cuts the file back to its step 2 and appends; a line still being written waits.
+    new = [{"step": 3, "samples_seen": 24, "timestamp": 201.0}, {"step": 3, "val_loss": 1.5, "timestamp": 202.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in old[:2] + new) + '{"step": 4, "sampl')
+    assert [(e.kind, e.record["step"]) for e in watcher.poll()] == [("step", 3), ("validation", 3)]
+    (tmp_path / "hf_format" / ".samples_24.tmp").mkdir(parents=True)
+    assert watcher.poll() == []
+    (tmp_path / "hf_format" / ".samples_24.tmp").rename(tmp_path / "hf_format" / "samples_24")
+    with metrics.open("a") as f:
+        f.write('s_seen": 32, "timestamp": 203.0}\n')
+    events = watcher.poll()
+    assert [(e.kind, e.record["step"]) for e in events] == [("step", 4), ("export", 3)]
+    assert events[1].path == tmp_path / "hf_format" / "samples_24"
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_8bit"])
+def test_adam_eps_reaches_the_optimizer(name):
+    if name == "adamw_8bit":
+        pytest.importorskip("torchao")
+    params = [torch.nn.Parameter(torch.zeros(256, 256))]
+    optimizer = build_optimizer(name, [{"params": params, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95),
+                                eps=1e-5, device=torch.device("cpu"))
+    assert optimizer.defaults["eps"] == 1e-5
