@@ -4,7 +4,8 @@
 
 Inside a torchrun job, ``minitrainer.train.train(config)`` trains as one of its ranks. The layers, each
 importing only those before it: ``common`` < ``data`` < ``model`` < ``methods`` <
-``checkpoint`` < the run (this folder's modules) < ``tools`` (docs/code-layout.md). The names below are
+``checkpoint`` < the run (this folder's modules) < ``tools`` < ``compat`` < ``integrations``
+(docs/code-layout.md). The names below are
 loaded on first use, so ``import minitrainer.data.sampler`` does not import the trainer.
 """
 

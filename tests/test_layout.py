@@ -28,7 +28,8 @@ from fixtures.e2e import ROOT
 
 PACKAGE = ROOT / "minitrainer"
 LAYERS = ("minitrainer.common", "minitrainer.data", "minitrainer.model", "minitrainer.methods",
-          "minitrainer.checkpoint", "minitrainer", "minitrainer.tools", "", "fixtures", "bench", "tests")
+          "minitrainer.checkpoint", "minitrainer", "minitrainer.tools", "minitrainer.compat",
+          "minitrainer.integrations", "", "fixtures", "bench", "tests")
 """Lowest first: a module may import modules of its own layer or a lower one (``""``: the root's entry scripts)."""
 ENTRY_SCRIPTS = ("batch_metrics.py", "process_data.py", "sampler.py", "setup_model_fsdp.py", "train.py", "utils.py")
 """The brief's six root files: entry scripts and re-exports of the package, nothing of their own."""
@@ -187,6 +188,11 @@ the config (``train_config.py``: its flags and ``fine_tuning_method``, the one p
 names it."""
 
 
+CONFIG_TRANSLATIONS = {"compat/mini_trainer.py", "integrations/hub_parameters.py", "integrations/training_hub.py"}
+"""Other tools' settings written as ``TrainConfig`` fields: as the config does, they name the methods' flags
+(``lora_r`` -> ``lora_rank``), and branch on nothing of a run."""
+
+
 def _code_tokens(path: Path) -> list[str]:
     """The names and strings of a module's code: comments and docstrings left out (they may cite a method)."""
     source = path.read_text()
@@ -206,7 +212,7 @@ def _code_tokens(path: Path) -> list[str]:
 @pytest.mark.parametrize("method", sorted(METHOD_NAMES))
 def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(method):
     pattern, own = METHOD_NAMES[method]
-    allowed = {f"minitrainer/{name}" for name in own | {"train_config.py"}}
+    allowed = {f"minitrainer/{name}" for name in own | {"train_config.py"} | CONFIG_TRANSLATIONS}
     code = [*PACKAGE_MODULES.values(), *(ROOT / name for name in ENTRY_SCRIPTS)]
     named = sorted(str(path.relative_to(ROOT)) for path in code if str(path.relative_to(ROOT)) not in allowed
                    and any(re.search(pattern, token, re.IGNORECASE) for token in _code_tokens(path)))

@@ -25,8 +25,12 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from fixtures.e2e import ROOT, read_metrics
+from fixtures.hub_venv import HUB_VERSION
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+OPTIONAL_EXTRA_MODULES = {"minitrainer.integrations.training_hub": "pip install minitrainer[training-hub]"}
+"""Modules that import an optional extra at the top (they exist only for it): without it, the ImportError
+names the install command."""
 USER_MODULES = ("utils", "schedule", "sampler", "train", "process_data")
 """Modules a user's folder may hold under names the package's modules have, or had at the root."""
 
@@ -113,6 +117,8 @@ def test_the_extras_pin_what_the_tests_run_on():
     """Each optional part's floor is the one requirements-dev.txt (or requirements-cuda.txt) installs for the
     tests; a package the tests do not install (wandb, tensorboard) has none."""
     tested = _requirements(ROOT / "requirements-dev.txt") | _requirements(ROOT / "requirements-cuda.txt")
+    # Tested in a venv of its own (fixtures/hub_venv.py): the version installed there is the floor.
+    tested["training-hub"] = SpecifierSet(f">={HUB_VERSION}")
     for extra, requirements in PYPROJECT["optional-dependencies"].items():
         for requirement in requirements:
             name, specifier = _requirement(requirement)
@@ -123,9 +129,13 @@ def test_every_module_imports_from_the_installed_wheel_in_a_users_folder(install
     """From another working directory holding the user's own ``utils.py``, ``schedule.py``, ``sampler.py``:
     every module of the package imports from the wheel's folder, and none of the user's is touched."""
     code = ("import importlib, pkgutil, sys, minitrainer\n"
+            f"OPTIONAL = {OPTIONAL_EXTRA_MODULES!r}\n"
             "names = [m.name for m in pkgutil.walk_packages(minitrainer.__path__, 'minitrainer.')]\n"
             "for name in names:\n"
-            "    importlib.import_module(name)\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "    except ImportError as err:\n"
+            "        assert name in OPTIONAL and OPTIONAL[name] in str(err), (name, err)\n"
             "from minitrainer import (ProcessDataConfig, TorchrunArgs, TrainConfig, config_from_file, process_data,\n"
             "                         run_training)\n"
             "print(minitrainer.__file__, len(names))\n")

@@ -1,0 +1,1 @@
+"""Other tools' entry points into ours: ``training_hub`` (import it to register the backend)."""
