@@ -39,6 +39,13 @@ def test_adamw_values_and_names_arrive_where_minitrainer_0_9_dropped_them():
     TrainConfig(**t.train)
 
 
+def test_tracker_parameters_left_out_come_from_the_variables_the_hubs_backends_read():
+    environ = {"MLFLOW_TRACKING_URI": "http://mlflow:5000", "MLFLOW_EXPERIMENT_NAME": "exp", "WANDB_RUN_NAME": "r"}
+    t = translate("osft", {**OSFT_REQUIRED, "mlflow_experiment_name": "mine"}, environ=environ)
+    assert (t.train["mlflow_tracking_uri"], t.train["mlflow_experiment"]) == ("http://mlflow:5000", "mine")
+    assert t.env == {"WANDB_NAME": "r"} and "wandb_project" not in t.train
+
+
 def test_a_parameter_left_out_takes_the_default_of_the_algorithms_own_backend():
     osft = translate("osft", OSFT_REQUIRED).train
     assert (osft["lr_scheduler"], osft["num_warmup_steps"], osft["num_epochs"], osft["seed"]) == ("cosine", 0, 1.0, 42)

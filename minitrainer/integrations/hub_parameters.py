@@ -39,6 +39,11 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
                  "save_total_limit": 3, "seed": 3407, "micro_batch_size": 2, "gradient_accumulation_steps": 1},
 }
 OUR_DEFAULTS: dict[str, dict[str, Any]] = {"lora_sft": {"adam_betas": (0.9, 0.999)}}
+TRACKER_VARIABLES = {"mlflow_tracking_uri": "MLFLOW_TRACKING_URI", "mlflow_experiment_name": "MLFLOW_EXPERIMENT_NAME",
+                     "mlflow_run_name": "MLFLOW_RUN_NAME", "wandb_project": "WANDB_PROJECT",
+                     "wandb_entity": "WANDB_ENTITY", "wandb_run_name": "WANDB_RUN_NAME"}
+"""The tracker parameters the hub's own backends take from these variables when a call leaves them out (how
+a platform turns tracking on for every job)."""
 
 
 @dataclass
@@ -284,13 +289,16 @@ _ORDER_LAST = ("micro_batch_size", "gradient_accumulation_steps", "save_steps", 
                "field_instruction", "field_input", "field_output")
 
 
-def translate(algorithm: str, params: dict[str, Any]) -> Translation:
+def translate(algorithm: str, params: dict[str, Any], environ: dict[str, str] | None = None) -> Translation:
     """What ``params`` (the dict training_hub's ``algorithm`` passes ``Backend.execute_training``) means for us.
 
-    ``None`` is a parameter not given: the algorithm's default (``ALGORITHM_DEFAULTS``), else ours.
+    ``None`` is a parameter not given: the algorithm's default (``ALGORITHM_DEFAULTS``), else ours; a tracker
+    parameter not given is read from ``environ`` (``TRACKER_VARIABLES``) as the hub's backends do.
     """
     assert algorithm in ALGORITHMS, algorithm
-    given = {name: value for name, value in params.items() if value is not None}
+    from_environment = {name: environ[variable] for name, variable in TRACKER_VARIABLES.items()
+                        if environ and environ.get(variable)}
+    given = {**from_environment, **{name: value for name, value in params.items() if value is not None}}
     if algorithm == "lora_sft" and "effective_batch_size" in given:
         defaults = {k: v for k, v in ALGORITHM_DEFAULTS[algorithm].items()
                     if k not in ("micro_batch_size", "gradient_accumulation_steps")}

@@ -15,6 +15,7 @@ optional extra (``pip install minitrainer[training-hub]``): nothing else of ours
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 try:
@@ -72,7 +73,7 @@ class LoRASFTBackend(_MinitrainerBackend):
 def prepare(algorithm: str, params: dict[str, Any]) -> tuple[TrainConfig, TorchrunArgs, dict[str, str],
                                                               HubCallbacks]:
     """The run ``params`` ask for, or ``ParameterRefused`` naming every parameter we cannot honour."""
-    translation = translate(algorithm, params)
+    translation = translate(algorithm, params, environ=dict(os.environ))
     refusals = list(translation.refusals)
     callbacks = [callback for callback in translation.launcher.get("callbacks") or []
                  if type(callback).__name__ not in HUB_OWN_CALLBACKS]
