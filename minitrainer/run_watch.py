@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -96,3 +97,44 @@ class RunWatcher:
 
 def _samples(path: Path) -> int:
     return int(EXPORT_NAME.fullmatch(path.name).group(1))
+
+
+class Lifecycle:
+    """A run's events as the lifecycle hooks trainers' callbacks know (transformers', training_hub's, mini_trainer
+    0.9's), in order: ``on_train_begin`` at the first event; per step ``on_epoch_begin`` when its epoch is new
+    (after ``on_epoch_end`` of the one before), ``on_step_end`` and ``on_log`` (every ``logging_steps``);
+    ``on_evaluate`` per validation, ``on_save`` per export; ``finish()``: ``on_epoch_end``, ``on_train_end``.
+
+    ``fire(hook, event, last_step)`` is called for each, ``last_step`` being the newest step event (None
+    before the first): the caller turns them into its own context objects.
+    """
+
+    def __init__(self, fire: Callable[[str, RunEvent, RunEvent | None], None], *, logging_steps: int = 1):
+        self._fire, self.logging_steps = fire, logging_steps
+        self._began = False
+        self._epoch: int | None = None
+        self._last: RunEvent | None = None
+
+    def __call__(self, event: RunEvent) -> None:
+        if not self._began:
+            self._began = True
+            self._fire("on_train_begin", event, self._last)
+        if event.kind == "step":
+            epoch = int(event.record.get("epoch", 0))
+            if epoch != self._epoch:
+                if self._last is not None:
+                    self._fire("on_epoch_end", self._last, self._last)
+                self._epoch = epoch
+                self._fire("on_epoch_begin", event, self._last)
+            self._last = event
+            self._fire("on_step_end", event, event)
+            if int(event.record.get("step", 0)) % self.logging_steps == 0:
+                self._fire("on_log", event, event)
+        else:
+            self._fire("on_evaluate" if event.kind == "validation" else "on_save", event, self._last)
+
+    def finish(self) -> None:
+        """The run finished: its last epoch and the training end."""
+        if self._last is not None:
+            self._fire("on_epoch_end", self._last, self._last)
+            self._fire("on_train_end", self._last, self._last)

@@ -24,7 +24,7 @@ import torch
 
 from fixtures.e2e import ROOT
 from minitrainer.optimizers import build_optimizer
-from minitrainer.run_watch import RunWatcher
+from minitrainer.run_watch import Lifecycle, RunEvent, RunWatcher
 
 DEMO_DATA = ROOT / "minitrainer" / "tools" / "demo_chat.jsonl"
 NUM_ROWS = sum(1 for _ in DEMO_DATA.open())
@@ -156,3 +156,20 @@ def test_adam_eps_reaches_the_optimizer(name):
     optimizer = build_optimizer(name, [{"params": params, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95),
                                 eps=1e-5, device=torch.device("cpu"))
     assert optimizer.defaults["eps"] == 1e-5
+
+
+def test_lifecycle_hooks_come_in_the_order_trainers_callbacks_expect():
+    fired = []
+    lifecycle = Lifecycle(lambda hook, event, last: fired.append((hook, event.kind, event.record["step"],
+                                                                  last and last.record["step"])), logging_steps=2)
+    steps = [RunEvent("step", {"step": s, "epoch": 0 if s < 3 else 1}) for s in (1, 2, 3, 4)]
+    for event in [steps[0], steps[1], RunEvent("validation", {"step": 2, "val_loss": 1.0}), steps[2],
+                  RunEvent("export", {"step": 3}, Path("hf_format/samples_48")), steps[3]]:
+        lifecycle(event)
+    lifecycle.finish()
+    assert fired == [
+        ("on_train_begin", "step", 1, None), ("on_epoch_begin", "step", 1, None), ("on_step_end", "step", 1, 1),
+        ("on_step_end", "step", 2, 2), ("on_log", "step", 2, 2), ("on_evaluate", "validation", 2, 2),
+        ("on_epoch_end", "step", 2, 2), ("on_epoch_begin", "step", 3, 2), ("on_step_end", "step", 3, 3),
+        ("on_save", "export", 3, 3), ("on_step_end", "step", 4, 4), ("on_log", "step", 4, 4),
+        ("on_epoch_end", "step", 4, 4), ("on_train_end", "step", 4, 4)]

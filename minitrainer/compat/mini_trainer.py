@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from minitrainer import api
 from minitrainer.common.log import logger
-from minitrainer.run_watch import RunEvent
+from minitrainer.run_watch import Lifecycle, RunEvent
 from minitrainer.train_config import TrainConfig
 
 __all__ = ["PretrainingConfig", "Refused", "TorchrunArgs", "TrainerCallback", "TrainingArgs", "TrainingContext",
@@ -266,7 +266,8 @@ def _overrides(callback: Any, hook: str) -> bool:
 
 
 class _Callbacks:
-    """0.9's launching-process hooks from the run's events (as ``integrations.training_hub.HubCallbacks``)."""
+    """0.9's launching-process hooks from the run's events (``run_watch.Lifecycle`` gives their order), each with
+    a ``TrainingContext`` of the step's metrics line."""
 
     def __init__(self, callbacks: list, *, config: TrainConfig, train_args: TrainingArgs):
         self.callbacks = callbacks
@@ -274,42 +275,28 @@ class _Callbacks:
                                      training_mode=TrainingMode(train_args.training_mode).value,
                                      max_epochs=train_args.max_epochs, max_steps=train_args.max_steps,
                                      max_tokens=train_args.max_tokens)
-        self._began, self._epoch, self._last = False, None, self._base
+        self._lifecycle = Lifecycle(self._fire)
 
     def __call__(self, event: RunEvent) -> None:
-        if not self.callbacks:
-            return
-        record = event.record
-        context = dataclasses.replace(
-            self._base, step=int(record.get("step", 0)), epoch=int(record.get("epoch", 0)),
-            total_samples=int(record.get("samples_seen", 0)), loss=record.get("loss"),
-            learning_rate=record.get("lr"), grad_norm=record.get("grad_norm"), batch_metrics=dict(record))
-        if not self._began:
-            self._began = True
-            self._fire("on_train_begin", context)
-        if event.kind == "step":
-            if context.epoch != self._epoch:
-                if self._epoch is not None:
-                    self._fire("on_epoch_end", self._last)
-                self._epoch = context.epoch
-                self._fire("on_epoch_begin", context)
-            self._last = context
-            self._fire("on_step_end", context)
-            self._fire("on_log", context)
-        elif event.kind == "validation":
-            self._fire("on_evaluate", dataclasses.replace(self._last, val_metrics=dict(record)))
-        elif event.kind == "export":
-            self._fire("on_save", dataclasses.replace(context, checkpoint_path=str(event.path)))
+        self._lifecycle(event)
 
     def finish(self) -> None:
-        if self._began:
-            self._fire("on_epoch_end", self._last)
-            self._fire("on_train_end", self._last)
+        self._lifecycle.finish()
 
-    def _fire(self, hook: str, context: TrainingContext) -> None:
+    def _fire(self, hook: str, event: RunEvent, last_step: RunEvent | None) -> None:
+        step = event if event.kind == "step" or last_step is None else last_step
+        record = step.record if hook == "on_evaluate" else event.record
+        context = dataclasses.replace(
+            self._base, hook_name=hook, step=int(record.get("step", 0)), epoch=int(record.get("epoch", 0)),
+            total_samples=int(record.get("samples_seen", 0)), loss=record.get("loss"),
+            learning_rate=record.get("lr"), grad_norm=record.get("grad_norm"), batch_metrics=dict(record),
+            val_metrics=dict(event.record) if hook == "on_evaluate" else {},
+            checkpoint_path=str(event.path) if hook == "on_save" else None)
+        if hook == "on_train_begin":  # before the run's first step
+            context.step = max(context.step - 1, 0)
         for callback in self.callbacks:
             try:
-                getattr(callback, hook)(dataclasses.replace(context, hook_name=hook))
+                getattr(callback, hook)(context)
             except Exception as err:  # noqa: BLE001 - 0.9's promise: callbacks are fire-and-forget
                 logger.warning("callback %s.%s failed at step %d (%s: %s); training goes on",
                                type(callback).__name__, hook, context.step, type(err).__name__, err)

@@ -29,7 +29,7 @@ from minitrainer.api import RunResult, TorchrunArgs, run_training
 from minitrainer.common.log import logger
 from minitrainer.data.cache import is_tokenized
 from minitrainer.integrations.hub_parameters import TORCHRUN_KEYS, translate
-from minitrainer.run_watch import RunEvent
+from minitrainer.run_watch import Lifecycle, RunEvent
 from minitrainer.train_config import TrainConfig
 
 BACKEND_NAME = "minitrainer"
@@ -133,56 +133,43 @@ def _callback_refusal(callback: Any) -> str | None:
 
 
 class HubCallbacks:
-    """The hub's hooks, fired from a run's events in order: on_train_begin, then per step on_epoch_begin (a
-    new epoch), on_step_end and on_log (every ``logging_steps``), on_evaluate per validation, on_save per
-    export, and on_epoch_end, on_train_end when the run finishes. A hook that raises is logged in one line
-    and training goes on."""
+    """The hub's hooks, fired in the launching process from a run's events (``run_watch.Lifecycle`` gives their
+    order); each gets a ``TrainingHubContext`` of the step's metrics line. A hook that raises is logged in one
+    line and training goes on."""
 
     def __init__(self, callbacks: list[TrainingHubCallback], *, output_dir: str, logging_steps: int = 1):
-        self.callbacks, self.output_dir, self.logging_steps = callbacks, str(output_dir), logging_steps
-        self._began = False
-        self._epoch: int | None = None
-        self._last = TrainingHubContext(output_dir=self.output_dir)
+        self.callbacks, self.output_dir = callbacks, str(output_dir)
+        self._lifecycle = Lifecycle(self._fire, logging_steps=logging_steps)
 
     def __call__(self, event: RunEvent) -> None:
-        context = self._context(event.record)
-        if not self._began:
-            self._began = True
-            self._fire("on_train_begin", dataclasses.replace(context, step=max(context.step - 1, 0)))
-        if event.kind == "step":
-            if context.epoch != self._epoch:
-                if self._epoch is not None:
-                    self._fire("on_epoch_end", self._last)
-                self._epoch = context.epoch
-                self._fire("on_epoch_begin", context)
-            self._last = context
-            self._fire("on_step_end", context)
-            if context.step % self.logging_steps == 0:
-                self._fire("on_log", context)
-        elif event.kind == "validation":
-            self._fire("on_evaluate", dataclasses.replace(self._last, metrics=dict(event.record)))
-        elif event.kind == "export":
-            self._fire("on_save", dataclasses.replace(
-                context, metrics={**context.metrics, "checkpoint_path": str(event.path)}))
+        self._lifecycle(event)
 
     def close(self, *, finished: bool) -> None:
         """After the run: a finished one ends its epoch and the training."""
-        if finished and self._began:
-            self._fire("on_epoch_end", self._last)
-            self._fire("on_train_end", self._last)
+        if finished:
+            self._lifecycle.finish()
 
-    def _context(self, record: dict) -> TrainingHubContext:
-        return TrainingHubContext(step=int(record.get("step", 0)), epoch=int(record.get("epoch", 0)),
-                                  loss=record.get("loss"), learning_rate=record.get("lr"), is_main_process=True,
-                                  output_dir=self.output_dir, metrics=dict(record))
-
-    def _fire(self, hook: str, context: TrainingHubContext) -> None:
+    def _fire(self, hook: str, event: RunEvent, last_step: RunEvent | None) -> None:
+        if hook == "on_evaluate":  # the newest step's context, the validation's figures
+            context = dataclasses.replace(self._context(last_step.record if last_step else {}),
+                                          metrics=dict(event.record))
+        else:
+            context = self._context(event.record)
+        if hook == "on_train_begin":
+            context = dataclasses.replace(context, step=max(context.step - 1, 0))
+        if hook == "on_save":
+            context.metrics["checkpoint_path"] = str(event.path)
         for callback in self.callbacks:
             try:
                 getattr(callback, hook)(context)
             except Exception as err:  # noqa: BLE001 - the hub's promise: a failing hook never stops training
                 logger.warning("training_hub callback %s.%s failed at step %d (%s: %s); training goes on",
                                type(callback).__name__, hook, context.step, type(err).__name__, err)
+
+    def _context(self, record: dict) -> TrainingHubContext:
+        return TrainingHubContext(step=int(record.get("step", 0)), epoch=int(record.get("epoch", 0)),
+                                  loss=record.get("loss"), learning_rate=record.get("lr"), is_main_process=True,
+                                  output_dir=self.output_dir, metrics=dict(record))
 
 
 def register() -> None:
