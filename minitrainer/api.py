@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from minitrainer.checkpoint.full_state import complete_checkpoints
 from minitrainer.common.cli import collect_errors, config_field
 from minitrainer.common.config_files import config_from_file
 from minitrainer.common.exits import RUN_STATUS_FILE
@@ -213,7 +214,7 @@ def _launch(command: list[str], train_args: TrainConfig, *, log_dir: Path,
         status = read_run_status(output_dir)
         raise RunFailed(process.returncode, command, status=status.get("status", "failed"),
                         line=status.get("message") or _first_error_line(log_dir))
-    exports = sorted((output_dir / "hf_format").glob("samples_*"), key=lambda p: int(p.name.split("_")[1]))
+    exports = complete_checkpoints(output_dir / "hf_format")
     return RunResult(output_dir=output_dir, last_checkpoint=exports[-1] if exports else None,
                      metrics_path=watcher.metrics_path)
 

@@ -10,13 +10,13 @@ metrics file records, whatever launched it.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-EXPORT_NAME = re.compile(r"samples_(\d+)")
+from minitrainer.checkpoint.full_state import complete_checkpoints
+
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,17 @@ class RunWatcher:
         self._offset = 0
         self._tail = b""
         self._seen: set[tuple[str, int]] = set()
-        self._exports = set(self._export_folders())
+        self._exports = set(complete_checkpoints(self.output_dir / "hf_format"))
         self._last_step: dict = {}
         self._step_at_samples: dict[int, dict] = {}
 
     def poll(self) -> list[RunEvent]:
         events = [self._event(record) for record in self._new_records()]
-        for folder in sorted(set(self._export_folders()) - self._exports, key=_samples):
-            self._exports.add(folder)
-            events.append(RunEvent("export", self._step_at_samples.get(_samples(folder), self._last_step), folder))
+        for folder in complete_checkpoints(self.output_dir / "hf_format"):  # oldest first
+            if folder not in self._exports:
+                self._exports.add(folder)
+                samples = int(folder.name.removeprefix("samples_"))
+                events.append(RunEvent("export", self._step_at_samples.get(samples, self._last_step), folder))
         return [event for event in events if event is not None]
 
     def _event(self, record: dict) -> RunEvent | None:
@@ -88,15 +90,6 @@ class RunWatcher:
                 continue
         return records
 
-    def _export_folders(self) -> list[Path]:
-        folder = self.output_dir / "hf_format"
-        if not folder.is_dir():
-            return []
-        return [path for path in folder.iterdir() if EXPORT_NAME.fullmatch(path.name) and path.is_dir()]
-
-
-def _samples(path: Path) -> int:
-    return int(EXPORT_NAME.fullmatch(path.name).group(1))
 
 
 class Lifecycle:

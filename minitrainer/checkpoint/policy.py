@@ -22,6 +22,9 @@ import math
 from dataclasses import dataclass
 
 DEFAULT_FULL_STATES_KEPT = 2
+FINAL_EXPORT_ONLY = 2**63 - 1
+"""``min_samples_per_checkpoint`` of a caller that asks for no checkpoints on the way (the Python APIs of other
+trainers): the final export alone, which is always written."""
 EXPORT_BYTES_PER_PARAM = 2  # bf16 safetensors
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32
 

@@ -166,7 +166,15 @@ def comma_list(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+INVALID = "invalid configuration:\n  - "
+
+
 def collect_errors(errors: list[str]) -> None:
     """Raise one ValueError listing every validation problem, if any."""
     if errors:
-        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(errors))
+        raise ValueError(INVALID + "\n  - ".join(errors))
+
+
+def errors_in_one_line(error: ValueError) -> str:
+    """``collect_errors``' problems joined by "; ": for a refusal that names its own source first."""
+    return str(error).removeprefix(INVALID).replace("\n  - ", "; ")

@@ -18,14 +18,14 @@ from enum import Enum
 from typing import Any, Literal
 
 from minitrainer import api
+from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
+from minitrainer.common.cli import errors_in_one_line
 from minitrainer.common.log import logger
 from minitrainer.run_watch import Lifecycle, RunEvent
 from minitrainer.train_config import TrainConfig
 
 __all__ = ["PretrainingConfig", "Refused", "TorchrunArgs", "TrainerCallback", "TrainingArgs", "TrainingContext",
            "TrainingFailed", "TrainingMode", "run_training", "to_our_config"]
-
-FINAL_EXPORT_ONLY = 2**63 - 1
 
 
 class TrainingMode(str, Enum):
@@ -241,7 +241,7 @@ def to_our_config(torch_args: TorchrunArgs, train_args: TrainingArgs) -> tuple[T
         config = TrainConfig(**ours)
         torchrun = _our_torchrun(torch_args)
     except ValueError as err:
-        raise Refused(str(err).removeprefix("invalid configuration:\n  - ").replace("\n  - ", "; ")) from None
+        raise Refused(errors_in_one_line(err)) from None
     # The node of global rank 0 writes the metrics the hooks read (on a shared filesystem, every node could).
     return config, torchrun, _Callbacks(callbacks if torch_args.node_rank == 0 else [], config=config, train_args=a)
 

@@ -19,11 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
 from minitrainer.train_config import TrainConfig
 
 ALGORITHMS = ("sft", "osft", "lora_sft")
-FINAL_EXPORT_ONLY = 2**63 - 1
-"""``min_samples_per_checkpoint`` where nothing asks for checkpoints on the way: the final export alone."""
 TORCHRUN_KEYS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_id", "rdzv_endpoint", "master_addr", "master_port")
 LAUNCHER_KEYS = ("callbacks", "logging_steps")
 
@@ -99,8 +98,7 @@ def _env(name: str) -> Rule:
 
 
 def _betas(value, params, out):
-    out.train["adam_betas"] = (params.get("beta1", 0.9) if params.get("beta1") is not None else 0.9,
-                               params.get("beta2", 0.95) if params.get("beta2") is not None else 0.95)
+    out.train["adam_betas"] = (params.get("beta1", 0.9), params.get("beta2", 0.95))
 
 
 def _osft_ratio(value, params, out):

@@ -26,6 +26,7 @@ except ImportError as err:
                       "minitrainer[training-hub]") from err
 
 from minitrainer.api import RunResult, TorchrunArgs, run_training
+from minitrainer.common.cli import errors_in_one_line
 from minitrainer.common.log import logger
 from minitrainer.data.cache import is_tokenized
 from minitrainer.integrations.hub_parameters import TORCHRUN_KEYS, translate
@@ -92,8 +93,7 @@ def prepare(algorithm: str, params: dict[str, Any]) -> tuple[TrainConfig, Torchr
         torchrun_args = TorchrunArgs(**_our_torchrun(resolved))
         config = TrainConfig(**translation.train)
     except (ValueError, TypeError) as err:
-        problems = str(err).removeprefix("invalid configuration:\n  - ").replace("\n  - ", "; ")
-        refusals.append(f"{algorithm}(...) with backend='minitrainer': {problems}")
+        refusals.append(f"{algorithm}(...) with backend='minitrainer': {errors_in_one_line(err)}")
     if refusals:
         raise ParameterRefused("\n".join(refusals))
     # The node of global rank 0 writes the metrics the hooks read; on a shared filesystem the other nodes'
