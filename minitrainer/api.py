@@ -1,4 +1,4 @@
-"""Python API beside the CLI: launch ``torchrun -m minitrainer.train`` from a config object.
+"""Python API beside the CLI: launch ``python -m minitrainer.run`` (torchrun's API) from a config object.
 
     from minitrainer import TorchrunArgs, TrainConfig, run_training, ProcessDataConfig, process_data
 
@@ -15,7 +15,8 @@ gives the same object: ``config_from_file(TrainConfig, "examples/lora.yaml")``, 
 
 ``run_training`` turns the ``TrainConfig`` (the same dataclass the CLI is
 generated from) back into ``train.py`` flags, so the Python API and the CLI
-cannot drift apart, and runs torchrun in a child process with this Python.
+cannot drift apart, and runs the launcher ``python -m minitrainer.run`` (torchrun's own
+API, the run's exit status) in a child process with this Python.
 Inside an already-running torchrun job, call ``minitrainer.train.train(config)`` instead.
 """
 
@@ -39,9 +40,10 @@ from typing import Any, Literal
 from minitrainer.checkpoint.full_state import complete_checkpoints
 from minitrainer.common.cli import collect_errors, config_field
 from minitrainer.common.config_files import config_from_file
-from minitrainer.common.exits import RUN_STATUS_FILE
+from minitrainer.common.exits import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from minitrainer.common.log import logger
 from minitrainer.data.process_data import ProcessDataConfig, process_data
+from minitrainer.run import PACKAGE_PARENT, read_run_status
 from minitrainer.run_watch import RunEvent, RunWatcher
 from minitrainer.train_config import TrainConfig
 
@@ -49,8 +51,6 @@ __all__ = ["ProcessDataConfig", "RunEvent", "RunFailed", "RunResult", "TorchrunA
            "config_to_argv", "process_data", "run_training", "torchrun_command"]
 
 NPROC_WORDS = ("gpu", "cpu", "auto")
-PACKAGE_PARENT = Path(__file__).resolve().parent.parent
-"""Where ``minitrainer`` is imported from: site-packages once installed, else the checkout."""
 
 
 @dataclass
@@ -135,10 +135,10 @@ def config_to_argv(config: Any) -> list[str]:
 
 
 def torchrun_command(torchrun_args: TorchrunArgs, train_args: TrainConfig, *, log_dir: str | None = None) -> list[str]:
-    """The full command ``run_training`` executes (``log_dir``: where torchrun keeps each rank's error file)."""
+    """The full command ``run_training`` executes: ``python -m minitrainer.run`` with torchrun's flags, ``--``, the
+    training flags (``log_dir``: where torchrun keeps each rank's error file)."""
     log = [f"--log-dir={log_dir}"] if log_dir is not None else []
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args.to_argv(), *log, "-m", "minitrainer.train",
-            *config_to_argv(train_args)]
+    return [sys.executable, "-m", "minitrainer.run", *torchrun_args.to_argv(), *log, "--", *config_to_argv(train_args)]
 
 
 @dataclass(frozen=True)
@@ -154,24 +154,26 @@ class RunResult:
 
 class RunFailed(subprocess.CalledProcessError):
     """The run did not finish: ``status`` (``run_status.json``'s: failed, preempted, interrupted) and the run's
-    own one line as the message; ``returncode`` is torchrun's."""
+    own one line as the message; ``returncode`` is the run's exit status (1, 2, 75 or 130: docs/training.md)."""
 
     def __init__(self, returncode: int, command: list[str], *, status: str, line: str | None):
         super().__init__(returncode, command)
         self.status, self.line = status, line
 
     def __str__(self) -> str:
-        return f"training {self.status}: {self.line}" if self.line else f"training {self.status} (torchrun exit " \
-                                                                        f"status {self.returncode})"
+        return f"training {self.status}: {self.line}" if self.line else f"training {self.status} (exit status " \
+                                                                        f"{self.returncode})"
 
 
 POLL_SECONDS = 0.5
+STATUS_NAMES = {EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
+"""``RunFailed.status`` by exit status, where the run wrote no ``run_status.json`` of its own."""
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def run_training(torchrun_args: TorchrunArgs, train_args: TrainConfig, *,
                  on_event: Callable[[RunEvent], None] | None = None, env: dict[str, str] | None = None) -> RunResult:
-    """Launch ``torchrun -m minitrainer.train`` with ``train_args`` and wait until it and its workers end.
+    """Launch ``python -m minitrainer.run`` with ``train_args`` and wait until it and its workers end.
 
     The child inherits this process's environment (set ``CUDA_VISIBLE_DEVICES``, ``NCCL_*`` or
     ``OMP_NUM_THREADS`` in ``os.environ`` before calling) and output. It runs in a session of its own, and
@@ -201,7 +203,8 @@ def _launch(command: list[str], train_args: TrainConfig, *, log_dir: Path,
     # modules would shadow the caller's own. The child finds the package where this process found it
     # (a checkout that is not installed included), after whatever the caller's PYTHONPATH puts first.
     path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(PACKAGE_PARENT)]))
-    watcher = RunWatcher(train_args.output_dir, started=time.time())
+    started = time.time()
+    watcher = RunWatcher(train_args.output_dir, started=started)
     process = subprocess.Popen(command, env={**os.environ, **(env or {}), "PYTHONPATH": path},
                                start_new_session=True)
     with _signals_passed_to(process):
@@ -211,20 +214,13 @@ def _launch(command: list[str], train_args: TrainConfig, *, log_dir: Path,
         _deliver(watcher.poll(), on_event)
     output_dir = Path(train_args.output_dir)
     if process.returncode != 0:
-        status = read_run_status(output_dir)
-        raise RunFailed(process.returncode, command, status=status.get("status", "failed"),
+        status = read_run_status(output_dir, since=started)
+        name = status.get("status") or STATUS_NAMES.get(process.returncode, "failed")
+        raise RunFailed(process.returncode, command, status=name,
                         line=status.get("message") or _first_error_line(log_dir))
     exports = complete_checkpoints(output_dir / "hf_format")
     return RunResult(output_dir=output_dir, last_checkpoint=exports[-1] if exports else None,
                      metrics_path=watcher.metrics_path)
-
-
-def read_run_status(output_dir: Path) -> dict:
-    """``run_status.json`` of ``output_dir``, or ``{}`` where the run wrote none (it stopped before starting)."""
-    try:
-        return json.loads((output_dir / RUN_STATUS_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _first_error_line(log_dir: Path) -> str | None:
@@ -253,8 +249,8 @@ def _deliver(events: list[RunEvent], on_event: Callable[[RunEvent], None] | None
 
 @contextlib.contextmanager
 def _signals_passed_to(process: subprocess.Popen):
-    """While the run goes on, SIGINT and SIGTERM to this process go to torchrun, which passes them to the
-    ranks (the first saves and stops; a second SIGINT stops unsaved, as in a terminal)."""
+    """While the run goes on, SIGINT and SIGTERM to this process go to the launcher, whose torchrun agent passes
+    them to the ranks (the first saves and stops; a second SIGINT stops unsaved, as in a terminal)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

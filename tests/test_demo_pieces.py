@@ -189,7 +189,7 @@ def test_torchrun_args_parse_with_torchruns_own_parser():
     static = parser.parse_args([*TorchrunArgs(nnodes=2, node_rank=1, master_addr="10.0.0.1").to_argv(), "x.py"])
     assert (static.node_rank, static.master_addr, static.master_port) == (1, "10.0.0.1", 29500)
     command = torchrun_command(TorchrunArgs(), TrainConfig(output_dir="o", min_samples_per_checkpoint=1))
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and command[6:8] == ["-m", "minitrainer.train"]
+    assert command[:3] == [sys.executable, "-m", "minitrainer.run"] and command[6] == "--"
 
 
 @pytest.mark.parametrize("kwargs, match", [

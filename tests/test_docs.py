@@ -12,7 +12,8 @@ Pages: README.md and docs/*.md. Every fenced ``bash``/``sh``/``console``/``pytho
   commands must still parse: training and tokenizing (``train.py``, ``process_data.py``, ``-m
   minitrainer.train``, ``minitrainer-train``, ...) through ``parse_config`` (what their ``main`` does,
   ``__post_init__`` validation included), after stripping environment variables and a ``torchrun``
-  prefix (parsed by torchrun's own parser); other modules run with ``python -m`` (the only way a script
+  prefix (parsed by torchrun's own parser; the launcher ``python -m minitrainer.run`` / ``minitrainer-run``
+  likewise, split where it splits them); other modules run with ``python -m`` (the only way a script
   outside the root runs: ``minitrainer.tools.demo``, ``bench.<script>``) and the console scripts of
   ``pyproject.toml``, through their own argparse (run up to ``parse_args`` and stopped there); ``make``
   targets and variables against the Makefile; ``pip install`` of requirement files or of the checkout
@@ -146,6 +147,9 @@ def check_module(module: str, args: list[str]) -> None:
     if module in CONFIG_OF_MODULE:
         parse_config(CONFIG_OF_MODULE[module], args)
         return
+    if module == "minitrainer.run":
+        check_launcher(args)
+        return
     imported = sys.modules.pop(module, None)  # another script imported it: `python -m` would run it fresh
     try:
         _parse_with_own_argparse(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True), str(path),
@@ -153,6 +157,18 @@ def check_module(module: str, args: list[str]) -> None:
     finally:
         if imported is not None:
             sys.modules[module] = imported
+
+
+def check_launcher(args: list[str]) -> None:
+    """``python -m minitrainer.run`` / ``minitrainer-run``: torchrun's flags by torchrun's own parser, then the
+    training flags by ``parse_config``, split where the launcher splits them."""
+    from torch.distributed.run import get_args_parser
+
+    from minitrainer.run import split_argv
+
+    torchrun_words, train_words = split_argv([re.sub(r"\$\{?\w+\}?", "1", word) for word in args])
+    get_args_parser().parse_args([*torchrun_words, "minitrainer.train"])
+    parse_config(TrainConfig, train_words)
 
 
 def check_torchrun(args: list[str]) -> None:

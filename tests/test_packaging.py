@@ -150,8 +150,9 @@ def test_every_module_imports_from_the_installed_wheel_in_a_users_folder(install
 
 def test_the_console_scripts_and_the_api_train_from_a_users_folder(installed, user_folder):
     """``pip install``'s commands, end to end from the user's folder: the tiny model, tokenizing, two steps
-    under ``torchrun --no-python minitrainer-train``, then ``run_training`` (which launches ``-m
-    minitrainer.train``, the working directory first on the workers' ``sys.path``) resumes the same run."""
+    under ``torchrun --no-python minitrainer-train``, ``minitrainer-run``'s refusal of a typo, then
+    ``run_training`` (which launches ``-m minitrainer.run``, whose ranks run ``-m minitrainer.train``, the
+    working directory first on the workers' ``sys.path``) resumes the same run."""
     env = _env(installed)
 
     def run(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -174,6 +175,10 @@ def test_the_console_scripts_and_the_api_train_from_a_users_folder(installed, us
              "--max-tokens-per-gpu", "256", "--min-samples-per-checkpoint", "16", "--num-data-workers", "0"]
     run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "--no-python",
         str(installed / "bin" / "minitrainer-train"), *flags, "--max-steps", "2")
+    typo = subprocess.run([str(installed / "bin" / "minitrainer-run"), "--nproc-per-node=2", *flags, "--max-stepz",
+                           "3"], cwd=user_folder, env=env, capture_output=True, text=True, timeout=300)
+    assert (typo.returncode, typo.stderr) == (2, "minitrainer-run: error: unknown flag --max-stepz; did you mean "
+                                                 "--max-steps?\n")
     api = ("from minitrainer import TorchrunArgs, TrainConfig, run_training\n"
            f"config = TrainConfig(model_name_or_path='tiny', data_path='data', output_dir='out', batch_size=8,\n"
            f"                     max_tokens_per_gpu=256, min_samples_per_checkpoint=16, num_data_workers=0,\n"

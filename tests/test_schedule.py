@@ -16,6 +16,7 @@ import torch
 
 from fixtures.e2e import ROOT
 from minitrainer.common.cli import parse_config
+from minitrainer.run import split_argv
 from minitrainer.schedule import build_scheduler, check_scheduler, schedule_warnings, total_steps
 from minitrainer.train_config import TrainConfig
 
@@ -73,6 +74,7 @@ def test_check_scheduler_logs_the_warning_on_rank_0_only(caplog):
 def test_the_readme_quick_start_trains_past_its_warmup():
     """It once ran 4 steps under the default 10-step warmup: the learning rate never reached its peak."""
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r"^torchrun --nproc-per-node=2 train\.py .*?[^\\]$", readme, re.M | re.S)[0]
-    config = parse_config(TrainConfig, shlex.split(command.replace("\\\n", " "))[3:])
+    command = re.search(r"^\.venv/bin/python -m minitrainer\.run .*?[^\\]$", readme, re.M | re.S)[0]
+    _, train_argv = split_argv(shlex.split(command.replace("\\\n", " "))[3:])
+    config = parse_config(TrainConfig, train_argv)
     assert config.max_steps == 4 and _warnings(config, total_steps(config, num_dataset_samples=412)) == []
