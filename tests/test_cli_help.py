@@ -41,6 +41,13 @@ def test_each_flag_help_fits_two_lines(config_cls):
         assert len(textwrap.wrap(text, HELP_WIDTH)) <= 2, f"{flag} takes more than two lines: {text}"
 
 
+@pytest.mark.parametrize("config_cls", CONFIGS, ids=lambda c: c.__name__)
+def test_help_shows_the_dashed_flags_only(config_cls):
+    """``--max_steps`` is taken as ``--max-steps`` (tests/test_foreign_names.py), but not offered as a second flag."""
+    parser = build_arg_parser(config_cls)
+    assert not [flag for action in parser._actions for flag in action.option_strings if "_" in flag]
+
+
 def test_defaults_required_flags_and_stated_defaults_read_as_written():
     train_helps, data_helps = _flag_helps(TrainConfig), _flag_helps(ProcessDataConfig)
     assert train_helps["--output-dir"].endswith("(required)")

@@ -110,7 +110,7 @@ def test_json_refusals_name_the_line(tmp_path, capsys):
 @pytest.mark.parametrize(("argv", "expected"), [
     (["--lr", "1e-4"], "unknown flag --lr; did you mean --learning-rate?"),  # was taken as --lr-scheduler
     (["--learnig-rate", "1e-4"], "unknown flag --learnig-rate; did you mean --learning-rate?"),
-    (["--learning_rate=1e-4"], "unknown flag --learning_rate; did you mean --learning-rate?"),
+    (["--learnig_rate=1e-4"], "unknown flag --learnig_rate; did you mean --learning-rate?"),
     (["--max-step", "4"], "unknown flag --max-step; did you mean --max-steps?"),
     (["--zzz"], "unknown flag --zzz\n"),
 ])

@@ -188,7 +188,8 @@ the config (``train_config.py``: its flags and ``fine_tuning_method``, the one p
 names it."""
 
 
-CONFIG_TRANSLATIONS = {"compat/mini_trainer.py", "integrations/hub_parameters.py", "integrations/training_hub.py"}
+CONFIG_TRANSLATIONS = {"compat/mini_trainer.py", "integrations/hub_parameters.py", "integrations/training_hub.py",
+                       "common/foreign_names.py"}
 """Other tools' settings written as ``TrainConfig`` fields: as the config does, they name the methods' flags
 (``lora_r`` -> ``lora_rank``), and branch on nothing of a run."""
 

@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from minitrainer.common.config_files import nearest_name, read_config_file, unwrap_optional
 from minitrainer.common.exits import EXIT_USAGE
+from minitrainer.common.foreign_names import foreign_name_refusal
 from minitrainer.common.log import note_exit_line
 
 ConfigT = TypeVar("ConfigT")
@@ -118,18 +119,19 @@ def flag_help(text: str, default: Any) -> str:
 def parse_config(config_cls: type[ConfigT], argv: list[str] | None = None, *, description: str | None = None) -> ConfigT:
     """Parse ``argv`` into ``config_cls``: its flags, over a ``--config`` file's values, over the defaults.
 
-    An unknown flag (with the nearest known one), a bad config file or a ``ValueError`` from
+    Flags are also taken with underscores (``--max_steps``). An unknown flag (another tool's name with ours,
+    ``foreign_names.py``, else the nearest known one), a bad config file or a ``ValueError`` from
     validation exits with code 2 and one ``prog: error: ...`` line, printed by rank 0.
     """
     parser = build_arg_parser(config_cls, description=description)
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = dashed_flags(sys.argv[1:] if argv is None else list(argv), parser._option_string_actions)
     # Checked before argparse, whose "required" error would come first and whose message has no suggestion.
     known = [flag[2:] for flag in parser._option_string_actions if flag.startswith("--")]
     unknown = [word.split("=", 1)[0] for word in argv
                if word.startswith("--") and word != "--" and word.split("=", 1)[0] not in parser._option_string_actions]
     if unknown:
-        parser.error(" ".join(f"unknown flag {flag}" + (f"; did you mean --{name}?" if name else "")
-                              for flag in unknown for name in [nearest_name(flag[2:], known)]))
+        fields = [field.name for field in dataclasses.fields(config_cls) if field.init]
+        parser.error("; ".join(_unknown_flag(flag, known, fields) for flag in unknown))
     try:
         file_values = read_config_file(config_cls, path) if (path := _config_path(argv)) else {}
     except ValueError as err:
@@ -147,6 +149,28 @@ def parse_config(config_cls: type[ConfigT], argv: list[str] | None = None, *, de
         return config_cls(**values)
     except ValueError as err:
         parser.error(str(err))
+
+
+def dashed_flags(argv: list[str], flags: typing.Container[str]) -> list[str]:
+    """``argv`` with each underscore spelling of a known flag written as the flag (``--max_steps 3``,
+    ``--max_steps=3`` -> ``--max-steps``), as TRL's, Hugging Face's and torchrun's parsers take both;
+    ``--help`` shows the dashed form only."""
+    out = []
+    for word in argv:
+        name, eq, value = word.partition("=")
+        if word.startswith("--") and "_" in name and name not in flags and name.replace("_", "-") in flags:
+            word = name.replace("_", "-") + eq + value
+        out.append(word)
+    return out
+
+
+def _unknown_flag(flag: str, known: list[str], fields: list[str]) -> str:
+    """Another tool's name (``--num_train_epochs``) with ours, else the nearest known flag, else the flag alone."""
+    foreign = foreign_name_refusal(flag, fields, as_flag=True)
+    if foreign:
+        return foreign
+    name = nearest_name(flag[2:], known)
+    return f"unknown flag {flag}" + (f"; did you mean --{name}?" if name else "")
 
 
 def _config_path(argv: list[str]) -> str | None:

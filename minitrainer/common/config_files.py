@@ -7,14 +7,15 @@ dashes or underscores (``learning-rate: 6e-6`` or ``learning_rate: 6e-6``). Flag
 command line override the file. Relative paths in it are read from the working directory, as the
 same flags' values are. The Python API reads the same files: ``config_from_file(TrainConfig, path)``.
 
-Each key and value is checked before the config is built: an unknown key is refused with the
-nearest valid name, a value of the wrong type with the type the field takes, both as one line
-``FILE:LINE: ...``. A config class may name keys that its run writes beside the fields in its
-record (``TrainConfig.recorded_keys``: world size, device, versions in ``training_params.json``):
-those are skipped, so a run's record replays the run.
+Each key and value is checked before the config is built: an unknown key is refused with our name
+for it when it is another tool's (``num_train_epochs``: ``foreign_names.py``), else with the nearest
+valid name, every unknown key of the file at once; a value of the wrong type with the type the field
+takes; each as ``FILE:LINE: ...``, on one line. A config class may name keys that its run writes
+beside the fields in its record (``TrainConfig.recorded_keys``: world size, device, versions in
+``training_params.json``): those are skipped, so a run's record replays the run.
 
 This module also holds what the CLI and the files share: the name suggestions and the field types.
-It imports nothing of the toolkit, so ``utils`` can build on it.
+It imports nothing of the toolkit but ``foreign_names`` (pure data), so ``utils`` can build on it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import types
 import typing
 from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar
+
+from minitrainer.common.foreign_names import foreign_name_refusal
 
 ConfigT = TypeVar("ConfigT")
 
@@ -160,13 +163,16 @@ def read_config_file(config_cls: type, path: str | Path) -> dict[str, Any]:
     recorded = set(getattr(config_cls, "recorded_keys", ()))
     values: dict[str, Any] = {}
     lines: dict[str, int | None] = {}
+    # Every unknown key at once: a file brought from another tool is answered in one go, not one key a try.
+    unknown = [(f"{path}:{line}: " if line else f"{path}: ") + _unknown_key(str(key), list(fields))
+               for key, _, line in pairs if str(key).replace("-", "_") not in (*fields, *recorded)]
+    if unknown:
+        raise ValueError("; ".join(unknown))
     for key, value, line in pairs:
         where = f"{path}:{line}" if line else str(path)
         name = str(key).replace("-", "_")
         if name in recorded:
             continue
-        if name not in fields:
-            raise ValueError(f"{where}: unknown setting {key!r}{did_you_mean(name, list(fields))}")
         if name in values:
             raise ValueError(f"{where}: {key!r} is given twice (first on line {lines[name]})")
         field = fields[name]
@@ -179,6 +185,12 @@ def read_config_file(config_cls: type, path: str | Path) -> dict[str, Any]:
                              f"got {value!r}{hint}")
         values[name], lines[name] = checked, line
     return values
+
+
+def _unknown_key(key: str, fields: list[str]) -> str:
+    """Another tool's name (``num_train_epochs``) with ours, else the nearest field, else the key alone."""
+    name = key.replace("-", "_")
+    return foreign_name_refusal(key, fields, as_flag=False) or f"unknown setting {key!r}{did_you_mean(name, fields)}"
 
 
 def config_from_file(config_cls: type[ConfigT], path: str | Path) -> ConfigT:
