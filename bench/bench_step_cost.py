@@ -32,13 +32,13 @@ from typing import Literal
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fixtures.e2e import model_vocab_size, write_tokenized_jsonl
 from fixtures.sync_count import SyncCounter
 from minitrainer import schedule
 from minitrainer.common.cli import config_field, parse_config
 from minitrainer.common.distributed import cleanup, init_distributed
+from minitrainer.progress import Progress
 from minitrainer.setup_run import batch_loader, setup_run
 from minitrainer.tools.tiny_model import build_tiny_model
 from minitrainer.train_config import TrainConfig
@@ -80,7 +80,7 @@ def measure(config: StepCostConfig) -> dict:
     dist_info = init_distributed()
     budgets = [int(b) for b in config.token_budgets.split(",")]
     results: dict = {"optimizer": config.optimizer, "optimizer_path": config.optimizer_path, "budgets": []}
-    progress = tqdm(disable=True)
+    progress = Progress("none", total=None)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for budget in budgets:

@@ -34,7 +34,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
-from tqdm import tqdm
 
 from minitrainer.checkpoint import output_lock, resume_policy
 from minitrainer.common.cli import parse_config
@@ -42,6 +41,7 @@ from minitrainer.common.distributed import DistInfo, cleanup, init_distributed, 
 from minitrainer.common.exits import EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, exit_process, write_run_status
 from minitrainer.common.log import exit_line, log_rank_0, logger, setup_logging
 from minitrainer.preemption import PreemptionFlag
+from minitrainer.progress import Progress, announce_progress, resolve_progress
 from minitrainer.run_actions import batches, checkpoints_due, rewind, save, stop_preempted, validate, validation_due
 from minitrainer.schedule import stop_reason
 from minitrainer.setup_run import close_run, setup_run
@@ -55,6 +55,7 @@ def train(config: TrainConfig) -> Path | None:
     """Run training as one rank of a torchrun job (or alone). Returns the last HF checkpoint."""
     dist_info = init_distributed(cpu_offload=config.cpu_offload)
     setup_logging(config.logging_level, rank=dist_info.rank)
+    announce_progress(config.progress, resolve_progress(config.progress))
     code = EXIT_FAILED  # unless it returns or exits with a status of its own
     try:
         last_checkpoint = _train(config, dist_info)
@@ -82,8 +83,8 @@ def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
             done, lr_scheduler_decays=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL))
         close_run(run)
         return None
-    progress = tqdm(total=run.total_steps, initial=run.state.step, desc="train", disable=not dist_info.is_main,
-                    dynamic_ncols=True)
+    progress = Progress(resolve_progress(config.progress), total=run.total_steps, initial=run.state.step,
+                        enabled=dist_info.is_main)
     last_checkpoint: Path | None = None
     run.model.train()
     # Undone however the loop ends: the loader's workers ignore SIGTERM and would hold the exit of a

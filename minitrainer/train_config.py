@@ -178,6 +178,10 @@ class TrainConfig:
         None, help="stop after this many validations in a row without improvement")
 
     logging_level: str = config_field("INFO", section="Logging and tracking", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
+    progress: str = config_field(
+        "auto", choices=["auto", "bar", "lines", "none"],
+        help="bar (tqdm), lines (a log line every 30 s and each tenth of the run: for files, SLURM) or none; "
+             "auto: bar on a terminal, else lines")
     wandb_project: str | None = config_field(None, help="also log every metrics line to this Weights & Biases "
                                                          "project (pip install wandb)")
     tensorboard_dir: str | None = config_field(None, help="also log every metrics line to TensorBoard in this "

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from tqdm import tqdm
 
 from minitrainer import divergence, flops
 from minitrainer.batch_metrics import StepCounts, step_record
@@ -28,6 +27,7 @@ from minitrainer.data.sampler import StepBatch
 from minitrainer.model.attention import model_inputs
 from minitrainer.model.objective import router_aux_weight
 from minitrainer.optimizers import skips_on_device, step_unless
+from minitrainer.progress import Progress
 from minitrainer.setup_model_fsdp import sync_gradients_on
 from minitrainer.setup_run import Run
 
@@ -67,6 +67,7 @@ class StepResult:
     grad_norm: torch.Tensor | float  # a float once reduce_step has read it back
     finite: bool | None            # None until reduce_step reads it back (the update skipped itself on the device)
     empty: bool                    # no loss tokens in the whole batch
+    lr: float                      # the learning rate this step's update used (or would have used, if skipped)
 
     @property
     def applied(self) -> bool:
@@ -117,6 +118,9 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     # A batch without loss tokens has zero gradients: AdamW would still move the
     # weights (momentum, weight decay), so it is skipped like a non-finite step.
     empty = batch.batch_num_loss_counted_tokens == 0
+    # Read before reduce_step advances the schedule: afterwards the scheduler holds the next step's rate.
+    # float(): torchao's 8-bit AdamW keeps its learning rate as a host tensor (no recompile when it changes).
+    lr = float(run.optimizer.param_groups[0]["lr"])
     finite = None
     if empty:
         pass
@@ -132,7 +136,7 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     state.samples_seen = batch.end_position
     return StepResult(started=start, forward_backward=timer, loss_sum=loss_sum, backward_sum=backward_sum,
                       router_aux_sum=router_aux_sum, local_loss_tokens=local_loss_tokens, grad_norm=grad_norm,
-                      finite=finite, empty=empty)
+                      finite=finite, empty=empty, lr=lr)
 
 
 def reduce_step(run: Run, batch: StepBatch, result: StepResult, *,
@@ -153,12 +157,11 @@ def reduce_step(run: Run, batch: StepBatch, result: StepResult, *,
     return counts, preempted
 
 
-def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts, *, progress: tqdm) -> None:
-    """Write the step's metrics line (file, trackers, progress bar)."""
+def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts, *, progress: Progress) -> None:
+    """Write the step's metrics line (file, trackers) and report progress (``--progress``)."""
     dist_info, state = run.dist_info, run.state
     # Dropped (over-long) samples are warned about by the loader, with their rows; here they are counted.
-    # float(): torchao's 8-bit AdamW keeps its learning rate as a host tensor (no recompile when it changes).
-    record = step_record(step=state.step, lr=float(run.scheduler.get_last_lr()[0]), grad_norm=result.grad_norm,
+    record = step_record(step=state.step, lr=result.lr, grad_norm=result.grad_norm,
                          counts=counts, world_size=dist_info.world_size,
                          time_per_batch=time.perf_counter() - result.started,
                          total_samples_accumulated=state.samples_trained, samples_seen=state.samples_seen,
@@ -172,9 +175,8 @@ def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts,
     if run.metrics is not None:
         run.metrics.write(record)
     run.tracker.log(record)
-    progress.update(1)
-    progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:.0f}",
-                         samples=state.samples_seen)
+    progress.update(step=state.step, loss=record["loss"], tokens_per_second=record["tokens_per_second"],
+                    samples=state.samples_seen)
     logger.debug("step %d: %s", state.step, record)
 
 

@@ -11,20 +11,23 @@ initial A, which lets the reference start from the trainer's own init.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import AutoPeftModelForCausalLM, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from fixtures.e2e import (assert_ok, model_vocab_size, read_metrics, reference_adamw_losses, torchrun,
+from fixtures.e2e import (ROOT, assert_ok, model_vocab_size, read_metrics, reference_adamw_losses, torchrun,
                           write_tokenized_jsonl)
 from minitrainer.api import config_to_argv
 from minitrainer.checkpoint.full_state import complete_checkpoints
 from minitrainer.common.cli import parse_config
-from minitrainer.methods.lora import LoraSettings, apply_lora, export_states, lora_preflight
+from minitrainer.methods.lora import LoraSettings, apply_lora, base_model_reference, export_states, lora_preflight
 from minitrainer.train import TrainConfig
 
 BATCH = 12
@@ -250,3 +253,31 @@ def test_a_peft_that_fails_to_import_is_a_one_line_refusal(tmp_path, chatml_mode
     assert "--lora-rank: peft 0.17.0 does not work with the libraries installed here" in line
     assert "HybridCache" in line and "pip install -U 'peft>=0.19'" in line
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+
+
+def test_an_adapter_of_a_relative_base_path_loads_from_any_folder(tmp_path, chatml_model, data_path, monkeypatch):
+    """A base given as a relative folder is recorded absolute: read from elsewhere, a relative path would be
+    taken for a hub id (issue 54). One process, no torchrun: train.py runs alone."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    relative = os.path.relpath(chatml_model, tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"),
+         *_args(Path(relative), data_path, out, "--max-steps", "1", "--min-samples-per-checkpoint", "1000",
+                "--no-lora-merge-on-export")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr[-4000:]
+    [export] = complete_checkpoints(out / "hf_format")
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(Path(chatml_model).resolve())
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = AutoPeftModelForCausalLM.from_pretrained(export)
+    assert isinstance(model, PeftModel)
+    torch.testing.assert_close(model.get_base_model().model.embed_tokens.weight,
+                               AutoModelForCausalLM.from_pretrained(chatml_model).model.embed_tokens.weight)
+
+
+def test_a_hub_id_is_recorded_as_given():
+    assert base_model_reference("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"

@@ -280,6 +280,23 @@ def test_batch_without_loss_tokens_does_not_move_the_weights(tmp_path, chatml_mo
         torch.testing.assert_close(tensor, initial[name].to(torch.bfloat16), rtol=0, atol=0, msg=name)
 
 
+def test_logged_lr_is_the_rate_the_step_applied(tmp_path, chatml_model, data_path):
+    """Linear warmup from 0 over 2 steps: step 1 updates with lr 0 (its export is the initial model), step 2
+    with half the peak (its weights move), step 3 with the peak. The metrics line says so, step by step."""
+    out = tmp_path / "out"
+    # The later flag wins (argparse): these override _args' constant schedule and rare exports.
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--max-steps", "3", "--lr-scheduler",
+                             "constant_with_warmup", "--num-warmup-steps", "2",
+                             "--min-samples-per-checkpoint", str(BATCH)), nproc=1))
+    assert [r["lr"] for r in read_metrics(out)] == [0.0, pytest.approx(LR / 2), pytest.approx(LR)]
+    initial = AutoModelForCausalLM.from_pretrained(chatml_model, dtype=torch.float32).state_dict()
+    step_1 = load_file(out / "hf_format" / f"samples_{BATCH}" / "model.safetensors")
+    step_2 = load_file(out / "hf_format" / f"samples_{2 * BATCH}" / "model.safetensors")
+    for name, tensor in step_1.items():
+        torch.testing.assert_close(tensor, initial[name].to(torch.bfloat16), rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(step_2[name], step_1[name]) for name in step_1), "lr > 0 must move the weights"
+
+
 def test_step_counts_are_summed_exactly_past_fp32_precision():
     import torch.distributed as dist
 

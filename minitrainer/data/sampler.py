@@ -35,10 +35,14 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import itertools
 import json
+import os
 import signal
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -578,7 +582,10 @@ def _identity(item: StepBatch) -> StepBatch:
     return item
 
 
-def _worker_init(worker_id: int) -> None:
+PARENT_POLL_S = 0.5  # the parent-watch fallback's interval (``_die_with_parent``)
+
+
+def _worker_init(worker_id: int, *, parent_pid: int, pdeathsig: bool) -> None:
     # Collation is numpy plus small copies: extra intra-op threads only contend.
     torch.set_num_threads(1)
     # SLURM and torchrun signal the whole process group at preemption (torchrun passes
@@ -587,20 +594,37 @@ def _worker_init(worker_id: int) -> None:
     # and shuts workers down.
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent()
+    _die_with_parent(parent_pid, pdeathsig=pdeathsig)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this worker the moment its rank dies (Linux), rather than at torch's next 5-second check
-    (which still catches a rank that died before this request).
+def _die_with_parent(parent_pid: int, *, pdeathsig: bool) -> None:
+    """SIGKILL this worker as soon as its rank (``parent_pid``) dies, however it dies (an out-of-memory kill
+    included), rather than leave it orphaned.
 
     A forked worker holds copies of its rank's sockets: while it lives, the peers' collectives see no
-    closed connection from a rank the out-of-memory killer took, and wait (seen: 30 s, until torchrun
-    killed them). The loader is built on the main thread, whose death is what the kernel reports.
+    closed connection from a rank the out-of-memory killer took, and wait. torch's own check (every 5 s)
+    only ends the worker's loop, and its exit can then block for good flushing a queue whose read end
+    its sibling workers still hold open (seen: orphans with parent pid 1 for over 10 minutes).
+
+    ``pdeathsig`` (Linux, a loader built on the main thread): the kernel sends SIGKILL when the parent
+    dies, with no delay. The kernel ties that request to the *thread* that forked, so a loader built on
+    another thread, or another platform, gets a daemon thread that polls the parent pid every
+    ``PARENT_POLL_S`` instead. Either way a parent that died before the request is caught here.
     """
-    if sys.platform == "linux":
+    if pdeathsig and sys.platform == "linux":
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    else:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    if os.getppid() != parent_pid:  # already orphaned: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    # SIGKILL, not sys.exit: an exit would join the queue's feeder thread, which can block forever.
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def make_batch_loader(
@@ -679,7 +703,11 @@ def make_batch_loader(
         num_workers=num_workers,
         collate_fn=_identity,
         pin_memory=pin_memory,
-        worker_init_fn=_worker_init if num_workers else None,
+        # The workers fork when iter() runs below, on this thread: whether it is the main thread decides how they
+        # learn of their rank's death (_die_with_parent).
+        worker_init_fn=functools.partial(_worker_init, parent_pid=os.getpid(),
+                                         pdeathsig=threading.current_thread() is threading.main_thread())
+        if num_workers else None,
         prefetch_factor=prefetch_factor if num_workers else None,
     )
     return BatchLoader(iter(loader))

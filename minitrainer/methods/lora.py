@@ -226,6 +226,14 @@ def renamed_adapter(adapter: dict[str, torch.Tensor], key_map: dict[str, str]) -
     return renamed
 
 
+def base_model_reference(model_name_or_path: str) -> str:
+    """What an adapter export names as its base: a local folder as an absolute path, so that
+    ``AutoPeftModelForCausalLM.from_pretrained(adapter)`` finds it from any working directory (a relative
+    path read elsewhere is taken for a hub id); a hub id as given."""
+    path = Path(model_name_or_path).expanduser()
+    return str(path.resolve()) if path.is_dir() else model_name_or_path
+
+
 def save_adapter(adapter: dict[str, torch.Tensor], lora_config, folder: Path) -> None:
     """peft's adapter files, in fp32 (small, and exact for resuming or merging elsewhere)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -262,7 +270,7 @@ class LoRA(FineTuningMethod):
         from minitrainer.model.multimodal import language_model_targets
 
         config = apply_lora(model, self.settings)
-        config.base_model_name_or_path = build.model_name_or_path  # recorded in the adapter's config
+        config.base_model_name_or_path = base_model_reference(build.model_name_or_path)  # in the adapter's config
         export = build.multimodal_export
         if export is not None and export.key_map is None:  # exported whole: the towers must not match
             config.target_modules = language_model_targets(model, config.target_modules)

@@ -33,6 +33,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from minitrainer.common.log import setup_logging
+
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -276,6 +278,12 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=64, help="model width")
     parser.add_argument("--num-layers", type=int, default=2, help="decoder blocks")
     args = parser.parse_args()
+    # Before transformers imports torchao (its quantizers do, when installed): setup_logging quiets torchao's
+    # CPU-build kernel warnings and torch's pytree deprecation at their loggers, as train.py does.
+    setup_logging("INFO")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one shard: its bar is noise, and \r redraws in a log file
     corpus = None
     if args.corpus_file:
         corpus = [line for line in Path(args.corpus_file).read_text().splitlines() if line.strip()]

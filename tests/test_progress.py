@@ -1,0 +1,130 @@
+"""``--progress``: a bar for a terminal, plain lines for a file or SLURM, or nothing (issue 54).
+
+    .venv/bin/python -m pytest -q tests/test_progress.py
+
+Under SLURM or ``> log`` a tqdm bar's carriage returns glued the whole run into one line of thousands of
+characters; the end-to-end test runs the real trainer with stderr in a file, as SLURM does.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.e2e import ROOT, model_vocab_size, write_tokenized_jsonl
+from minitrainer.common.cli import parse_config
+from minitrainer.progress import Progress, format_duration, resolve_progress
+from minitrainer.train_config import TrainConfig
+
+STEP_LINE = "INFO step "
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_auto_is_a_bar_on_a_terminal_and_lines_elsewhere():
+    assert resolve_progress("auto", _Terminal()) == "bar"
+    assert resolve_progress("auto", io.StringIO()) == "lines"
+    assert [resolve_progress(mode, io.StringIO()) for mode in ("bar", "lines", "none")] == ["bar", "lines", "none"]
+
+
+def test_every_mode_is_a_flag_and_others_are_refused(capsys):
+    base = ["--output-dir", "o", "--min-samples-per-checkpoint", "8"]
+    assert parse_config(TrainConfig, base).progress == "auto"
+    assert [parse_config(TrainConfig, [*base, "--progress", m]).progress for m in ("bar", "lines", "none")] \
+        == ["bar", "lines", "none"]
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, [*base, "--progress", "dots"])
+
+
+def _steps(progress: Progress, clock: _Clock, steps: range, seconds_per_step: float) -> None:
+    for step in steps:
+        clock.now += seconds_per_step
+        progress.update(step=step, loss=2.5, tokens_per_second=1000.0, samples=8 * step)
+
+
+@pytest.mark.parametrize("total", [7, 10, 100, 1000])
+def test_lines_come_at_the_first_step_each_tenth_and_the_last(caplog, total):
+    clock = _Clock()
+    progress = Progress("lines", total=total, clock=clock)
+    with caplog.at_level(logging.INFO, logger="mini_trainer"):
+        _steps(progress, clock, range(1, total + 1), seconds_per_step=0.01)  # never 30 s between lines
+    steps = [int(r.getMessage().split()[1].split("/")[0]) for r in caplog.records]
+    tenths = sorted({1, total, *(next(s for s in range(1, total + 1) if s * 10 >= k * total) for k in range(1, 11))})
+    assert steps == tenths
+    assert all(len(r.getMessage()) < 200 and "\r" not in r.getMessage() for r in caplog.records)
+
+
+def test_lines_also_come_every_30_seconds_with_an_eta(caplog):
+    clock = _Clock()
+    progress = Progress("lines", total=None, initial=40, clock=clock)
+    with caplog.at_level(logging.INFO, logger="mini_trainer"):
+        _steps(progress, clock, range(41, 51), seconds_per_step=10.0)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["step 41", "step 44", "step 47", "step 50"]
+    caplog.clear()
+    clock = _Clock()
+    progress = Progress("lines", total=100, initial=50, clock=clock)
+    with caplog.at_level(logging.INFO, logger="mini_trainer"):
+        _steps(progress, clock, range(51, 52), seconds_per_step=6.0)
+    assert caplog.records[0].getMessage() == ("step 51/100 (51%): loss 2.5000, 1000 tokens/s, samples 408, "
+                                              "elapsed 6s, eta 4m54s")
+    assert format_duration(3725) == "1h02m"
+
+
+def test_none_and_other_ranks_report_nothing(caplog, capsys):
+    for progress in (Progress("none", total=10), Progress("lines", total=10, enabled=False),
+                     Progress("bar", total=10, enabled=False)):
+        with caplog.at_level(logging.DEBUG, logger="mini_trainer"):
+            _steps(progress, _Clock(), range(1, 11), seconds_per_step=60.0)
+        progress.close()
+    assert not caplog.records and capsys.readouterr().err == ""
+
+
+def test_bar_is_tqdm_on_stderr(capsys):
+    progress = Progress("bar", total=3)
+    _steps(progress, _Clock(), range(1, 4), seconds_per_step=1.0)
+    progress.close()
+    err = capsys.readouterr().err
+    assert "train" in err and "3/3" in err and "loss=2.5000" in err
+
+
+def _train(tmp_path: Path, model: Path, data: Path, name: str, *extra: str) -> str:
+    """One single-process run (no torchrun), its stderr in a file as SLURM and ``2> log`` keep it."""
+    out, log = tmp_path / name, tmp_path / f"{name}.log"
+    with log.open("wb") as stderr:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), "--model-name-or-path", str(model), "--data-path", str(data),
+             "--output-dir", str(out), "--batch-size", "4", "--max-tokens-per-gpu", "128", "--max-steps", "3",
+             "--min-samples-per-checkpoint", "1000", "--num-data-workers", "0", "--num-warmup-steps", "0", *extra],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""})
+    text = log.read_bytes().decode()  # bytes: text mode would turn each \r into a newline
+    assert result.returncode == 0, text[-4000:]
+    return text
+
+
+def test_a_run_logged_to_a_file_has_plain_lines_and_none_has_no_progress(tmp_path, chatml_model):
+    data = write_tokenized_jsonl(tmp_path / "train.jsonl", num_samples=16, vocab_size=model_vocab_size(chatml_model))
+    text = _train(tmp_path, chatml_model, data, "auto")
+    assert "\r" not in text and "progress: lines (stderr is not a terminal)" in text
+    assert max(len(line) for line in text.splitlines()) <= 300
+    assert [line.split(STEP_LINE)[1].split()[0] for line in text.splitlines() if STEP_LINE in line] \
+        == ["1/3", "2/3", "3/3"]
+    quiet = _train(tmp_path, chatml_model, data, "none", "--progress", "none")
+    assert STEP_LINE not in quiet and "\r" not in quiet
