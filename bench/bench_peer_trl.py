@@ -15,6 +15,10 @@ turn and ``assistant_only_loss`` refuses the rows: a TRL user converts the roles
   ``{% generation %}`` tags, so it is given the tokenizer's ChatML template with the reply and its
   ``<|im_end|>`` tagged: the same text, the same learned tokens as this toolkit's rule.
 
+Plain-string prompt/completion rows (no template) are compared with TRL row by row, on real tokenizers, by
+``tests/test_trl_boundary.py`` (through ``sft_prepare``): the completion starts where the tokens of the prompt
+alone and of prompt + completion diverge, on both sides.
+
 Runs alternate (``--repeats`` each, the order flipped every round); medians are reported with the
 CPU time and the peak RSS of each process tree. Then every row of the last run of each side is
 compared: ``input_ids`` and ``labels`` must be equal (the bench fails otherwise). Not part of the
@@ -67,27 +71,38 @@ def write_messages_parquet(sharegpt: Path, out: Path) -> None:
     writer.close()
 
 
+def sft_prepare(dataset, tokenizer, *, output_dir: str, chat_template: str | None, assistant_only_loss: bool,
+                completion_only_loss: bool | None, num_proc: int | None):
+    """TRL's ``SFTTrainer`` data preparation of ``dataset`` (the code ``SFTTrainer.__init__`` runs on a train
+    dataset): ``input_ids`` and ``labels`` per row. Also used by tests/test_trl_boundary.py."""
+    import types
+
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=output_dir, assistant_only_loss=assistant_only_loss, dataset_num_proc=num_proc,
+                     max_length=None, report_to=[], use_cpu=True, bf16=False)
+    # _prepare_dataset reads these three attributes of the trainer; a model is not needed to prepare data.
+    trainer = types.SimpleNamespace(_tokenizer=tokenizer, chat_template=chat_template,
+                                    completion_only_loss=completion_only_loss)
+    return SFTTrainer._prepare_dataset(trainer, dataset, tokenizer, args, False, None, "train")
+
+
 def trl_prepare(input_path: str, tokenizer_dir: str, num_proc: int, cache_dir: str, save_to: str,
                 timing_path: str) -> None:
     """Run in its own process: load the parquet and prepare it as SFTTrainer does; write the timing as JSON."""
     import os
     import resource
-    import types
 
     import psutil
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     import datasets
     from transformers import AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     dataset = datasets.load_dataset("parquet", data_files=input_path, split="train", cache_dir=cache_dir)
-    args = SFTConfig(output_dir=cache_dir, assistant_only_loss=True, dataset_num_proc=num_proc, max_length=None,
-                     report_to=[], use_cpu=True, bf16=False)
-    # _prepare_dataset reads these three attributes of the trainer; a model is not needed to prepare data.
-    trainer = types.SimpleNamespace(_tokenizer=tokenizer, chat_template=TAGGED_CHATML, completion_only_loss=None)
-    prepared = SFTTrainer._prepare_dataset(trainer, dataset, tokenizer, args, False, None, "train")
+    prepared = sft_prepare(dataset, tokenizer, output_dir=cache_dir, chat_template=TAGGED_CHATML,
+                           assistant_only_loss=True, completion_only_loss=None, num_proc=num_proc)
     wall = time.time() - psutil.Process().create_time()
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime

@@ -124,6 +124,27 @@ def test_format_gives_the_tokens_of_its_messages_rows(tmp_path, real, fmt):
     assert summary["rows_by_format"] == {fmt: len(rows)}
 
 
+def test_sharegpt_and_gemma_role_names_in_messages_are_the_canonical_roles(tmp_path, real):
+    """Issue 54: ``messages`` rows naming roles as ShareGPT (human, gpt, observation) or Gemma (model) do are read
+    as ShareGPT rows are, not refused; the canonical spelling and the alias give the same tokens and labels."""
+    model, template = real
+    aliases = {"user": ("human",), "assistant": ("gpt", "model"), "tool": ("observation",)}
+    expected_rows, rows = [], []
+    for row in [*MESSAGES_ROWS, TOOL_ROW]:
+        for k in range(2):  # each alias of a role in turn
+            expected_rows.append(row)
+            rows.append({**row, "messages": [{**m, "role": aliases[m["role"]][k % len(aliases[m["role"]])]}
+                                             if m["role"] in aliases else m for m in row["messages"]]})
+    assert {m["role"] for row in rows for m in row["messages"]} == {"system", "human", "gpt", "model", "observation"}
+    expected, _, _ = tokenize(tmp_path, "messages", expected_rows, model, chat_template=template,
+                              max_rejected_fraction=1.0)
+    data, rejected, summary = tokenize(tmp_path, "aliases", rows, model, chat_template=template,
+                                       max_rejected_fraction=1.0)
+    assert tokens(data) == tokens(expected) and len(data) >= 4
+    assert summary["rows_by_format"] == {"messages": len(rows)}
+    assert "unknown_role" not in summary["rejected_by_reason"]
+
+
 def test_capybaras_input_output_exchanges_are_user_and_assistant_turns(tmp_path, real):
     """LDJnr/Capybara (and Pure-Dove, Verified-Camel) hold a conversation as ``{input, output}`` exchanges."""
     model, template = real
@@ -409,20 +430,21 @@ def tokenizers_by_name(tiny_models):
 @pytest.mark.parametrize("name", ["chatml", "llama3"])
 def test_string_prompt_completion_is_the_tokenizers_encoding_with_the_prompt_masked(tmp_path, tiny_models,
                                                                                     tokenizers_by_name, name):
-    """No template: encode(prompt + completion) + EOS; a token is the prompt's when its first character is."""
+    """No template: encode(prompt + completion) + EOS, learned from where the tokens of the prompt alone and of
+    the whole text diverge (TRL's common prefix): a prompt ending in a space keeps the completion's first word."""
     rows = [{"prompt": "The capital of France is", "completion": " Paris."},
             {"prompt": "Q: What is 2+2?\nA:", "completion": " 4"},
-            {"prompt": "", "completion": "Only a completion."}]
+            {"prompt": "", "completion": "Only a completion."},
+            {"prompt": "The capital of France is ", "completion": "Paris."}]
     data, rejected, summary = tokenize(tmp_path, "plain", rows, tiny_models[name])
     tok = tokenizers_by_name[name]
-    assert not rejected and summary["rows_by_format"] == {"prompt_completion": 3}
+    assert not rejected and summary["rows_by_format"] == {"prompt_completion": 4}
     for row, out in zip(rows, data):
-        encoding = tok(row["prompt"] + row["completion"], add_special_tokens=False, return_offsets_mapping=True)
-        ids = encoding["input_ids"] + [tok.eos_token_id]
-        starts = [start for start, _ in encoding["offset_mapping"]] + [len(row["prompt"] + row["completion"])]
-        labels = [IGNORE_INDEX if start < len(row["prompt"]) else token for token, start in zip(ids, starts)]
-        assert out["input_ids"] == ids and out["labels"] == labels
-        assert tok.decode([t for t in out["labels"] if t != IGNORE_INDEX]) == row["completion"] + tok.eos_token
+        ids = tok(row["prompt"] + row["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        prompt_ids = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+        first = next(i for i, (a, b) in enumerate(zip(prompt_ids + [None], ids)) if a != b)
+        assert out["input_ids"] == ids and out["labels"] == [IGNORE_INDEX] * first + ids[first:]
+    # A real BPE merges ' Paris' across the boundary (tests/test_trl_boundary.py); these tiny ones do not.
 
 
 # ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ errors, --strict, determinism across --num-proc, and the CLI.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minitrainer.common.labels import IGNORE_INDEX
+from minitrainer.common.log import logger
 from minitrainer.data.chat_masking import ChatEncoder, Sample, SampleError, labels_from_token_spans, parse_row
 from minitrainer.data.process_data import ProcessDataConfig, main, process_data, render_labels
 
@@ -791,6 +793,61 @@ def test_audit_reports_what_is_learned(tiny_models, tokenizers, tmp_path):
     assert audit["num_replies"] == audit["num_replies_end_of_turn_learned"] == 3
     assert audit["num_chat_rows_in"] == audit["num_chat_rows_written"] == 2
     assert audit["rows_by_rule"] == {"sentinel": 2} and audit["passed"] and not audit["broken_rules"]
+
+
+def test_plain_prompt_completion_rows_are_counted_as_such(tiny_models, tmp_path, caplog):
+    """Issue 54: plain-string prompt/completion rows are neither pretrain (every token learned) nor chat;
+    they are counted apart, with the share of their tokens learned, and the audit does not call them chat."""
+    plain = [{"prompt": f"Question {i}: what is {i}+{i}? Answer:", "completion": f" {2 * i}"} for i in range(4)]
+    text = {"messages": [{"role": "pretrain", "content": "Plain text."}]}
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            data, _, summary = run(tmp_path, tiny_models["chatml"], [*plain, text])
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert (summary["num_written"], summary["num_chat"], summary["num_prompt_completion"],
+            summary["num_pretrain"]) == (5, 0, 4, 1)
+    audit = summary["audit"]
+    learned = sum(row["num_loss_counted_tokens"] for row in data[:4]) / sum(row["len"] for row in data[:4])
+    assert audit["num_prompt_completion_rows"] == 4 and 0 < learned < 1
+    assert audit["prompt_completion_learned_token_fraction"] == round(learned, 4)
+    assert audit["num_chat_rows_in"] == audit["num_chat_rows_written"] == 0 and audit["passed"]
+    assert "of chat tokens learned" not in caplog.text
+    assert f"{100 * round(learned, 4):.1f}% of the tokens of 4 plain prompt/completion rows learned" in caplog.text
+    assert "(0 chat, 4 prompt/completion, 1 pretrain," in caplog.text
+
+
+PYTHON_API = """
+import json, sys
+from minitrainer import ProcessDataConfig, process_data
+
+summary = process_data(ProcessDataConfig(input_file=sys.argv[1], output_dir=sys.argv[2], model_name_or_path=sys.argv[3],
+                                         num_proc=1))
+print(json.dumps(summary))
+"""
+
+
+def test_the_python_api_returns_and_logs_the_counts_and_the_audit(tiny_models, tmp_path):
+    """Issue 54: process_data() from Python, logging left unset, logs what the command line logs (the counts,
+    the label audit), and returns them: rows read, written, dropped by reason, tokens, learned tokens, the audit."""
+    user_only = {"messages": [{"role": "user", "content": "no reply"}]}
+    input_file = write_jsonl(tmp_path / "in.jsonl", [GOOD, GOOD, user_only, "nope"])
+    result = subprocess.run([sys.executable, "-c", PYTHON_API, str(input_file), str(tmp_path / "out"),
+                             str(tiny_models["chatml"])], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (summary["num_lines"], summary["num_written"], summary["num_rejected"]) == (4, 2, 2)
+    assert summary["rejected_by_reason"] == {"invalid_json": 1, "no_loss_tokens": 1}
+    data = read_jsonl(tmp_path / "out" / "data.jsonl")
+    assert summary["num_tokens"] == sum(row["len"] for row in data)
+    assert summary["num_loss_counted_tokens"] == sum(row["num_loss_counted_tokens"] for row in data) > 0
+    assert summary["audit"]["passed"] and summary["audit"]["num_replies"] == 2
+    assert summary == json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (f"INFO wrote 2 samples (2 chat, 0 prompt/completion, 0 pretrain, {summary['num_tokens']} tokens, "
+            f"{summary['num_loss_counted_tokens']} loss-counted)") in result.stderr
+    assert "INFO label audit: " in result.stderr and "of chat tokens learned" in result.stderr
+    assert "skipped 2 bad input row(s)" in result.stderr
 
 
 def test_audit_fails_on_too_many_rows_the_template_cannot_mask_unless_allowed(tiny_models, tmp_path):

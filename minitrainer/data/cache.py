@@ -215,8 +215,9 @@ def tokenize_once(config) -> Path:
     if (folder / "summary.json").is_file():
         summary = json.loads((folder / "summary.json").read_text())
         logger.info("tokenized data: reusing %s (fingerprint %s of the input, tokenizer, template and options): "
-                    "%d samples (%d chat, %d pretrain), %d tokens, from %s", folder, key[:16], summary["num_written"],
-                    summary["num_chat"], summary["num_pretrain"], summary["num_tokens"], config.input_file)
+                    "%d samples (%d chat, %d prompt/completion, %d pretrain), %d tokens, from %s", folder, key[:16],
+                    summary["num_written"], summary["num_chat"], summary.get("num_prompt_completion", 0),
+                    summary["num_pretrain"], summary["num_tokens"], config.input_file)
         return folder
     if (why := why_not_reused(folder, parts)) is not None:
         logger.info("tokenized data: %s: tokenizing %s again into %s (this run does not read the earlier folder; "

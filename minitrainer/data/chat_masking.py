@@ -108,7 +108,7 @@ class ChatRow:
 
     fields: dict[str, Any]
     num_prompt_messages: int = 0  # leading messages never learned (a prompt/completion row's prompt turns)
-    num_prompt_chars: int = 0  # a plain prompt/completion row (one pretrain message): its prompt's characters
+    num_prompt_chars: int | None = None  # a plain prompt/completion row (one pretrain message): its prompt's characters
 
 
 @dataclass
@@ -118,8 +118,9 @@ class Sample:
     input_ids: list[int]
     token_spans: list[tuple[int, int]]  # learned tokens: labels[t0:t1] = input_ids[t0:t1]
     num_loss_counted_tokens: int
-    is_pretrain: bool
+    is_pretrain: bool  # a text row: every token learned
     extra: dict[str, Any]
+    is_prompt_completion: bool = False  # a plain prompt/completion row: no template, the prompt masked
     rule: str | None = None  # how the replies were located: "sentinel", "incremental"; None for pretrain
     num_replies: int = 0
     num_replies_end_learned: int = 0  # replies whose end-of-turn (and an EOS right after it) is learned
@@ -519,6 +520,16 @@ def _common_prefix_len(a: str, b: str) -> int:
         else:
             high = mid - 1
     return low
+
+
+def _common_prefix_length(ids: list[int], other_ids: list[int]) -> int:
+    """How many leading token ids the two lists share (TRL's ``common_prefix_length``)."""
+    length = 0
+    for token, other in zip(ids, other_ids):
+        if token != other:
+            break
+        length += 1
+    return length
 
 
 def sentinel_turn_spans(render: Renderer, messages: list[dict], full: str, *, ends: tuple[str, ...],
@@ -1010,7 +1021,7 @@ class ChatEncoder:
                 err.audit = True  # a well-formed conversation the template (or the masking) failed on
                 results[index] = err
                 continue
-            pending.append((index, text, spans, extra, rule, 0, has_reply, num_marked))
+            pending.append((index, text, spans, extra, rule, None, has_reply, num_marked))
         try:
             encodings = self.backend.encode_batch([item[1] for item in pending], add_special_tokens=False)
         except TypeError:  # a text the tokenizer does not take: found and rejected here, the others go on
@@ -1025,23 +1036,34 @@ class ChatEncoder:
                 raise
             pending = kept
             encodings = self.backend.encode_batch([item[1] for item in pending], add_special_tokens=False)
+        # A plain prompt/completion row's prompt alone: where its tokens and the whole text's part is the
+        # completion's start (TRL's common prefix), so a token merging across the boundary is learned.
+        prompted = [item for item in pending if item[5] is not None]
+        prompt_ids = dict(zip((item[0] for item in prompted), (encoding.ids for encoding in self.backend.encode_batch(
+            [item[1][:item[5]] for item in prompted], add_special_tokens=False)))) if prompted else {}
         for (index, text, spans, extra, rule, prompt_chars, has_reply, num_marked), encoding in zip(pending, encodings):
-            results[index] = self._finish(encoding, text, spans, extra, rule, prompt_chars=prompt_chars,
+            results[index] = self._finish(encoding, text, spans, extra, rule, prompt_ids=prompt_ids.get(index),
                                           has_reply=has_reply, num_marked=num_marked)
         return results
 
     def _finish(self, encoding, text: str, spans: list[CharSpan] | None, extra: dict, rule: str | None, *,
-                prompt_chars: int = 0, has_reply: bool = False, num_marked: int = 0) -> Sample | SampleError:
+                prompt_ids: list[int] | None = None, has_reply: bool = False,
+                num_marked: int = 0) -> Sample | SampleError:
         """The sample of one encoded text. Without a template (``spans`` None): ``text + EOS``, learned
-        from the first token whose first character is at or after ``prompt_chars``::
+        from where the tokens of the prompt alone (``prompt_ids``) and of the whole text diverge, as TRL's
+        ``SFTTrainer`` does (``common_prefix_length``): a token merging across the boundary is learned::
 
             prompt/completion  "Q: 2+2? " + "A: 4"      tokens [Q :  2 + 2 ?][ A : 4 ] EOS
             labels                                             M  M  M M M M   A : 4   EOS
+
+            "The capital is " + "Paris."   prompt alone  [The  capital  is  ' ']
+                                           whole text    [The  capital  is][ Paris .] EOS
+            labels                                         M      M      M   Paris .  EOS
         """
         input_ids = encoding.ids
         if spans is None:
+            first = _common_prefix_length(prompt_ids, input_ids) if prompt_ids else 0
             input_ids.append(self.eos_token_id)
-            first = _first_token_from(encoding, len(input_ids) - 1, len(text), prompt_chars) if prompt_chars else 0
             token_spans = [(first, len(input_ids))]
         else:
             token_spans = [token_span(encoding, len(input_ids), len(text), span) for span in spans]
@@ -1068,5 +1090,6 @@ class ChatEncoder:
                                         and not (t1 < len(input_ids) and input_ids[t1] == self.eos_token_id
                                                  and text.startswith(self.eos_token, b)))
         return Sample(input_ids, [span for span in token_spans if span[1] > span[0]], num_loss,
-                      is_pretrain=spans is None, extra=extra, rule=rule, num_replies=num_replies,
+                      is_pretrain=spans is None and prompt_ids is None, extra=extra, rule=rule,
+                      is_prompt_completion=prompt_ids is not None, num_replies=num_replies,
                       num_replies_end_learned=num_eot_learned, num_replies_marked=num_marked)

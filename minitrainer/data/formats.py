@@ -4,9 +4,11 @@ Pure functions, a row dict in, a ``ChatRow`` out (``chat_masking`` then validate
 it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has an example of each):
 
     format             a row has                       becomes
-    messages           messages                        itself (other fields copied, as always)
+    messages           messages                        itself (other fields copied, as always); roles
+                                                       human -> user, gpt / model -> assistant,
+                                                       observation -> tool (as ShareGPT's)
                                                        OpenAI's legacy functions / function_call -> tools
-    sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt -> assistant,
+    sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt / model -> assistant,
                                                        function_call -> an assistant tool call,
                                                        observation / tool -> tool; a turn's learning marks
                                                        (weight, train, training, loss) kept;
@@ -47,7 +49,11 @@ ACCEPTED = "; ".join(f"{name} ({' + '.join(keys)})" for name, keys in SHAPES.ite
 _TURNS = {"messages": "messages", "sharegpt": "conversations"}
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
+                  "model": "assistant", "function_call": "assistant", "observation": "tool", "tool": "tool"}
+# Roles a ``messages`` row may use in place of the canonical ones, read as ShareGPT reads them: ShareGPT's
+# human / gpt / observation, and model (Gemma's assistant). function_call, a whole tool call, stays ShareGPT's.
+MESSAGE_ROLE_ALIASES = {role: canonical for role, canonical in SHAREGPT_ROLES.items()
+                        if role != canonical and role != "function_call"}
 
 
 def parse_columns(text: str | None) -> dict[str, str]:
@@ -138,7 +144,7 @@ _ANSWER_NAMES = ("response", "answer", "output", "completion", "generated_soluti
                  "assistant")
 _TEXT_NAMES = ("content", "document", "body", "article", "passage")
 _SYSTEM_NAMES = ("system", "system_prompt", "system_message")
-_REPLY_ROLES = ("assistant", "gpt", "function_call")
+_REPLY_ROLES = ("assistant", "gpt", "model", "function_call")
 
 
 def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None = None,
@@ -274,6 +280,7 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
         # A CSV cell holds no list: a conversation there (or in any table column of strings) is JSON text.
         row = {**row, turns: json_field(row[turns], "messages_not_a_list", f"'{turns}' is a string and")}
     if fmt == "messages":
+        row = _canonical_roles(row)
         return ChatRow(_openai_functions(row) if _uses_functions(row) else row)
     rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
     if fmt == "text":
@@ -283,6 +290,19 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
     if fmt == "sharegpt":
         return ChatRow(_sharegpt(row, rest))
     return _prompt_completion(row["prompt"], row["completion"], rest)
+
+
+def _canonical_roles(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with ShareGPT's and Gemma's role names (``MESSAGE_ROLE_ALIASES``) as the canonical ones."""
+    messages = row["messages"]
+    if not isinstance(messages, list) or not any(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] in MESSAGE_ROLE_ALIASES
+            for m in messages):
+        return row
+    return {**row, "messages": [
+        {**m, "role": MESSAGE_ROLE_ALIASES[m["role"]]}
+        if isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] in MESSAGE_ROLE_ALIASES else m
+        for m in messages]}
 
 
 def _uses_functions(row: dict[str, Any]) -> bool:

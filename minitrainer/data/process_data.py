@@ -183,6 +183,9 @@ class ChunkResult:
     formats: Counter  # rows by the format they were read as
     num_split_rows: int = 0  # text rows longer than --max-sample-num-tokens, cut (--split-long-text)
     num_pieces: int = 0  # the samples they were cut into
+    num_prompt_completion: int = 0  # plain prompt/completion rows (no template, the prompt masked)
+    num_prompt_completion_tokens: int = 0
+    num_prompt_completion_loss_tokens: int = 0
 
 
 NUM_AUDIT_EXAMPLES = 3  # decoded examples kept per rejection reason and per broken rule
@@ -191,7 +194,8 @@ EXAMPLE_CHARS = 400  # an example's text is cut to this many characters
 
 @dataclass
 class ChunkAudit:
-    """The label audit's counts of one chunk (chat rows only; pretrain rows learn every token)."""
+    """The label audit's counts of one chunk (chat rows only; pretrain rows learn every token, plain
+    prompt/completion rows are counted by ``ChunkResult``)."""
 
     num_chat_tokens: int = 0
     num_chat_loss_tokens: int = 0
@@ -277,6 +281,7 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
     formats: Counter = Counter()
     first_rejection = None
     num_pretrain = num_split_rows = num_pieces = 0
+    num_prompt_completion = num_prompt_completion_tokens = num_prompt_completion_loss_tokens = 0
     audit, input_errors = ChunkAudit(), ChunkAudit()
     converted = convert_rows(chunk, config)
     encoded = iter(encoder.encode_rows([item[1] for item in converted if not isinstance(item, SampleError)]))
@@ -321,7 +326,11 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
             lengths.append(len(piece.input_ids))
             num_loss.append(piece.num_loss_counted_tokens)
         num_pretrain += result.is_pretrain * len(pieces)
-        if not result.is_pretrain:
+        if result.is_prompt_completion:
+            num_prompt_completion += len(pieces)
+            num_prompt_completion_tokens += len(result.input_ids)
+            num_prompt_completion_loss_tokens += result.num_loss_counted_tokens
+        elif not result.is_pretrain:
             audit.num_chat_tokens += len(result.input_ids)
             audit.num_chat_loss_tokens += result.num_loss_counted_tokens
             audit.num_replies += result.num_replies
@@ -335,7 +344,8 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
                     "text": _cut(render_labels(encoder.tokenizer, result.input_ids, result.labels, "<|mAsK|>"))})
     return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss,
                        num_pretrain, reasons, first_rejection, audit, input_errors, formats, num_split_rows,
-                       num_pieces)
+                       num_pieces, num_prompt_completion, num_prompt_completion_tokens,
+                       num_prompt_completion_loss_tokens)
 
 
 # ----------------------------------------------------------------------------
@@ -458,11 +468,18 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
         config: the run's settings.
 
     Returns:
-        The summary (also written to the summary JSON).
+        The summary (also written to the summary JSON and logged, as the command line logs it): among its
+        keys ``num_lines`` (rows read), ``num_written``, ``num_chat``, ``num_prompt_completion``,
+        ``num_pretrain``, ``num_rejected`` and ``rejected_by_reason`` (rows dropped, by reason),
+        ``num_tokens``, ``num_loss_counted_tokens`` (learned tokens) and ``audit`` (the label audit).
 
     Raises:
         ValueError: a whole-run problem, or with ``strict`` the first unusable row as ``file:line: reason``.
     """
+    if not logger.handlers:
+        # Called from Python with logging left unset: log the counts and the audit as the command line does,
+        # not only the warnings Python's last-resort handler would show.
+        setup_logging(config.logging_level)
     start = time.perf_counter()
     paths = OutputPaths.from_config(config)
     tokenizer, source, scan = check_run(config, paths)
@@ -548,7 +565,7 @@ def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, source: Input, 
     from tqdm import tqdm
 
     chunks = source.chunks(config.chunk_size)
-    with tqdm(total=num_rows, unit="row", desc="tokenizing", mininterval=1.0, file=sys.stderr) as progress, \
+    with tqdm(total=num_rows, unit="row", desc="tokenizing", mininterval=1.0, file=sys.stderr, disable=None) as progress, \
             contextlib.closing(chunks):
         if num_proc == 1:
             for chunk in chunks:
@@ -584,6 +601,7 @@ class _Totals:
         self.formats: Counter = Counter()
         self.num_rows = 0
         self.num_pretrain = 0
+        self.num_prompt_completion = self.num_prompt_completion_tokens = self.num_prompt_completion_loss_tokens = 0
         self.num_split_rows = self.num_pieces = 0
         self.audit = ChunkAudit()
         self.input_errors = ChunkAudit()
@@ -597,6 +615,9 @@ class _Totals:
         self.formats.update(chunk.formats)
         self.num_rows += len(chunk.lengths) - chunk.num_pieces + chunk.num_split_rows + sum(chunk.reasons.values())
         self.num_pretrain += chunk.num_pretrain
+        self.num_prompt_completion += chunk.num_prompt_completion
+        self.num_prompt_completion_tokens += chunk.num_prompt_completion_tokens
+        self.num_prompt_completion_loss_tokens += chunk.num_prompt_completion_loss_tokens
         self.num_split_rows += chunk.num_split_rows
         self.num_pieces += chunk.num_pieces
         self.audit.merge(chunk.audit)
@@ -624,7 +645,8 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed) 
     return {
         "num_lines": totals.num_rows,
         "num_written": num_written,
-        "num_chat": num_written - totals.num_pretrain,
+        "num_chat": num_written - totals.num_pretrain - totals.num_prompt_completion,
+        "num_prompt_completion": totals.num_prompt_completion,
         "num_pretrain": totals.num_pretrain,
         "num_split_rows": totals.num_split_rows,
         "num_split_samples": totals.num_pieces,
@@ -669,14 +691,15 @@ def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = N
     """The label audit: what is learned, per dataset, and which rule is broken.
 
     It judges the masking only, never the input: its rows are the conversations the chat template
-    was given (input errors and pretrain rows aside). Rules: every reply's end-of-turn is learned
+    was given (input errors, pretrain and plain prompt/completion rows aside). Rules: every reply's end-of-turn is learned
     (else the model never learns to stop), and at most ``max_rejected_fraction`` of those rows is
     rejected by the template or the masking (a finding: ``SampleError.audit``). ``num_lines`` is unused
     (kept for callers of the older signature).
     """
     audit = totals.audit
     num_rejected = sum(audit.reasons.values())
-    num_chat_in = len(totals.lengths) - totals.num_pretrain + num_rejected
+    num_chat_written = len(totals.lengths) - totals.num_pretrain - totals.num_prompt_completion
+    num_chat_in = num_chat_written + num_rejected
     rejected_fraction = num_rejected / num_chat_in if num_chat_in else 0.0
     broken = []
     if audit.num_replies_end_learned < audit.num_replies:
@@ -687,9 +710,14 @@ def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = N
                       f"--max-rejected-fraction {config.max_rejected_fraction:g})")
     return {
         "num_chat_rows_in": num_chat_in,
-        "num_chat_rows_written": len(totals.lengths) - totals.num_pretrain,
+        "num_chat_rows_written": num_chat_written,
         "learned_token_fraction": round(audit.num_chat_loss_tokens / audit.num_chat_tokens, 4)
         if audit.num_chat_tokens else 0.0,
+        # Plain prompt/completion rows: no template, so no reply to audit; their learned share apart.
+        "num_prompt_completion_rows": totals.num_prompt_completion,
+        "prompt_completion_learned_token_fraction":
+            round(totals.num_prompt_completion_loss_tokens / totals.num_prompt_completion_tokens, 4)
+            if totals.num_prompt_completion_tokens else 0.0,
         "num_replies": audit.num_replies,
         "num_replies_end_of_turn_learned": audit.num_replies_end_learned,
         "num_replies_marked_not_learned": audit.num_replies_marked,
@@ -706,6 +734,13 @@ def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = N
 
 
 def _log_audit(audit: dict[str, Any], config: ProcessDataConfig) -> None:
+    if audit.get("num_prompt_completion_rows"):
+        logger.info("label audit: %.1f%% of the tokens of %d plain prompt/completion rows learned (the completions "
+                    "and EOS)", 100 * audit["prompt_completion_learned_token_fraction"],
+                    audit["num_prompt_completion_rows"])
+        if not audit["num_chat_rows_in"]:  # no conversation: "0.0% of chat tokens learned" would mislead
+            _log_broken(audit, config)
+            return
     logger.info("label audit: %.1f%% of chat tokens learned; %d of %d replies end with a learned end-of-turn; "
                 "%d conversations with replies but zero learned tokens; %d of %d conversations could not be masked "
                 "(%.2f%%, max %.2f%%)%s%s",
@@ -718,6 +753,10 @@ def _log_audit(audit: dict[str, Any], config: ProcessDataConfig) -> None:
                 f"; {audit['rows_by_rule']['incremental']} rows located by the incremental fallback "
                 "(the template rewrites replies)")
     _log_examples("audit example", audit["examples"])
+    _log_broken(audit, config)
+
+
+def _log_broken(audit: dict[str, Any], config: ProcessDataConfig) -> None:
     for rule in audit["broken_rules"]:
         (logger.warning if config.allow_audit_failures else logger.error)("label audit: %s", rule)
 
@@ -730,8 +769,9 @@ def _log_examples(what: str, examples: dict[str, list[dict]]) -> None:
 
 
 def _log_summary(summary: dict[str, Any]) -> None:
-    logger.info("wrote %d samples (%d chat, %d pretrain, %d tokens, %d loss-counted) to %s in %.1fs (%.0f rows/s)",
-                summary["num_written"], summary["num_chat"], summary["num_pretrain"], summary["num_tokens"],
+    logger.info("wrote %d samples (%d chat, %d prompt/completion, %d pretrain, %d tokens, %d loss-counted) to %s in "
+                "%.1fs (%.0f rows/s)", summary["num_written"], summary["num_chat"], summary["num_prompt_completion"],
+                summary["num_pretrain"], summary["num_tokens"],
                 summary["num_loss_counted_tokens"], summary["outputs"]["data"], summary["elapsed_s"],
                 summary["lines_per_s"] or 0)
     logger.info("rows by format: %s", ", ".join(f"{fmt} {count}" for fmt, count in summary["rows_by_format"].items())

@@ -3,6 +3,15 @@
     python -m minitrainer.tools.inspect_data --data-path data/chat_tkns --batch-size 128 \\
         --max-tokens-per-gpu 10000 --world-size 8
     python -m minitrainer.tools.inspect_data --data-path demo_output/data --batch-size 16 --max-tokens-per-gpu 1024 --world-size 2
+    python -m minitrainer.tools.inspect_data --data-path data/chat.parquet --model-name-or-path Qwen/Qwen2.5-1.5B-Instruct \\
+        --tokenized-data-dir out/tokenized_data --batch-size 128 --max-tokens-per-gpu 10000 --world-size 8
+
+``--data-path`` takes what ``train.py --data-path`` takes: a tokenized jsonl or ``process_data.py``
+folder, raw data in any format ``process_data.py`` reads, or a mix of those (``a:0.7,b:0.3``, a mix
+file, drawn from by the mix's own stream as the trainer draws). Raw data is tokenized
+once with ``--model-name-or-path`` (and the same raw-data flags as ``train.py``) into a cache folder
+under ``--tokenized-data-dir`` (``data/cache.py``, the code ``train.py`` runs): give it the run's
+``<--output-dir>/tokenized_data`` and the training run reuses the tokens.
 
 No GPU, no torchrun: it reads the lengths the trainer reads and runs the same
 planner the trainer runs (``sampler.InfiniteSampler`` -> drop samples over the
@@ -31,19 +40,41 @@ from pathlib import Path
 import numpy as np
 
 from minitrainer.common.cli import collect_errors, config_field, parse_config
+from minitrainer.common.log import setup_logging
+from minitrainer.data.formats import INPUT_FORMATS
+from minitrainer.data.sources import TEXT_SAMPLE_BY
 
 HISTOGRAM_WIDTH = 40
 
 
 @dataclass
 class InspectDataConfig:
-    data_path: str = config_field(help="tokenized jsonl file or process_data.py output folder")
+    data_path: str = config_field(help="train.py --data-path: tokenized data, raw data (tokenized once with "
+                                       "--model-name-or-path), or a mix (`a:0.7,b:0.3`, a mix file)")
     batch_size: int = config_field(1024, help="samples per optimizer step, whole job (train.py --batch-size)")
     max_tokens_per_gpu: int = config_field(10000, help="token budget of one packed minibatch on one rank")
     world_size: int = config_field(8, help="ranks (GPUs) of the job to plan for: nnodes x nproc-per-node")
     num_steps: int = config_field(5, help="optimizer steps to plan and show")
     seed: int = config_field(42, help="train.py --seed (the data order)")
     balance: str = config_field("tokens", choices=("tokens", "attention"), help="train.py --balance")
+    # Raw data: train.py's flags of the same names (TrainConfig.tokenizing_config).
+    model_name_or_path: str | None = config_field(None, help="raw data: the tokenizer (train.py --model-name-or-path)")
+    tokenized_data_dir: str | None = config_field(
+        None, help="raw data: the cache of its tokens (default: in the temp folder); a run's "
+                   "<--output-dir>/tokenized_data shares it with train.py")
+    chat_template: str | None = config_field(None, help="raw data: jinja file that replaces the tokenizer's chat "
+                                                        "template")
+    end_of_turn_token: str | None = config_field(None, help="raw data: the string that ends an assistant turn")
+    mask_reasoning: bool = config_field(False, help="raw data: mask reasoning instead of learning it with the reply")
+    max_sample_num_tokens: int = config_field(2147483647, help="raw data: longer samples are rejected when "
+                                                               "tokenizing (and counted)")
+    split_long_text: bool = config_field(False, help="raw data: cut a text row longer than "
+                                                     "--max-sample-num-tokens into pieces instead of rejecting it")
+    input_format: str = config_field("auto", choices=list(INPUT_FORMATS), help="raw data: the row format")
+    columns: str | None = config_field(None, help="raw data: rename input columns first, NAME=COLUMN,...")
+    data_split: str = config_field("train", help="raw data: the split read from a dataset folder or hub id")
+    data_subset: str | None = config_field(None, help="raw data: the config (subset) of a dataset folder or hub id")
+    text_sample_by: str = config_field("line", choices=list(TEXT_SAMPLE_BY), help="raw data: a .txt file's samples")
 
     def __post_init__(self) -> None:
         errors = [f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
@@ -79,12 +110,13 @@ def length_histogram(lengths: np.ndarray) -> list[tuple[int, int, int]]:
     return rows
 
 
-def plan_steps(lengths: np.ndarray, config: InspectDataConfig) -> list[StepPlan]:
-    """The trainer's plan for the first ``config.num_steps`` steps, summarised per step."""
+def plan_steps(lengths: np.ndarray, config: InspectDataConfig, sampler=None) -> list[StepPlan]:
+    """The trainer's plan for the first ``config.num_steps`` steps, summarised per step; ``sampler`` is the
+    trainer's stream of indices (a mix's own, ``MixedDataset.stream``), by default the plain one."""
     from minitrainer.data.packing import plan_minibatches, rank_loads
     from minitrainer.data.sampler import InfiniteSampler
 
-    sampler = InfiniteSampler(len(lengths), config.seed)
+    sampler = sampler or InfiniteSampler(len(lengths), config.seed)
     plans = []
     for step in range(1, config.num_steps + 1):
         indices = sampler.take(config.batch_size)
@@ -104,6 +136,28 @@ def plan_steps(lengths: np.ndarray, config: InspectDataConfig) -> list[StepPlan]
     return plans
 
 
+def tokenized_path(config: InspectDataConfig, source: str) -> Path:
+    """``source`` (one source of ``--data-path``) when it is tokenized; else the cache folder of its tokens, made
+    now unless a whole one exists (``data/cache.py``'s ``tokenize_once``, as ``train.py`` tokenizes raw data)."""
+    import tempfile
+
+    from minitrainer.data import cache
+    from minitrainer.data.process_data import ProcessDataConfig
+
+    if cache.is_tokenized(source):
+        return Path(source)
+    if config.model_name_or_path is None:
+        raise ValueError(f"--data-path {source} is raw data (its rows have no input_ids): pass "
+                         "--model-name-or-path to tokenize it as train.py does")
+    cache_root = config.tokenized_data_dir or str(Path(tempfile.gettempdir()) / "minitrainer-tokenized_data")
+    return cache.tokenize_once(ProcessDataConfig(
+        input_file=source, model_name_or_path=config.model_name_or_path, output_dir=cache_root,
+        overwrite=True, chat_template=config.chat_template, end_of_turn_token=config.end_of_turn_token,
+        mask_reasoning=config.mask_reasoning, max_sample_num_tokens=config.max_sample_num_tokens,
+        split_long_text=config.split_long_text, input_format=config.input_format, columns=config.columns,
+        split=config.data_split, subset=config.data_subset, text_sample_by=config.text_sample_by))
+
+
 def inspect_data(config: InspectDataConfig) -> dict:
     """Print the report; return its numbers (for tests and notebooks).
 
@@ -111,14 +165,16 @@ def inspect_data(config: InspectDataConfig) -> dict:
         ``num_samples``, ``num_tokens``, ``num_loss_counted_tokens``, ``loss_token_share``,
         ``num_over_budget``, ``histogram`` (list of (low, high, count)) and ``steps`` (list of StepPlan).
     """
+    from minitrainer.data.mix import load_data
     from minitrainer.data.sampler import load_tokenized_dataset
 
-    dataset = load_tokenized_dataset(config.data_path)
+    # One source or a mix (`a:0.7,b:0.3`, a mix file), each tokenized or raw, as train.py loads them.
+    dataset = load_data(config.data_path, lambda source: load_tokenized_dataset(str(tokenized_path(config, source))))
     lengths, loss_tokens = dataset.lengths, dataset.num_loss_counted_tokens
     num_tokens, num_loss = int(lengths.sum()), int(loss_tokens.sum())
     over = lengths > config.max_tokens_per_gpu
     histogram = length_histogram(lengths)
-    steps = plan_steps(lengths, config)
+    steps = plan_steps(lengths, config, dataset.stream(config.seed) if hasattr(dataset, "stream") else None)
 
     print(f"data {dataset.path}: {len(dataset)} samples, {num_tokens} tokens")
     p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
@@ -160,6 +216,7 @@ def inspect_data(config: InspectDataConfig) -> dict:
 
 def main(argv: list[str] | None = None, *, prog: str = "inspect_data.py") -> dict:
     config = parse_config(InspectDataConfig, argv, description=__doc__.split("\n\n")[0])
+    setup_logging()  # raw data: the tokenizing run's lines, as train.py shows them
     try:
         return inspect_data(config)
     except ValueError as err:
