@@ -30,6 +30,7 @@ from pathlib import Path
 
 from minitrainer.common.cli import collect_errors, config_field, parse_config
 from minitrainer.common.log import logger, setup_logging
+from minitrainer.progress import announce_progress, resolve_progress
 
 DEMO_DATA = Path(__file__).resolve().with_name("demo_chat.jsonl")  # package data: a wheel carries it
 
@@ -185,6 +186,8 @@ def run_demo(config: DemoConfig) -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(DemoConfig, argv, description=__doc__.split("\n\n")[0])
     setup_logging("INFO")
+    # The demo's own steps (the model's save, its reload to generate) draw the libraries' bars: lines in a log.
+    announce_progress("auto", resolve_progress("auto"))
     run_demo(config)
 
 
