@@ -236,7 +236,8 @@ def test_sbatch_train_flags_exist_in_train_parser():
     from minitrainer.common.cli import build_arg_parser
 
     text = (ROOT / "slurm_multi_node.sbatch").read_text()
-    launch = text[text.index('"$SLURM_SUBMIT_DIR/train.py"'):text.index("SRUN_PID=$!")]
+    # The training flags: after the launcher's own "--".
+    launch = text[text.index("    -- \\\n") + len("    --"):text.index("SRUN_PID=$!")]
     flags = {token for token in launch.split() if token.startswith("--")}
     assert "--min-samples-per-checkpoint" in flags
     known = set(build_arg_parser(TrainConfig)._option_string_actions)
