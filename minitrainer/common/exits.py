@@ -71,8 +71,11 @@ def write_error_file(line: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    # Whole or absent, never empty: torchrun reads the file of every rank that ended, one it is still killing
+    # included, and an empty one ends torchrun itself in a JSONDecodeError traceback (seen under load).
     try:
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        os.replace(path + ".tmp", path)
     except OSError as err:  # the report falls back to "<N/A>"; the line is in the log already
         logger.warning("could not write torchrun's error file %s (%s)", path, err.strerror or err)
