@@ -43,7 +43,7 @@ from minitrainer.common.config_files import config_from_file
 from minitrainer.common.exits import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from minitrainer.common.log import logger
 from minitrainer.data.process_data import ProcessDataConfig, process_data
-from minitrainer.run import PACKAGE_PARENT, read_run_status
+from minitrainer.run import pythonpath_with_package, read_run_status
 from minitrainer.run_watch import RunEvent, RunWatcher
 from minitrainer.train_config import TrainConfig
 
@@ -202,7 +202,7 @@ def _launch(command: list[str], train_args: TrainConfig, *, log_dir: Path,
     # By module, never by the file's path: a script's folder goes first on sys.path, and the package's
     # modules would shadow the caller's own. The child finds the package where this process found it
     # (a checkout that is not installed included), after whatever the caller's PYTHONPATH puts first.
-    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(PACKAGE_PARENT)]))
+    path = pythonpath_with_package(os.environ.get("PYTHONPATH"))
     started = time.time()
     watcher = RunWatcher(train_args.output_dir, started=started)
     process = subprocess.Popen(command, env={**os.environ, **(env or {}), "PYTHONPATH": path},

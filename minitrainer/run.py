@@ -37,7 +37,7 @@ from minitrainer.common.cli import parse_config
 from minitrainer.common.exits import EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_USAGE, RUN_STATUS_FILE
 from minitrainer.train_config import TrainConfig
 
-__all__ = ["PROG", "TRAIN_MODULE", "cli", "launch", "main", "read_run_status", "split_argv"]
+__all__ = ["PROG", "TRAIN_MODULE", "cli", "launch", "main", "pythonpath_with_package", "read_run_status", "split_argv"]
 
 PROG = "minitrainer-run"
 TRAIN_MODULE = "minitrainer.train"
@@ -46,6 +46,13 @@ PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 NOT_OURS = ("module", "no_python", "run_path")
 """torchrun flags that choose the program to run: this command always runs ``-m minitrainer.train``."""
 
+
+
+def pythonpath_with_package(pythonpath: str | None) -> str:
+    """``pythonpath`` with ``PACKAGE_PARENT`` last (once): a child ``python -m minitrainer...`` finds the package
+    where this process found it, after whatever the caller's path puts first."""
+    entries = [entry for entry in (pythonpath or "").split(os.pathsep) if entry]
+    return os.pathsep.join(entries if str(PACKAGE_PARENT) in entries else [*entries, str(PACKAGE_PARENT)])
 
 REPLACED_REPORTS = {
     "torch.distributed.elastic.agent.server.api": ("Received %s death signal",),
@@ -138,7 +145,7 @@ def launch(torchrun_argv: list[str], train_argv: list[str], *, output_dir: str |
     args.module, args.training_script_args = True, list(train_argv)
     # By module, never by a file's path: the ranks find the package where this process found it (a checkout
     # that is not installed included), after whatever the caller's PYTHONPATH puts first.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(PACKAGE_PARENT)]))
+    os.environ["PYTHONPATH"] = pythonpath_with_package(os.environ.get("PYTHONPATH"))
     for name, prefixes in REPLACED_REPORTS.items():
         logging.getLogger(name).addFilter(_DropReplaced(prefixes))
     started = time.time()

@@ -9,13 +9,14 @@ from typing import ClassVar, Literal
 
 from minitrainer.common.cli import collect_errors, comma_list, config_field
 from minitrainer.data.formats import INPUT_FORMATS
-from minitrainer.data.process_data import ProcessDataConfig
+from minitrainer.data.process_data import ProcessDataConfig, tokenizing_config
 from minitrainer.data.sources import TEXT_SAMPLE_BY
 from minitrainer.methods.base import FineTuningMethod
 from minitrainer.methods.lora import ALL_LINEAR, LoRA, LoraSettings
 from minitrainer.methods.osft import OSFT, UPCAST_DTYPES, OSFTSettings, num_frozen_directions
 from minitrainer.methods.qlora import QLoRA
 from minitrainer.model.recomputation import POLICIES, as_policy
+from minitrainer.progress import PROGRESS_MODES
 
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -179,7 +180,7 @@ class TrainConfig:
 
     logging_level: str = config_field("INFO", section="Logging and tracking", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     progress: str = config_field(
-        "auto", choices=["auto", "bar", "lines", "none"],
+        "auto", choices=list(PROGRESS_MODES),
         help="bar (tqdm), lines (a log line every 30 s and each tenth of the run: for files, SLURM) or none; "
              "auto: bar on a terminal, else lines")
     wandb_project: str | None = config_field(None, help="also log every metrics line to this Weights & Biases "
@@ -339,14 +340,8 @@ class TrainConfig:
         """process_data.py's settings for raw ``input_file``: this run's tokenizer and raw-data flags, the
         rest process_data.py's defaults (``data/cache.py`` writes under ``output_dir``); ``split``
         replaces ``--data-split`` (a validation source's)."""
-        return ProcessDataConfig(
-            input_file=input_file, model_name_or_path=self.model_name_or_path, output_dir=output_dir, overwrite=True,
-            chat_template=self.chat_template, end_of_turn_token=self.end_of_turn_token,
-            mask_reasoning=self.mask_reasoning, max_sample_num_tokens=self.max_sample_num_tokens,
-            split_long_text=self.split_long_text,
-            input_format=self.input_format, columns=self.columns, split=split or self.data_split,
-            subset=self.data_subset, text_sample_by=self.text_sample_by, allow_audit_failures=self.allow_audit_failures,
-            logging_level=self.logging_level)
+        return tokenizing_config(self, input_file, output_dir=output_dir, split=split,
+                                 allow_audit_failures=self.allow_audit_failures, logging_level=self.logging_level)
 
     @property
     def has_stop_condition(self) -> bool:

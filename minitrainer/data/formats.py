@@ -295,14 +295,12 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
 def _canonical_roles(row: dict[str, Any]) -> dict[str, Any]:
     """The row with ShareGPT's and Gemma's role names (``MESSAGE_ROLE_ALIASES``) as the canonical ones."""
     messages = row["messages"]
-    if not isinstance(messages, list) or not any(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] in MESSAGE_ROLE_ALIASES
-            for m in messages):
+    if not isinstance(messages, list):
         return row
-    return {**row, "messages": [
-        {**m, "role": MESSAGE_ROLE_ALIASES[m["role"]]}
-        if isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] in MESSAGE_ROLE_ALIASES else m
-        for m in messages]}
+    renamed = [{**m, "role": MESSAGE_ROLE_ALIASES[m["role"]]}
+               if isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] in MESSAGE_ROLE_ALIASES else m
+               for m in messages]
+    return row if all(a is b for a, b in zip(renamed, messages)) else {**row, "messages": renamed}
 
 
 def _uses_functions(row: dict[str, Any]) -> bool:

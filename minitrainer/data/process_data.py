@@ -461,6 +461,22 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
     return tokenizer, source, scan
 
 
+RAW_DATA_SETTINGS = ("chat_template", "end_of_turn_token", "mask_reasoning", "max_sample_num_tokens", "split_long_text",
+                     "input_format", "columns", "text_sample_by")
+"""The raw-data settings a run passes on under the same names (train.py's, inspect_data's)."""
+
+
+def tokenizing_config(settings: Any, input_file: str, *, output_dir: str, split: str | None = None,
+                      **options: Any) -> ProcessDataConfig:
+    """These settings for raw ``input_file``, tokenized as a run tokenizes it (``data/cache.py`` writes under
+    ``output_dir``): ``settings`` (a ``TrainConfig``, an ``InspectDataConfig``) gives ``model_name_or_path``,
+    ``data_split``, ``data_subset`` and ``RAW_DATA_SETTINGS``; ``split`` replaces ``data_split`` (a validation
+    source's); ``options`` sets other fields; the rest are process_data.py's defaults."""
+    return ProcessDataConfig(input_file=input_file, model_name_or_path=settings.model_name_or_path,
+                             output_dir=output_dir, overwrite=True, split=split or settings.data_split,
+                             subset=settings.data_subset, **{name: getattr(settings, name) for name in RAW_DATA_SETTINGS},
+                             **options)
+
 def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     """Tokenize ``config.input_file`` and write the output files.
 

@@ -57,7 +57,7 @@ class InspectDataConfig:
     num_steps: int = config_field(5, help="optimizer steps to plan and show")
     seed: int = config_field(42, help="train.py --seed (the data order)")
     balance: str = config_field("tokens", choices=("tokens", "attention"), help="train.py --balance")
-    # Raw data: train.py's flags of the same names (TrainConfig.tokenizing_config).
+    # Raw data: train.py's flags of the same names (process_data.tokenizing_config).
     model_name_or_path: str | None = config_field(None, help="raw data: the tokenizer (train.py --model-name-or-path)")
     tokenized_data_dir: str | None = config_field(
         None, help="raw data: the cache of its tokens (default: in the temp folder); a run's "
@@ -142,7 +142,7 @@ def tokenized_path(config: InspectDataConfig, source: str) -> Path:
     import tempfile
 
     from minitrainer.data import cache
-    from minitrainer.data.process_data import ProcessDataConfig
+    from minitrainer.data.process_data import tokenizing_config
 
     if cache.is_tokenized(source):
         return Path(source)
@@ -150,12 +150,7 @@ def tokenized_path(config: InspectDataConfig, source: str) -> Path:
         raise ValueError(f"--data-path {source} is raw data (its rows have no input_ids): pass "
                          "--model-name-or-path to tokenize it as train.py does")
     cache_root = config.tokenized_data_dir or str(Path(tempfile.gettempdir()) / "minitrainer-tokenized_data")
-    return cache.tokenize_once(ProcessDataConfig(
-        input_file=source, model_name_or_path=config.model_name_or_path, output_dir=cache_root,
-        overwrite=True, chat_template=config.chat_template, end_of_turn_token=config.end_of_turn_token,
-        mask_reasoning=config.mask_reasoning, max_sample_num_tokens=config.max_sample_num_tokens,
-        split_long_text=config.split_long_text, input_format=config.input_format, columns=config.columns,
-        split=config.data_split, subset=config.data_subset, text_sample_by=config.text_sample_by))
+    return cache.tokenize_once(tokenizing_config(config, source, output_dir=cache_root))
 
 
 def inspect_data(config: InspectDataConfig) -> dict:
