@@ -30,6 +30,7 @@ class StepCounts:
     forward_backward_time: float = 0.0   # seconds in forward+backward on the rank writing the line (device time)
     router_aux_loss_sum: float | None = None  # MoE: summed per-sample router loss (objective.py), else None
     grad_norm: float = 0.0               # the clipped gradients' total norm before clipping (the same on every rank)
+    objective_sums: tuple[float, ...] = ()  # the objective's own sums, all ranks (TrainingObjective.sum_names)
 
 
 def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, world_size: int,

@@ -50,7 +50,8 @@ def detect(*, loss: float, grad_norm: float, num_loss_tokens: int, recent_losses
     """
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         return None  # the non-finite skip handles these
-    if grad_norm == 0.0 and num_loss_tokens > 0:
+    # A loss of exactly 0 has a zero gradient by right (DPO's hinge once every pair is past its margin).
+    if grad_norm == 0.0 and num_loss_tokens > 0 and loss != 0.0:
         return f"gradient norm 0 with {num_loss_tokens} loss tokens to learn from (loss {loss:.4g})"
     if loss_factor and recent_losses:
         median = statistics.median(recent_losses)

@@ -21,7 +21,6 @@ from minitrainer.checkpoint.train_state import TrainState
 from minitrainer.common.exits import EXIT_PREEMPTED
 from minitrainer.common.log import log_rank_0, logger, note_exit_line
 from minitrainer.data.sampler import StepBatch
-from minitrainer.model.attention import model_inputs
 from minitrainer.model.context_parallel import shard_minibatch
 from minitrainer.setup_run import Run, batch_loader
 
@@ -38,15 +37,14 @@ def validate(run: Run) -> str | None:
     """One validation pass, its metrics line, the best export; returns an early-stopping reason."""
     state, dist_info = run.state, run.dist_info
     began = time.perf_counter()
-    val_loss, val_tokens = validation.run_validation(
+    val_loss, val_tokens, extra = run.objective.validation_loss(
         run.model, run.val_dataset, run.val_plan, rank=run.context.data_rank, device=dist_info.device,
-        model_inputs=functools.partial(model_inputs, attn_implementation=run.resolved.attn_implementation,
-                                       device=dist_info.device),
+        attn=run.resolved.attn_implementation,
         shard=(functools.partial(shard_minibatch, context=run.context, device=dist_info.device)
                if run.context.size > 1 else None))
     record = validation.validation_record(step=state.step, samples_seen=state.samples_seen, val_loss=val_loss,
                                           num_loss_counted_tokens=val_tokens, num_samples=run.val_plan.num_samples,
-                                          elapsed=time.perf_counter() - began)
+                                          elapsed=time.perf_counter() - began, extra=extra)
     if run.metrics is not None:
         run.metrics.write(record)
     run.tracker.log(record)

@@ -40,6 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from minitrainer.common.distributed import reshard
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.log import log_rank_0
 from minitrainer.model.attention import attention_inputs
@@ -227,7 +228,7 @@ def packed_versus_alone(wrapper, dataset, rows: list[Window], *, attn_implementa
         packed = float(wrapper(input_ids, position_ids, shifted, **attention_inputs(row, attn_implementation, device)))
     finally:
         wrapper.train(was_training)
-        _reshard(wrapper)
+        reshard(wrapper)
     return packed, alone
 
 
@@ -253,7 +254,7 @@ def compare_losses(wrapper, dataset, rows: list[Window], *, attn_implementation:
             results.append((window, float(ours) / num_loss, float(reference)))
     finally:
         wrapper.train(was_training)
-        _reshard(wrapper)
+        reshard(wrapper)
     return results
 
 
@@ -358,7 +359,7 @@ def head_input(wrapper, dataset, window: Window, *, attn_implementation: str,
         for hook in hooks:
             hook.remove()
         wrapper.train(was_training)
-        _reshard(wrapper)
+        reshard(wrapper)
     if not decoder_out or not head_in or not torch.is_tensor(decoder_out[0]) or not torch.is_tensor(head_in[0]):
         return None
     ours, theirs = decoder_out[0], head_in[0]  # [1, T, H] each when the head reads the decoder's output
@@ -392,16 +393,6 @@ def _head_refusal(name: str, seen: HeadInput, attn_implementation: str) -> str:
             "masked-LM prediction head of an encoder registered as a causal LM) is not supported here, and "
             "--skip-objective-check does not change that: fine-tune a decoder-only model, or train this one "
             "with a trainer that calls its own forward(labels=...).")
-
-
-def _reshard(wrapper) -> None:
-    """Free what no-grad forwards left gathered: with SHARD_GRAD_OP (reshard_after_forward=False) nothing
-    else would, and the first training step then meets unsharded parameters (a crash on gloo)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in wrapper.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def _relative_error(ours: float, reference: float) -> float:

@@ -54,6 +54,7 @@ from minitrainer.model.attention import attention_needs, explicit_attention_refu
 from minitrainer.model.loss import CausalLMWithLoss, find_decoder_blocks
 from minitrainer.model.multimodal import multimodal_preflight
 from minitrainer.model.recurrent import recurrent_mixers
+from minitrainer.objectives.base import TrainingObjective
 from minitrainer.optimizers import STATE_BYTES_PER_PARAM, build_optimizer
 from minitrainer.selfcheck import audit_refusal, check_data_fits_model, check_objective
 from minitrainer.setup_model_fsdp import ModelSetup, meta_model, setup_model, shard_group_size
@@ -81,6 +82,7 @@ class Run:
     max_tokens_per_gpu: int        # resolved --max-tokens-per-gpu (auto: measured)
     model: CausalLMWithLoss        # FSDP-sharded
     method: FineTuningMethod       # full fine-tuning, LoRA, QLoRA or OSFT (TrainConfig.fine_tuning_method)
+    objective: TrainingObjective   # SFT or DPO (TrainConfig.training_objective)
     resolved: ModelSetup           # what setup_model decided: attention backend, dtype, mesh, ...
     model_shape: flops.ModelFlops | None  # None where the config does not describe it
     peak_tflops: float | None      # the MFU denominator
@@ -110,6 +112,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
 
     seed_everything(config.seed)
     method = config.fine_tuning_method()
+    objective = config.training_objective()
     fail_together(_preflight(config) if dist_info.is_main else None)
     if dist_info.is_main:  # the folder is this run's now: the status of the run before it is gone
         write_run_status(config.output_dir, None)
@@ -119,30 +122,26 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         for leftover in remove_leftover_tmp(config.output_dir):
             logger.warning("removed %s, left behind by a save that was interrupted", leftover)
     dataset = _load_dataset_rank0_first(config, dist_info)
+    fail_together(objective.data_error(dataset, config.data_path) if dist_info.is_main else None)
     fail_together(_check_data_fits_model(config, model_config, dataset) if dist_info.is_main else None)
     dataset, val_dataset, val_source = _validation_set(config, dataset, dist_info)
+    if val_dataset is not None:
+        fail_together(objective.data_error(val_dataset, val_source) if dist_info.is_main else None)
     total_steps = schedule.total_steps(config, len(dataset))
     schedule.check_scheduler(config, total_steps, is_main=dist_info.is_main)
     run_params = resume_policy.run_params(config, total_steps,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
+    weights_digest = _weights_digest(config, model_config, dist_info)
     model_fingerprint = resume_policy.fingerprint(
         model_config, dataset, method, data_digest=_data_digest(dataset, dist_info),
-        model_source=str(config.model_name_or_path), weights_digest=_weights_digest(config, model_config, dist_info))
+        model_source=str(config.model_name_or_path), weights_digest=weights_digest)
     fail_together(_resume_policy(config, run_params, model_fingerprint) if dist_info.is_main else None)
     candidates = resume_candidates(config.output_dir, resume=config.resume, resume_from=config.resume_from)
     tracker, tracker_error = _start_tracker(config, dist_info, candidates)
     fail_together(tracker_error)
 
-    model, resolved = setup_model(
-        model_name_or_path=config.model_name_or_path, model_config=model_config, dist_info=dist_info,
-        attn_implementation=config.attn_implementation, sharding_strategy=config.fsdp_sharding_strategy,
-        cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
-        use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
-        compile=config.compile, local_world_size=_local_world_size(),
-        trust_remote_code=config.trust_remote_code, method=method,
-        context_parallel_size=config.context_parallel_size,
-        export_text_only=config.export_text_only,
-    )
+    model, resolved = _setup_model(config, model_config, dist_info, method, config.model_name_or_path)
+    fail_together(objective.model_error(model))
     # Collective: every rank makes every group. The sampler then sees each group as one data rank.
     context = context_parallel.new_context_group(config.context_parallel_size, dist_info)
     if context.size > 1 and _local_world_size() % context.size:
@@ -154,16 +153,16 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     peak_tflops, peak_reason = flops.device_peak_tflops(dist_info.device)
     log_rank_0("MFU denominator: %s", peak_reason)
     if not config.skip_objective_check:
-        check_objective(model, dataset, attn_implementation=resolved.attn_implementation,
+        check_objective(model, _sequences(dataset), attn_implementation=resolved.attn_implementation,
                         compute_dtype=resolved.param_dtype, device=dist_info.device)
     max_tokens_per_gpu = config.max_tokens_per_gpu
     if max_tokens_per_gpu == "auto":
         max_tokens_per_gpu = probe_token_budget(
-            model, dataset, dist_info=dist_info, state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
+            model, _sequences(dataset), dist_info=dist_info, state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device))
     elif config.activation_checkpointing == "auto" and resolved.recomputation != "none":
         resolved = dataclasses.replace(resolved, recomputation=probe_recomputation(
-            model, dataset, dist_info=dist_info, num_tokens=max_tokens_per_gpu,
+            model, _sequences(dataset), dist_info=dist_info, num_tokens=max_tokens_per_gpu,
             state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device)))
     val_plan = None
@@ -172,7 +171,16 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
                                               max_tokens_per_rank=context.tokens_per_data_rank(max_tokens_per_gpu),
                                               num_ranks=context.num_data_ranks,
                                               group_size=config.batch_size, balance=config.balance)
-        validation.announce(val_plan, val_source)
+        validation.announce(val_plan, val_source, objective.unit)
+    # Before the resume loads a checkpoint: the model is still the one the run started from (the reference).
+    objective.prepare(
+        model, config=config, dist_info=dist_info, dataset=dataset, val_dataset=val_dataset, val_plan=val_plan,
+        max_tokens_per_rank=context.tokens_per_data_rank(max_tokens_per_gpu), attn=resolved.attn_implementation,
+        weights_digest=weights_digest, method_fingerprint=method.fingerprint(), param_dtype=resolved.param_dtype,
+        output_dir=config.output_dir,
+        reference_digest=lambda path: _weights_digest(config, _load_model_config(config, path), dist_info, path),
+        load_model=lambda path: _setup_model(config, _load_model_config(config, path), dist_info,
+                                             FineTuningMethod(), path)[0])
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
@@ -188,7 +196,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         log_rank_0("resume took %.2fs", time.perf_counter() - began)
         if config.allow_config_change:
             resume_policy.apply_new_hyperparameters(optimizer, scheduler, config)
-    _announce(config, dist_info, resolved, method, len(dataset), total_steps, max_tokens_per_gpu)
+    _announce(config, dist_info, resolved, method, len(dataset), total_steps, max_tokens_per_gpu, objective.unit)
     if isinstance(dataset, data_mix.MixedDataset):
         log_rank_0(dataset.describe())
     if dist_info.is_main:
@@ -201,7 +209,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     state.wandb_run_id = tracker.wandb_run_id or state.wandb_run_id
     state.mlflow_run_id = tracker.mlflow_run_id or state.mlflow_run_id
     return Run(config=config, dist_info=dist_info, dataset=dataset, total_steps=total_steps,
-               max_tokens_per_gpu=max_tokens_per_gpu, model=model, method=method, resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
+               max_tokens_per_gpu=max_tokens_per_gpu, model=model, method=method, objective=objective,
+               resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
                optimizer=optimizer, scheduler=scheduler, state=state, run_params=run_params,
                model_fingerprint=model_fingerprint, tokenizer=tokenizer, generation_config=generation_config,
                metrics=metrics, tracker=tracker, context=context, val_dataset=val_dataset, val_plan=val_plan)
@@ -264,12 +273,16 @@ def _preflight(config: TrainConfig) -> str | None:
     return output_lock.acquire(output)  # last: a refusal above leaves no lock behind
 
 
-def _load_model_config(config: TrainConfig) -> PretrainedConfig:
-    """The model's config, read once per rank at start-up (honouring --trust-remote-code) and handed to
-    everything that needs it; a config that does not load stops every rank with one line."""
+def _load_model_config(config: TrainConfig, path: str | None = None) -> PretrainedConfig:
+    """The config of the model at ``path`` (default: the run's), read once per rank at start-up (honouring
+    --trust-remote-code) and handed to everything that needs it; a config that does not load stops every
+    rank with one line."""
     from transformers import AutoConfig
 
-    model_config, error = None, model_path_error(config.model_name_or_path)
+    path = path or config.model_name_or_path
+    flag = "--model-name-or-path" if path == config.model_name_or_path else "--reference-model"
+    model_config, error = None, model_path_error(path)
+    error = error and error.replace("--model-name-or-path", flag, 1)
     # An unreachable hub is retried 5 times with a warning each, on every rank: they would bury the one line
     # below. Only for this small first file; the weights' downloads keep their retry warnings.
     hub_http = logging.getLogger("huggingface_hub.utils._http")
@@ -277,11 +290,10 @@ def _load_model_config(config: TrainConfig) -> PretrainedConfig:
     hub_http.setLevel(logging.ERROR)
     try:
         if error is None:
-            model_config = AutoConfig.from_pretrained(config.model_name_or_path,
-                                                      trust_remote_code=config.trust_remote_code)
+            model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError) as err:  # a hub id not reachable, not found or not a model; a broken config
         reason = " ".join(str(err).split())  # transformers' messages span lines: one line here
-        error = f"--model-name-or-path {config.model_name_or_path}: cannot load a model config ({reason})"
+        error = f"{flag} {path}: cannot load a model config ({reason})"
     finally:
         hub_http.setLevel(hub_http_level)
     fail_together(error)
@@ -500,10 +512,12 @@ def _data_digest(dataset, dist_info: DistInfo) -> str:
     return digest[0]
 
 
-def _weights_digest(config: TrainConfig, model_config: PretrainedConfig, dist_info: DistInfo) -> str:
-    """Rank 0 reads the model's identity (``resume_policy.weights_digest``) and tells the others."""
+def _weights_digest(config: TrainConfig, model_config: PretrainedConfig, dist_info: DistInfo,
+                    path: str | None = None) -> str:
+    """Rank 0 reads the identity of the model at ``path`` (default: the run's; ``resume_policy.weights_digest``)
+    and tells the others."""
     began = time.perf_counter()
-    digest = [resume_policy.weights_digest(config.model_name_or_path,
+    digest = [resume_policy.weights_digest(path or config.model_name_or_path,
                                            commit_hash=getattr(model_config, "_commit_hash", None))
               if dist_info.is_main else None]
     dist.broadcast_object_list(digest, src=0)
@@ -514,7 +528,7 @@ def _weights_digest(config: TrainConfig, model_config: PretrainedConfig, dist_in
 def _check_data_fits_model(config: TrainConfig, model_config: PretrainedConfig, dataset) -> str | None:
     """Every source of the data against the model's vocabulary and tokenizer (selfcheck.py)."""
     parts = ([(source.path, part) for source, part in zip(dataset.sources, dataset.datasets)]
-             if isinstance(dataset, data_mix.MixedDataset) else [(config.data_path, dataset)])
+             if isinstance(dataset, data_mix.MixedDataset) else [(config.data_path, _sequences(dataset))])
     for path, part in parts:
         error = check_data_fits_model(part, path, config.model_name_or_path, model_config,
                                       trust_remote_code=config.trust_remote_code,
@@ -522,6 +536,27 @@ def _check_data_fits_model(config: TrainConfig, model_config: PretrainedConfig, 
         if error:
             return error
     return None
+
+
+def _sequences(dataset):
+    """The dataset as single sequences, for the checks and probes made for SFT rows: a preference pair's
+    two sides are two sequences (``PreferenceDataset.sides``)."""
+    return dataset.sides() if getattr(dataset, "sequences_per_unit", 1) > 1 else dataset
+
+
+def _setup_model(config: TrainConfig, model_config: PretrainedConfig, dist_info: DistInfo,
+                 method: FineTuningMethod, path: str):
+    """``setup_model`` of the model at ``path`` with the run's settings: the trained model, or a reference."""
+    return setup_model(
+        model_name_or_path=path, model_config=model_config, dist_info=dist_info,
+        attn_implementation=config.attn_implementation, sharding_strategy=config.fsdp_sharding_strategy,
+        cpu_offload=config.cpu_offload, activation_checkpointing=config.activation_checkpointing,
+        use_liger_kernels=config.use_liger_kernels, head_learned_positions_only=config.head_learned_positions_only,
+        compile=config.compile, local_world_size=_local_world_size(),
+        trust_remote_code=config.trust_remote_code, method=method,
+        context_parallel_size=config.context_parallel_size,
+        export_text_only=config.export_text_only,
+    )
 
 
 def _original_generation_config(model_name_or_path: str):
@@ -534,8 +569,8 @@ def _original_generation_config(model_name_or_path: str):
 
 
 def _announce(config: TrainConfig, dist_info: DistInfo, resolved, method: FineTuningMethod, num_dataset_samples: int,
-              total_steps: int | None, max_tokens_per_gpu: int) -> None:
-    """Print each resolved decision once, with its reason."""
+              total_steps: int | None, max_tokens_per_gpu: int, unit: str = "samples") -> None:
+    """Print each resolved decision once, with its reason (``unit``: what the data holds, samples or pairs)."""
     log_rank_0("world size %d on %s (%s backend)", dist_info.world_size, dist_info.device.type,
                dist.get_backend())
     log_rank_0("model %s: %d x %s sharded with %s, mesh %s, compute dtype %s, attention %s, "
@@ -546,9 +581,9 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, method: FineTu
     log_rank_0("trainable parameters: %s of %s (%.2f%%)%s", f"{resolved.num_trainable_params:,}",
                f"{resolved.num_params:,}", 100.0 * resolved.num_trainable_params / max(resolved.num_params, 1),
                method.describe())
-    log_rank_0("data %s: %d samples; %d samples per step; at most %d tokens per rank per minibatch "
-               "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples,
-               config.batch_size, max_tokens_per_gpu)
+    log_rank_0("data %s: %d %s; %d %s per step; at most %d tokens per rank per minibatch "
+               "(gradient accumulation follows from packing)", config.data_path, num_dataset_samples, unit,
+               config.batch_size, unit, max_tokens_per_gpu)
     if config.context_parallel_size > 1:
         size = config.context_parallel_size
         log_rank_0("context parallelism: %d groups of %d consecutive ranks, each one data rank packing rows of up "

@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 
 from minitrainer.common.cli import collect_errors, comma_list, config_field
 from minitrainer.data.formats import INPUT_FORMATS
+from minitrainer.data.mix import parse_data_spec
 from minitrainer.data.process_data import ProcessDataConfig, tokenizing_config
 from minitrainer.data.sources import TEXT_SAMPLE_BY
 from minitrainer.methods.base import FineTuningMethod
@@ -16,6 +17,8 @@ from minitrainer.methods.lora import ALL_LINEAR, LoRA, LoraSettings
 from minitrainer.methods.osft import OSFT, UPCAST_DTYPES, OSFTSettings, num_frozen_directions
 from minitrainer.methods.qlora import QLoRA
 from minitrainer.model.recomputation import POLICIES, as_policy
+from minitrainer.objectives.base import TrainingObjective
+from minitrainer.objectives.dpo import DPOObjective, DPOSettings
 from minitrainer.progress import PROGRESS_MODES
 
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
@@ -132,6 +135,22 @@ class TrainConfig:
     max_steps: int | None = config_field(None, help="stop after this many optimizer steps")
     max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
     num_epochs: float | None = config_field(None, help="stop after this many passes over the data")
+
+    objective: Literal["sft", "dpo"] = config_field(
+        "sft", section="Objective", help="sft: learn the assistant replies; dpo: preference tuning on "
+                                         "prompt/chosen/rejected pairs (docs/preference.md)")
+    dpo_beta: float = config_field(0.1, help="DPO: beta, how far the policy may move from the reference "
+                                             "(larger: closer)")
+    dpo_loss: Literal["sigmoid", "ipo", "hinge"] = config_field(
+        "sigmoid", help="DPO loss: sigmoid (DPO), ipo (IPO, length-normalised), hinge (SLiC)")
+    dpo_label_smoothing: float = config_field(
+        0.0, help="DPO sigmoid loss: the share of pairs assumed mislabelled, in [0, 0.5) (conservative DPO)")
+    dpo_sft_weight: float = config_field(
+        0.0, help="DPO: add this weight times the chosen replies' per-token cross-entropy (RPO; TRL's "
+                  "loss_type [sigmoid, sft])")
+    reference_model: str | None = config_field(
+        None, help="DPO: the reference model's folder or id (default: the model being trained, before its first "
+                   "update; with LoRA its base)")
 
     output_dir: str = config_field(section="Output, checkpoints and resume", help="folder for metrics, training_params.json and checkpoints")
     min_samples_per_checkpoint: int = config_field(
@@ -308,6 +327,7 @@ class TrainConfig:
                           "supported yet: drop one of them")
         errors += _osft_errors(self)
         errors += _context_parallel_errors(self)
+        errors += _objective_errors(self)
         collect_errors(errors)
 
     @property
@@ -335,6 +355,14 @@ class TrainConfig:
         if self.lora is not None:
             return QLoRA(self.lora) if self.lora.quantize_data_type != "none" else LoRA(self.lora)
         return FineTuningMethod()
+
+    def training_objective(self) -> TrainingObjective:
+        """A new instance of the objective the flags choose: the one place that picks it (``objectives/base.py``)."""
+        if self.objective == "dpo":
+            return DPOObjective(DPOSettings(beta=self.dpo_beta, loss=self.dpo_loss,
+                                            label_smoothing=self.dpo_label_smoothing,
+                                            sft_weight=self.dpo_sft_weight, reference_model=self.reference_model))
+        return TrainingObjective()
 
     def tokenizing_config(self, input_file: str, *, output_dir: str, split: str | None = None) -> ProcessDataConfig:
         """process_data.py's settings for raw ``input_file``: this run's tokenizer and raw-data flags, the
@@ -374,6 +402,36 @@ def _context_parallel_errors(config: TrainConfig) -> list[str]:
                (config.max_tokens_per_gpu == "auto",
                 "--max-tokens-per-gpu auto (the probe measures unsharded rows): give the per-GPU budget")]
     return [f"--context-parallel-size {size} does not combine with {what} yet" for bad, what in refused if bad]
+
+
+def _objective_errors(config: TrainConfig) -> list[str]:
+    """The preference flags: in range, and only with --objective dpo."""
+    defaults = {"dpo_beta": 0.1, "dpo_loss": "sigmoid", "dpo_label_smoothing": 0.0, "dpo_sft_weight": 0.0,
+                "reference_model": None}
+    if config.objective != "dpo":
+        return [f"--{name.replace('_', '-')} needs --objective dpo" for name, default in defaults.items()
+                if getattr(config, name) != default]
+    errors = []
+    if not (math.isfinite(config.dpo_beta) and config.dpo_beta > 0):
+        errors.append(f"--dpo-beta must be positive, got {config.dpo_beta}")
+    if not 0.0 <= config.dpo_label_smoothing < 0.5:
+        errors.append(f"--dpo-label-smoothing must be in [0, 0.5), got {config.dpo_label_smoothing}")
+    elif config.dpo_label_smoothing and config.dpo_loss != "sigmoid":
+        errors.append(f"--dpo-label-smoothing applies to --dpo-loss sigmoid, not {config.dpo_loss}")
+    if not (math.isfinite(config.dpo_sft_weight) and config.dpo_sft_weight >= 0):
+        errors.append(f"--dpo-sft-weight must be non-negative, got {config.dpo_sft_weight}")
+    refused = [(config.context_parallel_size > 1, f"--context-parallel-size {config.context_parallel_size} (a "
+                                                  "pair's sums would span ranks)"),
+               (_is_mix(config.data_path), "a data mix (one preference file per run)")]
+    errors += [f"--objective dpo does not combine with {what} yet" for bad, what in refused if bad]
+    return errors
+
+
+def _is_mix(data_path: str) -> bool:
+    try:
+        return parse_data_spec(data_path) is not None
+    except ValueError:  # a malformed mix: start-up names its problem
+        return True
 
 
 def _optimizer_errors(config: TrainConfig) -> list[str]:

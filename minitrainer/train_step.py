@@ -1,8 +1,8 @@
 """One optimizer step on one packed batch, and its metrics line.
 
-The step optimises the exact per-token mean cross-entropy over the whole batch,
+The step optimises the objective's exact mean over the whole batch (SFT: per token; DPO: per pair),
 whatever the packing: every minibatch's loss is a sum, scaled by the batch's
-loss-token count, which the sampler knows before any forward.
+count, which the sampler knows before any forward (``objectives/``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from minitrainer.common.distributed import DistInfo
 from minitrainer.common.log import log_rank_0, logger
 from minitrainer.data import mix as data_mix
 from minitrainer.data.sampler import StepBatch
-from minitrainer.model.attention import model_inputs
-from minitrainer.model.objective import router_aux_weight
 from minitrainer.optimizers import skips_on_device, step_unless
 from minitrainer.progress import Progress
 from minitrainer.setup_model_fsdp import sync_gradients_on
@@ -63,6 +61,7 @@ class StepResult:
     loss_sum: torch.Tensor         # summed cross-entropy of this rank's loss tokens
     backward_sum: torch.Tensor     # what was backpropagated (the scaled loss)
     router_aux_sum: torch.Tensor
+    objective_sums: torch.Tensor   # the objective's own sums (TrainingObjective.sum_names)
     local_loss_tokens: int
     grad_norm: torch.Tensor | float  # a float once reduce_step has read it back
     finite: bool | None            # None until reduce_step reads it back (the update skipped itself on the device)
@@ -85,30 +84,23 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     reset_peak_memory()
     start = time.perf_counter()
     timer = DeviceTimer(dist_info.device)
-    # Sum-reduced CE over this rank's minibatches, divided by the whole batch's
-    # loss-token count (known before any forward). FSDP averages gradients over
-    # ranks, so multiplying by world_size turns that average back into the sum
-    # the exact per-token mean needs. With context parallelism each rank's sum covers its own
-    # shard of the group's row, so the sum over all ranks is still the batch's: the same factor holds.
-    scale = dist_info.world_size / max(batch.batch_num_loss_counted_tokens, 1)
     loss_sum = torch.zeros((), device=dist_info.device)
     backward_sum = torch.zeros((), device=dist_info.device)
     router_aux_sum = torch.zeros((), device=dist_info.device)
+    objective_sums = torch.zeros(len(run.objective.sum_names), device=dist_info.device, dtype=torch.float64)
     local_loss_tokens = 0
     attn, device = run.resolved.attn_implementation, dist_info.device
     for index, minibatch in enumerate(batch.minibatches):
         sync_gradients_on(model, sharding_strategy=run.config.fsdp_sharding_strategy,
                           final_minibatch=index == len(batch.minibatches) - 1)
-        # MoE router loss (objective.py): per-sample, averaged over the batch's samples.
-        aux_weight = router_aux_weight(
-            model.router_loss, batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
-            batch_num_samples=batch.num_samples, minibatch_num_samples=minibatch.num_samples)
-        mb_loss = model(**model_inputs(minibatch, attn, device), router_aux_weight=aux_weight)
-        scaled = mb_loss * scale
+        # The objective scales each minibatch's loss so the step optimises the exact mean over the whole batch.
+        scaled, sums = run.objective.minibatch_loss(model, minibatch, batch, attn=attn, device=device,
+                                                    world_size=dist_info.world_size)
         scaled.backward()
         loss_sum += model.last_ce_sum
         router_aux_sum += model.last_router_aux_sum
         backward_sum += scaled.detach()
+        objective_sums += sums
         local_loss_tokens += minibatch.num_loss_counted_tokens
     timer.stop()
     run.method.before_clip(model, device=device)
@@ -135,7 +127,8 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     state.step += 1
     state.samples_seen = batch.end_position
     return StepResult(started=start, forward_backward=timer, loss_sum=loss_sum, backward_sum=backward_sum,
-                      router_aux_sum=router_aux_sum, local_loss_tokens=local_loss_tokens, grad_norm=grad_norm,
+                      router_aux_sum=router_aux_sum, objective_sums=objective_sums,
+                      local_loss_tokens=local_loss_tokens, grad_norm=grad_norm,
                       finite=finite, empty=empty, lr=lr)
 
 
@@ -146,7 +139,7 @@ def reduce_step(run: Run, batch: StepBatch, result: StepResult, *,
     counts, preempted = reduce_step_counts(
         result.loss_sum, result.backward_sum, result.local_loss_tokens, 0.0, batch, run.dist_info,
         preemption_requested, result.router_aux_sum if run.model.router_loss is not None else None,
-        grad_norm=result.grad_norm)
+        grad_norm=result.grad_norm, objective_sums=result.objective_sums)
     counts = dataclasses.replace(counts, forward_backward_time=result.forward_backward.seconds())
     result.grad_norm, result.finite = counts.grad_norm, math.isfinite(counts.grad_norm)
     state = run.state
@@ -166,6 +159,7 @@ def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts,
                          time_per_batch=time.perf_counter() - result.started,
                          total_samples_accumulated=state.samples_trained, samples_seen=state.samples_seen,
                          epoch=batch.epoch, peak_memory_usage_gb=peak_memory_gb(), skipped=not result.applied)
+    record.update(run.objective.record(counts))
     record.update(flops.speed_metrics(
         run.model_shape, batch.sample_lengths, num_loss_counted_tokens=counts.num_loss_counted_tokens,
         seconds=record["time_per_batch"], world_size=dist_info.world_size, peak_tflops=run.peak_tflops,
@@ -211,7 +205,7 @@ def report_divergence(run: Run, batch: StepBatch, result: StepResult, counts: St
     state, config = run.state, run.config
     if not result.applied:
         return False
-    loss = counts.loss_sum / max(counts.batch_num_loss_counted_tokens, 1)
+    loss = run.objective.step_loss(counts)
     why = divergence.detect(loss=loss, grad_norm=float(result.grad_norm),
                             num_loss_tokens=counts.batch_num_loss_counted_tokens,
                             recent_losses=state.recent_losses, loss_factor=config.divergence_loss_factor)
@@ -250,7 +244,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 def reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local_loss_tokens: int,
                        forward_backward_time: float, batch: StepBatch, dist_info: DistInfo, preempt_requested: bool,
                        router_aux_sum: torch.Tensor | None = None, *,
-                       grad_norm: torch.Tensor | None = None) -> tuple[StepCounts, bool]:
+                       grad_norm: torch.Tensor | None = None,
+                       objective_sums: torch.Tensor | None = None) -> tuple[StepCounts, bool]:
     """All-reduce this step's sums and the preemption flags (any rank's signal stops all), and read them back
     with the gradient norm: one collective and one device-to-host read, the step's only synchronisation.
 
@@ -262,10 +257,11 @@ def reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local
     # From pinned memory without waiting: a pageable host-to-device copy would wait for the device.
     host = torch.tensor([local_loss_tokens, int(preempt_requested)], dtype=torch.float64,
                         pin_memory=device.type != "cpu").to(device, non_blocking=True)
-    sums = torch.cat([torch.stack([loss_sum, backward_sum, aux]).double(), host])
+    extra = objective_sums if objective_sums is not None else loss_sum.new_zeros(0, dtype=torch.float64)
+    sums = torch.cat([torch.stack([loss_sum, backward_sum, aux]).double(), host, extra])
     dist.all_reduce(sums)
     norm = (grad_norm if grad_norm is not None else loss_sum.new_zeros(())).double().reshape(1)
-    loss_total, backward_total, router_aux_total, loss_tokens, preempts, norm_value = (
+    loss_total, backward_total, router_aux_total, loss_tokens, preempts, *objective_totals, norm_value = (
         torch.cat([sums, norm]).tolist())  # CPU-GPU sync point: the step's one
     counts = StepCounts(loss_sum=loss_total, backward_loss_sum=backward_total,
                         batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
@@ -273,5 +269,5 @@ def reduce_step_counts(loss_sum: torch.Tensor, backward_sum: torch.Tensor, local
                         num_total_tokens=batch.num_total_tokens, num_dropped_samples=batch.num_dropped_samples,
                         num_minibatches=len(batch.minibatches), forward_backward_time=forward_backward_time,
                         router_aux_loss_sum=None if router_aux_sum is None else router_aux_total,
-                        grad_norm=norm_value)
+                        grad_norm=norm_value, objective_sums=tuple(objective_totals))
     return counts, preempts > 0

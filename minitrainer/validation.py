@@ -15,7 +15,8 @@ inputs and summed loss), in groups of ``group_size`` samples, forward only
 under ``torch.no_grad()``. Memory is bounded by the token budget of one
 minibatch. Every rank makes the same number of forward calls (a rank with no
 work in a minibatch gets the 1-token dummy), because FSDP all-gathers in each.
-One all-reduce of (loss sum, token count) at the end gives
+One all-reduce of (loss sum, token count) at the end (the pass is the objective's,
+``objectives/base.py``; DPO's reports the pairs' loss and reward accuracy) gives
 
     val_loss = sum of token cross-entropies / number of loss-counted tokens
 
@@ -37,12 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from minitrainer.common.log import log_rank_0
 from minitrainer.data.packing import plan_minibatches
-from minitrainer.data.sampler import collate_minibatch
 
 SPLIT_SEED_SALT = 0x5E11
 """Mixed into the seed so the split does not correlate with epoch 0's shuffle (seed + 0)."""
@@ -60,6 +59,10 @@ class RowSubset:
         self.path = base.path
         self.lengths = base.lengths[self.rows]
         self.num_loss_counted_tokens = base.num_loss_counted_tokens[self.rows]
+        self.sequences_per_unit = getattr(base, "sequences_per_unit", 1)
+        if self.sequences_per_unit > 1:  # preference pairs: the per-side columns the sampler and objective read
+            self.side_lengths = base.side_lengths[self.rows]
+            self.side_loss_tokens = base.side_loss_tokens[self.rows]
 
     def __len__(self) -> int:
         return int(self.rows.size)
@@ -75,6 +78,12 @@ class RowSubset:
 
     def sample_arrays(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         return self.base.sample_arrays(int(self.rows[index]))
+
+    def sequences(self, index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        return self.base.sequences(int(self.rows[index]))
+
+    def sides(self):
+        return self.base.sides()
 
 
 def split_rows(num_samples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -135,47 +144,13 @@ def plan_validation(lengths: np.ndarray, loss_counts: np.ndarray, *, max_tokens_
                           num_loss_counted_tokens=int(loss_counts[keep].sum()))
 
 
-def run_validation(model: torch.nn.Module, dataset, plan: ValidationPlan, *, rank: int, device: torch.device,
-                   model_inputs: Callable, shard: Callable | None = None) -> tuple[float, int]:
-    """One pass over the validation set (collective: every rank calls it with the same plan).
-
-    Args:
-        model: the FSDP-wrapped ``CausalLMWithLoss``; returns the summed loss of a packed row.
-        dataset: the validation samples (``sample_arrays(row)``).
-        plan: from ``plan_validation``.
-        rank: this rank (with context parallelism: its group's data rank).
-        device: where the loss lives.
-        model_inputs: minibatch -> forward kwargs (the training loop's own function).
-        shard: minibatch -> this rank's shard of it (context parallelism; None: the whole row).
-
-    Returns:
-        ``(val_loss, num_loss_counted_tokens)`` over the whole set, all ranks; NaN loss for an empty set.
-    """
-    was_training = model.training
-    model.eval()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = 0
-    with torch.no_grad():
-        for minibatch in plan.minibatches:
-            packed = collate_minibatch([dataset.sample_arrays(row) for row in minibatch[rank]])
-            if shard is not None:
-                packed = shard(packed)  # its own loss tokens only: the group's shards sum to the row's
-            loss_sum += model(**model_inputs(packed)).double()
-            tokens += packed.num_loss_counted_tokens
-    model.train(was_training)
-    totals = torch.stack([loss_sum, torch.tensor(float(tokens), device=device, dtype=torch.float64)])
-    dist.all_reduce(totals)
-    total_loss, total_tokens = totals.tolist()  # CPU-GPU sync point
-    assert int(total_tokens) == plan.num_loss_counted_tokens, (total_tokens, plan.num_loss_counted_tokens)
-    return (total_loss / total_tokens if total_tokens else float("nan")), int(total_tokens)
-
-
 def validation_record(*, step: int, samples_seen: int, val_loss: float, num_loss_counted_tokens: int,
-                      num_samples: int, elapsed: float) -> dict:
-    """The metrics line of one validation pass (told apart from step lines by ``val_loss``)."""
+                      num_samples: int, elapsed: float, extra: dict | None = None) -> dict:
+    """The metrics line of one validation pass (told apart from step lines by ``val_loss``); ``extra``: the
+    objective's own fields (DPO's reward accuracy)."""
     return {"step": step, "val_loss": val_loss, "val_num_loss_counted_tokens": num_loss_counted_tokens,
             "val_num_samples": num_samples, "val_time_s": elapsed, "samples_seen": samples_seen,
-            "timestamp": time.time()}
+            **(extra or {}), "timestamp": time.time()}
 
 
 def should_validate(*, step: int, every_n_steps: int | None, samples_seen: int, previous_samples: int,
@@ -190,8 +165,8 @@ def should_validate(*, step: int, every_n_steps: int | None, samples_seen: int, 
     return bool(every_n_samples) and samples_seen // every_n_samples > previous_samples // every_n_samples
 
 
-def announce(plan: ValidationPlan, source: str) -> None:
-    log_rank_0("validation %s: %d samples, %d loss tokens, %d minibatches per pass%s", source, plan.num_samples,
+def announce(plan: ValidationPlan, source: str, unit: str = "samples") -> None:
+    log_rank_0("validation %s: %d %s, %d loss tokens, %d minibatches per pass%s", source, plan.num_samples, unit,
                plan.num_loss_counted_tokens, len(plan.minibatches),
                f"; {plan.num_dropped_samples} longer than --max-tokens-per-gpu are not evaluated"
                if plan.num_dropped_samples else "")

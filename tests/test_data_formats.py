@@ -585,22 +585,12 @@ OTHER_SHAPES = {
                           "expected_answer": "4", "problem_source": "gsm8k"},
                          [("instruction=problem,output=generated_solution", "alpaca"),
                           ("prompt=problem,completion=generated_solution", "prompt_completion")]),
-    # TRL's preference rows: the refusal offered reading 'rejected' (or a 'chosen' reply without its prompt) too.
-    "trl_preference": ({"prompt": MESSAGES_ROWS[0]["messages"][:2], "chosen": MESSAGES_ROWS[0]["messages"][2:],
-                        "rejected": [{"role": "assistant", "content": "Lyon."}]},
-                       [("completion=chosen", "prompt_completion")]),
-    "trl_preference_plain": ({"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Lyon."},
-                             [("completion=chosen", "prompt_completion"), ("instruction=prompt,output=chosen", "alpaca")]),
+    # TRL's preference rows (prompt/chosen/rejected, chosen/rejected: trl_preference, Intel/orca_dpo_pairs) are
+    # read as pairs now (tests/test_preference_data.py); a pair that does not convert is still refused with offers.
     # allenai's Tulu 3 preference mixtures: a prompt string beside chosen conversations that hold it.
     "tulu_preference": ({"prompt": "Capital of France?", "chosen": MESSAGES_ROWS[0]["messages"][1:],
                          "rejected": [MESSAGES_ROWS[0]["messages"][1], {"role": "assistant", "content": "Lyon."}]},
                         [("messages=chosen", "messages")]),
-    # Intel/orca_dpo_pairs: strings, the question under its own name.
-    "orca_dpo_pairs": ({"system": "Be brief.", "question": "Capital of France?", "chosen": "Paris.",
-                        "rejected": "Lyon."}, [("instruction=question,output=chosen", "alpaca"),
-                                               ("prompt=question,completion=chosen", "prompt_completion")]),
-    "trl_preference_implicit": ({"chosen": MESSAGES_ROWS[0]["messages"], "rejected": MESSAGES_ROWS[1]["messages"]},
-                                [("messages=chosen", "messages")]),
     # OpenAI's preference fine-tuning rows: the prompt is nested under 'input', which --columns cannot name. The
     # refusal offered messages=preferred_output (a reply without its question) and messages=non_preferred_output.
     "openai_preference": ({"input": {"messages": [{"role": "user", "content": "Capital of France?"}], "tools": []},

@@ -31,6 +31,7 @@ BATCH = 8
     (2.1e7, 1.5e15, 50, [6.1], 5.0, True),                  # the jump of a learning rate that blows up
     (6.07, 0.0, 50, [6.1], 5.0, True),                      # the collapse after it: nothing left to learn from
     (6.07, 0.0, 0, [6.1], 5.0, False),                      # no loss tokens: a zero gradient is expected
+    (0.0, 0.0, 50, [0.3], 5.0, False),                      # DPO's hinge past every margin: zero loss, zero grad
     (0.8, 0.5, 50, [0.05] * 10, 5.0, False),                # a harder batch after the data is learnt: floor 1
     (5.5, 0.5, 50, [0.05] * 10, 5.0, True),
     (2.1e7, 1.5e15, 50, [], 5.0, False),                    # no history yet

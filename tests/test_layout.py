@@ -28,7 +28,7 @@ from fixtures.e2e import ROOT
 
 PACKAGE = ROOT / "minitrainer"
 LAYERS = ("minitrainer.common", "minitrainer.data", "minitrainer.model", "minitrainer.methods",
-          "minitrainer.checkpoint", "minitrainer", "minitrainer.tools", "minitrainer.compat",
+          "minitrainer.objectives", "minitrainer.checkpoint", "minitrainer", "minitrainer.tools", "minitrainer.compat",
           "minitrainer.integrations", "", "fixtures", "bench", "tests")
 """Lowest first: a module may import modules of its own layer or a lower one (``""``: the root's entry scripts)."""
 ENTRY_SCRIPTS = ("batch_metrics.py", "process_data.py", "sampler.py", "setup_model_fsdp.py", "train.py", "utils.py")
@@ -117,7 +117,7 @@ def test_no_module_imports_itself_through_others():
 def test_each_layer_imports_only_its_own_or_lower_ones():
     upward = [f"{name} -> {imported}" for name, imports in sorted(GRAPH.items()) for imported in sorted(imports)
               if LAYERS.index(_layer(imported)) > LAYERS.index(_layer(name))]
-    assert not upward, ("imports against the layers (common < data < model < methods < checkpoint < the run < "
+    assert not upward, ("imports against the layers (common < data < model < methods < objectives < checkpoint < the run < "
                         "tools < the root's entry scripts < fixtures < bench < tests; a function that needs a "
                         "higher layer moves to the layer it belongs to): " + "; ".join(upward))
 

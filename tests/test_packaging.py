@@ -103,6 +103,7 @@ def test_the_wheel_holds_the_package_its_data_and_a_console_script_per_entry_poi
                                                                                 if ".dist-info/" in n})
     assert outside == [], f"the wheel holds more than the package: {outside}"
     assert "minitrainer/tools/demo_chat.jsonl" in names
+    assert "minitrainer/tools/demo_preferences.jsonl" in names
     packaged = {name for name in names if name.endswith(".py")}
     checkout = {str(path.relative_to(ROOT)) for path in (ROOT / "minitrainer").rglob("*.py")}
     assert packaged == checkout

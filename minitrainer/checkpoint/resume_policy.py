@@ -127,6 +127,7 @@ def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> 
         params["optimizer"] = config.optimizer
     if config.adam_eps != 1e-8:  # the same: absent for AdamW's default, which states before the flag trained with
         params["adam_eps"] = config.adam_eps
+    params.update(config.training_objective().run_params())  # absent for SFT, as before objectives existed
     if schedule_has_total:
         params["scheduled_steps"] = total_steps
     sources = parse_data_spec(config.data_path)

@@ -187,6 +187,17 @@ def _wait_for_lost_ranks(dist_info: DistInfo, err: BaseException, timeout: float
     return lost
 
 
+def reshard(model) -> None:
+    """Free what no-grad forwards of ``model`` (an FSDP2-sharded module) left gathered: the root is not resharded after its forward (backward needs
+    the LM head first), nor anything with SHARD_GRAD_OP (reshard_after_forward=False); without a backward
+    nothing else would, and the first training step or the optimizer then meets unsharded parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def cleanup() -> None:
     """Leave the process group, pairing with ``init_distributed``."""
     import torch.distributed as dist

@@ -45,7 +45,7 @@ _BATCH = ("samples per optimizer step, whole job: per-device batch x accumulatio
           "under --max-tokens-per-gpu")
 _PACKED = "every batch is packed, padding-free, with the exact per-token loss"
 _LOGGED = "every step is logged to training_metrics_<rank>.jsonl"
-_SFT_ONLY = "we train the next-token loss (SFT) only; there is no preference objective"
+_PAIR_LENGTH = "one limit on a whole pair (prompt and both replies); longer pairs are counted and dropped, not truncated"
 _ASSISTANT_ONLY = "always: chat rows learn the assistant turns only, text rows every token"
 _BF16 = "GPU runs compute in bfloat16 over float32 weights (CPU runs in float32)"
 _CHECKPOINT_STEPS = "in samples, not steps: steps x --batch-size"
@@ -123,15 +123,16 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "logging_dir": _f(OLD_TRL, "tensorboard_dir"),
     "overwrite_output_dir": _f(OLD_TRL, "resume", "a run continues in its --output-dir; --no-resume starts over"),
     "torch_dtype": _f(OLD_TRL, note="weights and optimizer stay float32; " + _BF16),
-    "max_prompt_length": _f(OLD_TRL, note=_SFT_ONLY),
-    "max_completion_length": _f(OLD_TRL, note=_SFT_ONLY),
+    "max_prompt_length": _f(OLD_TRL, "max_sample_num_tokens", _PAIR_LENGTH),
+    "max_completion_length": _f(OLD_TRL, "max_sample_num_tokens", _PAIR_LENGTH),
     # ---- TRL's DPOConfig
-    "beta": _f(TRL, note=_SFT_ONLY),
-    "loss_type": _f(TRL, note=_SFT_ONLY),
-    "precompute_ref_log_probs": _f(TRL, note=_SFT_ONLY),
-    "label_smoothing": _f(TRL, note=_SFT_ONLY),
-    "sync_ref_model": _f(TRL, note=_SFT_ONLY),
-    "rpo_alpha": _f((OLD_TRL, AXOLOTL), note=_SFT_ONLY),
+    "beta": _f(TRL, "dpo_beta", "with --objective dpo"),
+    "loss_type": _f(TRL, ("dpo_loss", "dpo_sft_weight"),
+                    "sigmoid, ipo or hinge; [sigmoid, sft] with weights [1, a] is --dpo-sft-weight a"),
+    "precompute_ref_log_probs": _f(TRL, note="always: before step 1, stored beside the data and reused"),
+    "label_smoothing": _f(TRL, "dpo_label_smoothing", "conservative DPO on the sigmoid loss"),
+    "sync_ref_model": _f(TRL, note="the reference is fixed (TR-DPO's moving reference is not offered)"),
+    "rpo_alpha": _f((OLD_TRL, AXOLOTL), "dpo_sft_weight", "RPO's alpha; TRL 1.16 writes it as loss_type [sigmoid, sft]"),
     # ---- TRL's ScriptArguments (the dataset of a `trl sft --config` file)
     "dataset_name": _f(TRL, ("data_path", "input_file")),
     "dataset_config": _f(TRL, ("data_subset", "subset")),
@@ -182,7 +183,7 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "tokenizer_config": _f(AXOLOTL, "model_name_or_path", "the tokenizer is read from the model's folder or id"),
     "streaming": _f(AXOLOTL, note="raw data is always streamed and tokenized once"),
     "group_by_length": _f((OLD_TRL, AXOLOTL), note=_PACKED),
-    "rl": _f(AXOLOTL, note=_SFT_ONLY),
+    "rl": _f(AXOLOTL, "objective", "rl: dpo is --objective dpo; ipo is --dpo-loss ipo; kto, orpo, simpo are not offered"),
     # ---- mini_trainer 0.9's TrainingArgs
     "beta1": _f(MINI_TRAINER, "adam_betas", "the pair: --adam-betas B1 B2"),
     "beta2": _f(MINI_TRAINER, "adam_betas", "the pair: --adam-betas B1 B2"),

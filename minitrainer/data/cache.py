@@ -70,7 +70,8 @@ def is_tokenized(path: str | Path) -> bool:
                 row = json.loads(line)
             except ValueError:
                 continue
-            return isinstance(row, dict) and "input_ids" in row
+            # A preference file's rows (process_data's pairs) hold each side's ids instead.
+            return isinstance(row, dict) and ("input_ids" in row or "chosen_input_ids" in row)
     return True
 
 

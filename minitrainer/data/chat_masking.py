@@ -41,6 +41,7 @@ ChatML's newline after ``<|im_end|>`` is not.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -155,6 +156,18 @@ class Sample:
         Raises:
             SampleError: a copied field holds a lone surrogate (``lone_surrogate``).
         """
+        ids, labels = self.json_lists(id_strings)
+        extra = _strict_json(self.extra)[1:-1] if self.extra else ""
+        line = (f'{{"input_ids":[{ids}],"labels":[{labels}],'
+                f'"len":{len(self.input_ids)},"num_loss_counted_tokens":{self.num_loss_counted_tokens}'
+                f'{"," if extra else ""}{extra}}}\n')
+        try:
+            return line.encode("utf-8")
+        except UnicodeEncodeError:  # only the copied fields can hold one: the text was encoded
+            raise lone_surrogate(extra) from None
+
+    def json_lists(self, id_strings: list[str]) -> tuple[str, str]:
+        """The JSON text of ``input_ids`` and of ``labels``, without their brackets."""
         strings = [id_strings[i] for i in self.input_ids]
         label_parts, pos = [], 0
         for t0, t1 in self.token_spans:
@@ -162,16 +175,35 @@ class Sample:
             label_parts.append(",".join(strings[t0:t1]) + ",")
             pos = t1
         label_parts.append(_MASKED * (len(strings) - pos))
-        extra = _strict_json(self.extra)[1:-1] if self.extra else ""
-        line = (f'{{"input_ids":[{",".join(strings)}],"labels":[{"".join(label_parts)[:-1]}],'
-                f'"len":{len(strings)},"num_loss_counted_tokens":{self.num_loss_counted_tokens}'
-                f'{"," if extra else ""}{extra}}}\n')
-        try:
-            return line.encode("utf-8")
-        except UnicodeEncodeError:  # only the copied fields can hold one: the text was encoded
-            raise lone_surrogate(extra) from None
+        return ",".join(strings), "".join(label_parts)[:-1]
 
 
+@dataclass
+class PairSample:
+    """One preference pair: two samples of the same prompt, written as one output row."""
+
+    chosen: Sample
+    rejected: Sample
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.chosen.input_ids) + len(self.rejected.input_ids)
+
+    @property
+    def num_loss_counted_tokens(self) -> int:
+        return self.chosen.num_loss_counted_tokens + self.rejected.num_loss_counted_tokens
+
+    def to_json_line(self, id_strings: list[str]) -> bytes:
+        """The output row (``PAIR_OUTPUT_FIELDS``); ``len`` and ``num_loss_counted_tokens`` are both sides'."""
+        chosen_ids, chosen_labels = self.chosen.json_lists(id_strings)
+        rejected_ids, rejected_labels = self.rejected.json_lists(id_strings)
+        return (f'{{"chosen_input_ids":[{chosen_ids}],"chosen_labels":[{chosen_labels}],'
+                f'"rejected_input_ids":[{rejected_ids}],"rejected_labels":[{rejected_labels}],'
+                f'"len":{self.num_tokens},"num_loss_counted_tokens":{self.num_loss_counted_tokens}}}\n').encode()
+
+
+PAIR_OUTPUT_FIELDS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "len",
+                      "num_loss_counted_tokens")
 _MASKED = f"{IGNORE_INDEX},"
 
 
@@ -988,11 +1020,13 @@ class ChatEncoder:
                           special_tokens=self.added_tokens, mask_reasoning=self.mask_reasoning,
                           masked=masked)
 
-    def encode_rows(self, rows: list[bytes | ChatRow]) -> list[Sample | SampleError]:
+    def encode_rows(self, rows: list[bytes | ChatRow], *,
+                    max_sample_num_tokens: int | None = None) -> list[Sample | SampleError]:
         """Encode a chunk of rows; one ``Sample`` or ``SampleError`` per row, in order.
 
         A row is a JSONL line in the ``messages`` format or a ``ChatRow`` (``formats``
         converts the other formats). All texts of the chunk go through the Rust tokenizer in one batch.
+        ``max_sample_num_tokens`` replaces the encoder's limit (``encode_pairs`` checks a pair's length).
         """
         results: list[Sample | SampleError | None] = [None] * len(rows)
         # (index, text, spans or None without template, extra, rule, prompt chars, has a reply, replies marked)
@@ -1043,12 +1077,70 @@ class ChatEncoder:
             [item[1][:item[5]] for item in prompted], add_special_tokens=False)))) if prompted else {}
         for (index, text, spans, extra, rule, prompt_chars, has_reply, num_marked), encoding in zip(pending, encodings):
             results[index] = self._finish(encoding, text, spans, extra, rule, prompt_ids=prompt_ids.get(index),
-                                          has_reply=has_reply, num_marked=num_marked)
+                                          has_reply=has_reply, num_marked=num_marked,
+                                          max_tokens=max_sample_num_tokens or self.max_sample_num_tokens)
         return results
+
+    def encode_pairs(self, pairs: list[tuple[ChatRow, ChatRow]]) -> list[PairSample | SampleError]:
+        """Encode a chunk of preference pairs (``formats.read_pair``'s sides); one ``PairSample`` or
+        ``SampleError`` per pair, in order. Each side is encoded as the SFT row it is, in one batch,
+        then the pair is checked (``_check_pair``).
+
+        Plain-string pairs follow TRL's ``DPOTrainer``: the EOS is appended only where the text does not
+        already end with it, and both sides learn from one shared index, the smaller of the two sides'
+        first learned token (TRL's ``prompt_len``), so a token merging across the prompt's end is learned
+        by both or by neither::
+
+            prompt "Q: 2+2?" chosen " 4"   [Q : 2 + 2 ?][ 4] EOS        shared start 6
+                     rejected " 5"         [Q : 2 + 2 ?][ 5] EOS        labels M x6, then learned
+        """
+        rows = [side for pair in pairs for side in map(self._without_eos, pair)]
+        # A side alone is never too long: the pair's length is what --max-sample-num-tokens bounds.
+        encoded = self.encode_rows(rows, max_sample_num_tokens=1 << 62)
+        return [self._check_pair(chosen, rejected) for chosen, rejected in zip(encoded[0::2], encoded[1::2])]
+
+    def _without_eos(self, row: ChatRow) -> ChatRow:
+        """A plain prompt/completion side whose text ends with the EOS, without it: ``_finish`` appends
+        it once (TRL's ``add_eos`` does not double it)."""
+        messages = row.fields.get("messages")
+        if row.num_prompt_chars is None or not self.eos_token:
+            return row
+        content = messages[0]["content"]
+        if not (isinstance(content, str) and content.endswith(self.eos_token)
+                and len(content) - len(self.eos_token) >= row.num_prompt_chars):
+            return row
+        text = content[: -len(self.eos_token)]
+        return ChatRow({**row.fields, "messages": [{**messages[0], "content": text}]},
+                       num_prompt_messages=row.num_prompt_messages, num_prompt_chars=row.num_prompt_chars)
+
+    def _check_pair(self, chosen: Sample | SampleError, rejected: Sample | SampleError) -> PairSample | SampleError:
+        """The pair, or why it cannot train: a bad side (its reason, the side named), ``identical_sides``,
+        ``prompt_mismatch`` (the tokens before each side's first learned token differ: templates that
+        render the prompt differently, a token merging across its end) or ``too_long`` (both sides)."""
+        for name, side in (("chosen", chosen), ("rejected", rejected)):
+            if isinstance(side, SampleError):
+                return SampleError(side.reason, f"{name}: {side.detail}", audit=side.audit)
+        if chosen.is_prompt_completion and rejected.is_prompt_completion:
+            start = min(chosen.token_spans[0][0], rejected.token_spans[0][0])
+            chosen, rejected = (dataclasses.replace(side, token_spans=[(start, len(side.input_ids))],
+                                                    num_loss_counted_tokens=len(side.input_ids) - start)
+                                for side in (chosen, rejected))
+        if chosen.input_ids == rejected.input_ids and chosen.labels == rejected.labels:
+            return SampleError("identical_sides", "chosen and rejected are the same tokens with the same labels")
+        start_c, start_r = chosen.token_spans[0][0], rejected.token_spans[0][0]
+        if chosen.input_ids[:start_c] != rejected.input_ids[:start_r]:
+            return SampleError("prompt_mismatch", f"the tokens before the first learned one differ between the sides "
+                                                  f"({start_c} and {start_r} tokens): the pair has no common prompt")
+        pair = PairSample(chosen, rejected)
+        if pair.num_tokens > self.max_sample_num_tokens:
+            return SampleError("too_long", f"{len(chosen.input_ids)} + {len(rejected.input_ids)} tokens > "
+                                           f"--max-sample-num-tokens {self.max_sample_num_tokens} (a pair counts "
+                                           "both sides)")
+        return pair
 
     def _finish(self, encoding, text: str, spans: list[CharSpan] | None, extra: dict, rule: str | None, *,
                 prompt_ids: list[int] | None = None, has_reply: bool = False,
-                num_marked: int = 0) -> Sample | SampleError:
+                num_marked: int = 0, max_tokens: int) -> Sample | SampleError:
         """The sample of one encoded text. Without a template (``spans`` None): ``text + EOS``, learned
         from where the tokens of the prompt alone (``prompt_ids``) and of the whole text diverge, as TRL's
         ``SFTTrainer`` does (``common_prefix_length``): a token merging across the boundary is learned::
@@ -1067,7 +1159,7 @@ class ChatEncoder:
             token_spans = [(first, len(input_ids))]
         else:
             token_spans = [token_span(encoding, len(input_ids), len(text), span) for span in spans]
-        if len(input_ids) > self.max_sample_num_tokens:
+        if len(input_ids) > max_tokens:
             is_text = spans is None and first == 0
             if not (is_text and self.split_long_text):
                 hint = "; --split-long-text cuts a text row into pieces instead" if is_text else ""

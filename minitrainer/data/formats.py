@@ -22,27 +22,36 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
     alpaca             instruction, output             [system], [history's rounds], user (instruction
                        (input, system, history         + newline + input), assistant (output)
                        optional)
+    preference         prompt, chosen, rejected        a pair (``read_pair``): each side a prompt/completion
+                                                       row of the prompt and that side
+    preference_implicit  chosen, rejected              a pair; the prompt is the sides' common prefix
+                                                       (TRL's ``extract_prompt``)
 
-A row with ``messages`` is read as today whatever else it carries. Otherwise exactly one of the
-other shapes must match: no match is ``missing_messages``, two (an alpaca row with a ``text``
-column) is ``ambiguous_format``; ``--input-format`` picks one. ``--columns`` renames columns first.
+A row with ``messages`` is read as today whatever else it carries, and an explicit preference row
+(``prompt`` too) is not also an implicit one. Otherwise exactly one of the other shapes must match:
+no match is ``missing_messages``, two (an alpaca row with a ``text`` column) is ``ambiguous_format``;
+``--input-format`` picks one. ``--columns`` renames columns first. Pairs and SFT rows never share a
+file: ``read_row`` refuses a pair (``preference_row``), ``read_pair`` any other row (``not_a_pair``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from minitrainer.data.chat_masking import LEARNING_MARKS, ChatRow, SampleError, json_field, load_row
 from minitrainer.data.sources import BadRow
 
-FORMATS = ("messages", "sharegpt", "prompt_completion", "text", "alpaca")
+FORMATS = ("messages", "sharegpt", "prompt_completion", "text", "alpaca", "preference", "preference_implicit")
+PAIR_FORMATS = ("preference", "preference_implicit")  # rows read by read_pair, never by read_row
 INPUT_FORMATS = ("auto",) + FORMATS
 # The keys that make each format (all must be there); "messages" wins over every other shape.
 SHAPES = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
-          "text": ("text",), "alpaca": ("instruction", "output")}
+          "text": ("text",), "alpaca": ("instruction", "output"), "preference": ("prompt", "chosen", "rejected"),
+          "preference_implicit": ("chosen", "rejected")}
 # The column names --columns may map to.
 COLUMNS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output", "system",
-           "tools")
+           "tools", "chosen", "rejected")
 ACCEPTED = "; ".join(f"{name} ({' + '.join(keys)})" for name, keys in SHAPES.items())
 
 # The column holding a format's conversation, which is never a string of text (a prompt may be).
@@ -75,6 +84,8 @@ def detect_format(row: dict[str, Any]) -> str:
     if "messages" in row:
         return "messages"
     found = [name for name, keys in SHAPES.items() if all(key in row for key in keys)]
+    if "preference" in found:  # its keys include the implicit shape's: the explicit prompt wins
+        found.remove("preference_implicit")
     if len(found) == 1:
         return found[0]
     keys = ", ".join(map(repr, row)) or "none"
@@ -121,6 +132,11 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     if columns:
         row = _renamed(row, columns)
     fmt = row_format(row, input_format)
+    if fmt in PAIR_FORMATS:
+        err = SampleError("preference_row", "a chosen/rejected pair in a file of SFT rows (its first convertible "
+                                            "row is not a pair): give pairs a file of their own")
+        err.row_format = fmt
+        raise err
     if from_table:
         row = _without_struct_nulls(row)
     try:
@@ -128,6 +144,105 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     except SampleError as err:
         err.row_format = fmt
         raise
+
+
+def read_pair(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | None = None,
+              from_table: bool = False) -> tuple[str, ChatRow, ChatRow]:
+    """Convert one preference row (TRL's explicit ``prompt``/``chosen``/``rejected`` or implicit
+    ``chosen``/``rejected``, conversational or plain strings) into its two sides.
+
+    Each side is the prompt/completion row of the prompt and that side (``_prompt_completion``), so
+    what a side learns is exactly what SFT learns of that row. Arguments as ``read_row``'s.
+
+    Returns:
+        ``(format, chosen_row, rejected_row)``.
+
+    Raises:
+        SampleError: not a preference row (``not_a_pair``), an empty side (``empty_side``), or a side
+            that is not a valid prompt/completion row.
+    """
+    if isinstance(raw, BadRow):
+        raise SampleError(raw.reason, raw.detail)
+    row = load_row(raw) if isinstance(raw, bytes) else raw
+    if not isinstance(row, dict):
+        raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
+    if columns:
+        row = _renamed(row, columns)
+    fmt = row_format(row, input_format)
+    if fmt not in PAIR_FORMATS:
+        err = SampleError("not_a_pair", f"a {fmt} row in a file of preference pairs (its first convertible row is "
+                                        "a pair): give SFT rows a file of their own")
+        err.row_format = fmt
+        raise err
+    if from_table:
+        # A CSV cell holds no list: a conversation there is JSON text (as _convert reads a 'messages' cell).
+        row = _without_struct_nulls({key: _json_turns(value) if key in SHAPES["preference"] else value
+                                     for key, value in row.items()})
+    try:
+        return (fmt, *_pair(fmt, row))
+    except SampleError as err:
+        err.row_format = fmt
+        raise
+
+
+def _pair(fmt: str, row: dict[str, Any]) -> tuple[ChatRow, ChatRow]:
+    if isinstance(row.get("tools"), str):  # a table's JSON string, as _convert reads it
+        row = {**row, "tools": json_field(row["tools"], "invalid_tools", "'tools'")}
+    chosen, rejected = row["chosen"], row["rejected"]
+    if fmt == "preference":
+        prompt = row["prompt"]
+    else:
+        if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
+            raise SampleError("invalid_pair", f"'chosen' is a {type(chosen).__name__} and 'rejected' a "
+                                              f"{type(rejected).__name__}: both strings or both lists of messages")
+        prompt, chosen, rejected = implicit_prompt(chosen, rejected)
+        if not prompt or isinstance(prompt, str) and not prompt.strip():
+            # TRL would learn each whole side with no question before it; a dataset keeping its question in
+            # another column (Intel/orca_dpo_pairs' 'question') is what this almost always is.
+            raise SampleError("no_shared_prompt", "'chosen' and 'rejected' begin differently, so they share no "
+                                                  "prompt: name the prompt's column, e.g. --columns prompt=question")
+    rest = {key: value for key, value in row.items() if key not in SHAPES["preference"]}
+    sides = []
+    for name, side in (("chosen", chosen), ("rejected", rejected)):
+        if not side or isinstance(side, str) and not side.strip():
+            raise SampleError("empty_side", f"'{name}' is empty" + (" once the prompt the sides share is taken out"
+                                                                  if fmt == "preference_implicit" else ""))
+        try:
+            sides.append(_prompt_completion(prompt, side, dict(rest)))
+        except SampleError as err:
+            if err.reason in ("empty_completion", "empty_messages"):
+                raise SampleError("empty_side", f"'{name}': {err.detail}") from None
+            err.detail = f"'{name}': {err.detail}"
+            raise
+    return sides[0], sides[1]
+
+
+def _json_turns(value: Any) -> Any:
+    """A string holding a JSON list of messages (a conversation in a CSV cell) as that list; any other
+    value, a plain text that only looks like one included, as is."""
+    if not (isinstance(value, str) and value.lstrip().startswith("[{")):
+        return value
+    try:
+        turns = json.loads(value)
+    except ValueError:
+        return value
+    return turns if isinstance(turns, list) and all(isinstance(turn, dict) for turn in turns) else value
+
+
+def implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """``(prompt, chosen, rejected)``: the longest common prefix of the sides (messages of lists,
+    characters of strings) taken out as the prompt. A port of TRL's ``extract_prompt``
+    (trl/data_utils.py:548, TRL 1.16), quirks kept so a pair splits as TRL splits it: a string prompt
+    gives its trailing space back to the sides; when one side is a prefix of the other the loop ends
+    without a break and the last shared item still goes to the sides; and a first difference at index
+    0 steps back to -1 when ``chosen`` ends with a space (Python's ``[-1]``)."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":  # TRL: the space belongs to the completion
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
 def _renamed(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
@@ -250,7 +365,7 @@ def _without_struct_nulls(row: dict[str, Any]) -> dict[str, Any]:
     keeps its nulls)."""
     if isinstance(row.get("tools"), list):
         row = {**row, "tools": _no_nulls(row["tools"])}
-    for key in ("messages", "prompt", "completion", "conversations"):
+    for key in ("messages", "prompt", "completion", "conversations", "chosen", "rejected"):
         turns = row.get(key)
         if isinstance(turns, list) and any(map(_calls_tools, turns)):
             row = {**row, key: [{**turn, "tool_calls": _no_nulls(turn["tool_calls"])} if _calls_tools(turn) else turn

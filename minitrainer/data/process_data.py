@@ -22,10 +22,17 @@ file (or ``.json`` array, ``.gz``, ``.zst``, ``.bz2``, ``.xz``), ``.parquet``, `
 folder, a folder (its ``--split``, as datasets splits a dataset repository) or glob of such files,
 or a hub dataset id (``data/sources.py``).
 
+Preference pairs (TRL's ``prompt``/``chosen``/``rejected``, or ``chosen``/``rejected``
+with the prompt their common prefix) make a preference file, decided by its first
+convertible row; each pair becomes one row of ``chosen_input_ids``, ``chosen_labels``,
+``rejected_input_ids``, ``rejected_labels``, ``len`` and ``num_loss_counted_tokens``
+(both sides'), each side learned as the prompt/completion row of its reply.
+
 Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
 ``F.summary.json``, ``F.rejected.jsonl``):
   D/data.jsonl      ``input_ids``, ``labels`` (-100 = masked, unshifted),
                     ``len``, ``num_loss_counted_tokens`` + the row's other fields
+                    (a preference file: the pair fields above)
   D/rejected.jsonl  ``{"line": N, "reason": ..., "detail": ...}`` per unusable row
                     (``"row"`` for table rows, ``"file"`` when several files)
   D/summary.json    counts by outcome, format and reason, length statistics,
@@ -66,7 +73,8 @@ from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.leftovers import remove_dead_leftovers, temporary_name
 from minitrainer.common.log import logger, setup_logging
 from minitrainer.data.chat_masking import ChatEncoder, ChatRow, SampleError
-from minitrainer.data.formats import ACCEPTED, INPUT_FORMATS, parse_columns, read_row, suggest_columns, unread_system
+from minitrainer.data.formats import (ACCEPTED, INPUT_FORMATS, parse_columns, read_pair, read_row, suggest_columns,
+                                      unread_system)
 from minitrainer.data.sources import TEXT_SAMPLE_BY, Chunk, Input, open_input
 
 
@@ -225,6 +233,31 @@ class ChunkAudit:
                 self.add_example(reason, example)
 
 
+def _reject(chunk: Chunk, offset: int, error: SampleError, *, named: bool, reasons: Counter, audit: ChunkAudit,
+            input_errors: ChunkAudit) -> str:
+    """Count one rejected row (in ``reasons`` and the audit or the input errors, with an example) and
+    return its ``rejected.jsonl`` line."""
+    number = chunk.numbers[offset]
+    reasons[error.reason] += 1
+    record = {"file": chunk.file} if named else {}
+    record.update({chunk.unit: number, "reason": error.reason, "detail": error.detail})
+    kept = audit if error.audit else input_errors
+    kept.reasons[error.reason] += 1
+    if len(kept.examples.get(error.reason, ())) < NUM_AUDIT_EXAMPLES:
+        raw = chunk.rows[offset]
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else \
+            json.dumps(raw, ensure_ascii=False, default=str)
+        kept.add_example(error.reason, {chunk.unit: number, "detail": error.detail, "text": _cut(text.strip())})
+    return json.dumps(record, ensure_ascii=False, default=str) + "\n"
+
+
+def _where(chunk: Chunk, offset: int, error: SampleError) -> str:
+    """``file:line: reason: detail``, as --strict stops with."""
+    number = chunk.numbers[offset]
+    where = f"{chunk.file}:{number}" if chunk.unit == "line" else f"{chunk.file}: row {number}"
+    return f"{where}: {error.reason}: {error.detail}"
+
+
 def _cut(text: str) -> str:
     return text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + f"... ({len(text)} chars)"
 
@@ -235,10 +268,13 @@ def _cut(text: str) -> str:
 
 _ENCODER: ChatEncoder | None = None  # one per worker process, set by _init_worker (the Pool initializer pattern)
 _CONFIG: ProcessDataConfig | None = None
+_KIND = "sft"
+KINDS = ("sft", "preference")  # a file's kind: its first convertible row's (_scan)
 
 
-def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_tokens: tuple[str, ...]) -> None:
-    global _ENCODER, _CONFIG
+def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_tokens: tuple[str, ...],
+                 kind: str = "sft") -> None:
+    global _ENCODER, _CONFIG, _KIND
     # N worker processes already use the cores; Rust threads inside each would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenizer = load_tokenizer(config.model_name_or_path)
@@ -246,6 +282,7 @@ def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_tu
     # The main process probed the end-of-turn tokens once: workers take them as given.
     _ENCODER = make_encoder(config, tokenizer, end_of_turn=end_of_turn_tokens)
     _CONFIG = config
+    _KIND = kind
 
 
 def make_encoder(config: ProcessDataConfig, tokenizer, *, end_of_turn: str | tuple[str, ...] | None,
@@ -258,24 +295,28 @@ def make_encoder(config: ProcessDataConfig, tokenizer, *, end_of_turn: str | tup
 
 def _process_chunk(chunk: Chunk) -> ChunkResult:
     assert _ENCODER is not None and _CONFIG is not None, "worker not initialised"
-    return encode_chunk(_ENCODER, chunk, config=_CONFIG)
+    return encode_chunk(_ENCODER, chunk, config=_CONFIG, kind=_KIND)
 
 
-def convert_rows(chunk: Chunk, config: ProcessDataConfig) -> list[tuple[str, ChatRow] | SampleError]:
-    """Each row of the chunk in the ``messages`` format, with the format it was read as, or why it cannot be."""
+def convert_rows(chunk: Chunk, config: ProcessDataConfig, kind: str = "sft") -> list[tuple | SampleError]:
+    """Each row of the chunk in the ``messages`` format, with the format it was read as, or why it cannot be;
+    for ``kind`` ``"preference"``, ``(format, chosen_row, rejected_row)`` (``formats.read_pair``)."""
     columns = parse_columns(config.columns)
-    converted: list[tuple[str, ChatRow] | SampleError] = []
+    read = read_pair if kind == "preference" else read_row
+    converted: list[tuple | SampleError] = []
     for raw in chunk.rows:
         try:
-            converted.append(read_row(raw, input_format=config.input_format, columns=columns,
-                                      from_table=chunk.from_table))
+            converted.append(read(raw, input_format=config.input_format, columns=columns,
+                                  from_table=chunk.from_table))
         except SampleError as err:
             converted.append(err)
     return converted
 
 
-def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig) -> ChunkResult:
+def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig, kind: str = "sft") -> ChunkResult:
     """Convert and encode one chunk of rows into output bytes and counts."""
+    if kind == "preference":
+        return encode_pair_chunk(encoder, chunk, config=config)
     data, rejected, row_bytes, lengths, num_loss = [], [], [], [], []
     reasons: Counter = Counter()
     formats: Counter = Counter()
@@ -302,20 +343,10 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
                 except SampleError as err:
                     result = err
         if isinstance(result, SampleError):
-            reasons[result.reason] += 1
-            record = {"file": chunk.file} if named else {}
-            record.update({chunk.unit: number, "reason": result.reason, "detail": result.detail})
-            rejected.append(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-            where = f"{chunk.file}:{number}" if chunk.unit == "line" else f"{chunk.file}: row {number}"
+            rejected.append(_reject(chunk, offset, result, named=named, reasons=reasons, audit=audit,
+                                    input_errors=input_errors))
             if first_rejection is None:
-                first_rejection = f"{where}: {result.reason}: {result.detail}"
-            kept = audit if result.audit else input_errors
-            kept.reasons[result.reason] += 1
-            if len(kept.examples.get(result.reason, ())) < NUM_AUDIT_EXAMPLES:
-                raw = chunk.rows[offset]
-                text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else \
-                    json.dumps(raw, ensure_ascii=False, default=str)
-                kept.add_example(result.reason, {chunk.unit: number, "detail": result.detail, "text": _cut(text.strip())})
+                first_rejection = _where(chunk, offset, result)
             continue
         if len(pieces) > 1:
             num_split_rows += 1
@@ -348,6 +379,55 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
                        num_prompt_completion_loss_tokens)
 
 
+def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig) -> ChunkResult:
+    """``encode_chunk`` for a preference file: one output row per pair (``PairSample``). The audit
+    counts both sides' replies as chat rows; a plain-string pair counts as one plain prompt/completion row."""
+    data, rejected, row_bytes, lengths, num_loss = [], [], [], [], []
+    reasons: Counter = Counter()
+    formats: Counter = Counter()
+    first_rejection = None
+    num_plain = num_plain_tokens = num_plain_loss_tokens = 0
+    audit, input_errors = ChunkAudit(), ChunkAudit()
+    converted = convert_rows(chunk, config, kind="preference")
+    encoded = iter(encoder.encode_pairs([item[1:] for item in converted if not isinstance(item, SampleError)]))
+    named = chunk.file != config.input_file
+    for offset, item in enumerate(converted):
+        if isinstance(item, SampleError):
+            result = item
+            if item.row_format is not None:
+                formats[item.row_format] += 1
+        else:
+            formats[item[0]] += 1
+            result = next(encoded)
+        if isinstance(result, SampleError):
+            rejected.append(_reject(chunk, offset, result, named=named, reasons=reasons, audit=audit,
+                                    input_errors=input_errors))
+            if first_rejection is None:
+                first_rejection = _where(chunk, offset, result)
+            continue
+        line = result.to_json_line(encoder.id_strings)
+        data.append(line)
+        row_bytes.append(len(line))
+        lengths.append(result.num_tokens)
+        num_loss.append(result.num_loss_counted_tokens)
+        if result.chosen.is_prompt_completion:
+            num_plain += 1
+            num_plain_tokens += result.num_tokens
+            num_plain_loss_tokens += result.num_loss_counted_tokens
+            continue
+        for side in (result.chosen, result.rejected):
+            audit.num_chat_tokens += len(side.input_ids)
+            audit.num_chat_loss_tokens += side.num_loss_counted_tokens
+            audit.num_replies += side.num_replies
+            audit.num_replies_end_learned += side.num_replies_end_learned
+            audit.num_replies_marked += side.num_replies_marked
+        audit.rules[result.chosen.rule] += 1
+    return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss, 0, reasons,
+                       first_rejection, audit, input_errors, formats, num_prompt_completion=num_plain,
+                       num_prompt_completion_tokens=num_plain_tokens,
+                       num_prompt_completion_loss_tokens=num_plain_loss_tokens)
+
+
 # ----------------------------------------------------------------------------
 # Main process
 
@@ -374,6 +454,7 @@ class _Scan:
     suggestions: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # --columns for the first unknown
     calls_tools: bool = False
     unread_system: Counter = dataclasses.field(default_factory=Counter)  # system-like columns nothing reads
+    kind: str | None = None  # "preference" when the first convertible row is a pair, else "sft" (KINDS)
 
     @property
     def probe_tools(self) -> list[dict] | None:
@@ -389,8 +470,23 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
     scan = _Scan()
     with contextlib.closing(source.chunks(min(config.chunk_size, _SCAN_ROWS))) as chunks:
         for chunk in chunks:
-            for number, raw, item in zip(chunk.numbers, chunk.rows, convert_rows(chunk, config)):
+            converted = convert_rows(chunk, config)
+            for number, raw, item, pair in zip(chunk.numbers, chunk.rows, converted,
+                                               _pairs_of(chunk, config, converted)):
                 scan.num_rows += not (isinstance(raw, bytes) and not raw.strip())
+                if pair is not None and not isinstance(pair, SampleError):
+                    scan.kind = scan.kind or "preference"
+                    scan.formats[pair[0]] += 1
+                    for side in pair[1:]:
+                        _scan_tools(scan, side)
+                    continue
+                if isinstance(item, SampleError) and item.reason == "preference_row" and scan.kind != "sft":
+                    # A pair that does not convert: while the kind is open, a shape to suggest --columns for.
+                    if not scan.unknown:
+                        scan.unknown.append(f"{chunk.file} {chunk.unit} {number}: {pair.reason}: {pair.detail}")
+                        scan.suggestions = suggest_columns(raw, input_format=config.input_format,
+                                                           columns=config.columns, from_table=chunk.from_table)
+                    continue
                 if isinstance(item, SampleError):
                     if item.row_format is not None:
                         scan.formats[item.row_format] += 1
@@ -399,18 +495,39 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
                         scan.suggestions = suggest_columns(raw, input_format=config.input_format,
                                                            columns=config.columns, from_table=chunk.from_table)
                     continue
+                scan.kind = scan.kind or "sft"
                 scan.formats[item[0]] += 1
                 if unread := unread_system(*item):
                     scan.unread_system[unread] += 1
-                messages, tools = item[1].fields.get("messages"), item[1].fields.get("tools")
-                if isinstance(tools, list) and tools and scan.tools is None:
-                    scan.tools = tools
-                if isinstance(messages, list):
-                    scan.calls_tools = scan.calls_tools or any(
-                        isinstance(message, dict) and "tool_calls" in message for message in messages)
+                _scan_tools(scan, item[1])
             if scan.num_rows >= _SCAN_ROWS:
                 break
     return scan
+
+
+def _pairs_of(chunk: Chunk, config: ProcessDataConfig, converted: list) -> list:
+    """``read_pair`` of each row the SFT reader (``converted``) refused as a pair (``preference_row``);
+    None for the others."""
+    pairs = []
+    for raw, item in zip(chunk.rows, converted):
+        if not (isinstance(item, SampleError) and item.reason == "preference_row"):
+            pairs.append(None)
+            continue
+        try:
+            pairs.append(read_pair(raw, input_format=config.input_format, columns=parse_columns(config.columns),
+                                   from_table=chunk.from_table))
+        except SampleError as err:
+            pairs.append(err)
+    return pairs
+
+
+def _scan_tools(scan: _Scan, row: ChatRow) -> None:
+    messages, tools = row.fields.get("messages"), row.fields.get("tools")
+    if isinstance(tools, list) and tools and scan.tools is None:
+        scan.tools = tools
+    if isinstance(messages, list):
+        scan.calls_tools = scan.calls_tools or any(
+            isinstance(message, dict) and "tool_calls" in message for message in messages)
 
 
 def check_run(config: ProcessDataConfig, paths: OutputPaths):
@@ -452,7 +569,7 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
     if not tokenizer.chat_template:
         with contextlib.closing(source.chunks(config.chunk_size)) as chunks:
             for chunk in chunks:
-                for number, item in zip(chunk.numbers, convert_rows(chunk, config)):
+                for number, item in zip(chunk.numbers, convert_rows(chunk, config, scan.kind)):
                     messages = None if isinstance(item, SampleError) else item[1].fields["messages"]
                     if (isinstance(messages, list) and messages and isinstance(messages[0], dict)
                             and messages[0].get("role") != "pretrain"):
@@ -500,6 +617,7 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     paths = OutputPaths.from_config(config)
     tokenizer, source, scan = check_run(config, paths)
     encoder = make_encoder(config, tokenizer, end_of_turn=config.end_of_turn_token, probe_tools=scan.probe_tools)
+    kind = scan.kind or "sft"
     num_rows = source.num_rows()
     num_proc = min(config.num_proc, max(1, -(-num_rows // config.chunk_size))) if num_rows else config.num_proc
     logger.info("tokenizer %s (%s, %d tokens, eos %r), chat template from %s, end of turn %s (%s)",
@@ -513,6 +631,10 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
                 "" if num_proc == config.num_proc else f" (--num-proc {config.num_proc}: fewer chunks than that)")
     logger.info("row format %s in the first %d rows: %s", "detected" if config.input_format == "auto" else
                 f"--input-format {config.input_format}", scan.num_rows, _counts(scan.formats) or "none recognised")
+    if kind == "preference":
+        logger.info("a preference file (its first convertible row is a chosen/rejected pair): one row per pair, "
+                    "--max-sample-num-tokens bounds both sides together%s",
+                    "; --split-long-text does not apply to pairs" if config.split_long_text else "")
     for column, count in scan.unread_system.items():
         logger.warning("%d of the first %d rows have no system message and a %r column, which is copied to the "
                        "output, not read: --columns system=%s makes it the system message", count, scan.num_rows,
@@ -530,14 +652,14 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     try:
         # closing(): on --strict's early exit the worker pool is shut down at once, not at garbage collection.
         with open(tmp[paths.data], "wb") as data_f, open(tmp[paths.rejected], "wb") as rejected_f, \
-                contextlib.closing(_run_chunks(config, encoder, source, num_proc, num_rows)) as chunks:
+                contextlib.closing(_run_chunks(config, encoder, source, num_proc, num_rows, kind)) as chunks:
             for chunk in chunks:
                 if config.strict and chunk.first_rejection is not None:
                     raise ValueError(chunk.first_rejection)
                 data_f.write(chunk.data)
                 rejected_f.write(chunk.rejected)
                 totals.add(chunk)
-        summary = _summary(config, tokenizer, encoder, paths, totals, source, time.perf_counter() - start)
+        summary = _summary(config, tokenizer, encoder, paths, totals, source, time.perf_counter() - start, kind)
         tmp[paths.summary].write_text(json.dumps(summary, indent=2) + "\n")
         for path in paths.all():
             os.replace(tmp[path], path)
@@ -550,7 +672,7 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
             tmp_path.unlink(missing_ok=True)
 
     _log_summary(summary)
-    _print_samples(config, tokenizer, paths.data, totals)
+    _print_samples(config, tokenizer, paths.data, totals, kind)
     if not summary["num_written"]:
         raise ValueError(f"no sample written from {totals.num_rows} row(s); rejected: "
                          + ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items())
@@ -576,7 +698,8 @@ def _counts(counter: Counter) -> str:
     return ", ".join(f"{key} {count}" for key, count in counter.most_common())
 
 
-def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, source: Input, num_proc: int, num_rows: int | None):
+def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, source: Input, num_proc: int, num_rows: int | None,
+                kind: str = "sft"):
     """Yield ChunkResults in input order, with a progress bar and a bounded number of chunks in flight."""
     from tqdm import tqdm
 
@@ -585,13 +708,13 @@ def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, source: Input, 
             contextlib.closing(chunks):
         if num_proc == 1:
             for chunk in chunks:
-                yield encode_chunk(encoder, chunk, config=config)
+                yield encode_chunk(encoder, chunk, config=config, kind=kind)
                 progress.update(len(chunk.rows))
             return
         # fork: workers inherit the imported modules instead of importing transformers again.
         context = multiprocessing.get_context("fork")
         with context.Pool(num_proc, initializer=_init_worker,
-                          initargs=(config, encoder.chat_template, encoder.end_of_turn_tokens)) as pool:
+                          initargs=(config, encoder.chat_template, encoder.end_of_turn_tokens, kind)) as pool:
             in_flight: deque = deque()
             for chunk in chunks:
                 in_flight.append((len(chunk.rows), pool.apply_async(_process_chunk, (chunk,))))
@@ -651,7 +774,7 @@ def _stats(values: array.array) -> dict[str, float]:
             "p99": float(p99), "max": int(arr.max()), "sum": int(arr.sum())}
 
 
-def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed) -> dict[str, Any]:
+def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed, kind: str = "sft") -> dict[str, Any]:
     import tokenizers
     import transformers
 
@@ -659,8 +782,10 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed) 
     template = encoder.chat_template or ""
     errors = totals.input_errors
     return {
+        "kind": kind,
         "num_lines": totals.num_rows,
         "num_written": num_written,
+        "num_pairs": num_written if kind == "preference" else 0,
         "num_chat": num_written - totals.num_pretrain - totals.num_prompt_completion,
         "num_prompt_completion": totals.num_prompt_completion,
         "num_pretrain": totals.num_pretrain,
@@ -785,6 +910,9 @@ def _log_examples(what: str, examples: dict[str, list[dict]]) -> None:
 
 
 def _log_summary(summary: dict[str, Any]) -> None:
+    if summary["kind"] == "preference":
+        logger.info("wrote %d preference pairs (%d conversational, %d plain prompt/completion)",
+                    summary["num_pairs"], summary["num_chat"], summary["num_prompt_completion"])
     logger.info("wrote %d samples (%d chat, %d prompt/completion, %d pretrain, %d tokens, %d loss-counted) to %s in "
                 "%.1fs (%.0f rows/s)", summary["num_written"], summary["num_chat"], summary["num_prompt_completion"],
                 summary["num_pretrain"], summary["num_tokens"],
@@ -821,7 +949,7 @@ def render_labels(tokenizer, input_ids: list[int], labels: list[int], mask_strin
     return "".join(pieces)
 
 
-def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals: _Totals) -> None:
+def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals: _Totals, kind: str = "sft") -> None:
     num_written = len(totals.lengths)
     rows = sorted(random.Random(config.seed).sample(range(num_written), min(num_written, config.num_printed_samples)))
     try:
@@ -829,9 +957,11 @@ def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals
             for index in rows:
                 f.seek(totals.row_offsets[index])
                 row = json.loads(f.readline())
-                logger.info("sample %d input:\n%s", index, tokenizer.decode(row["input_ids"]))
-                logger.info("sample %d labels:\n%s", index, render_labels(
-                    tokenizer, row["input_ids"], row["labels"], config.string_for_printing_masks))
+                for side in ("chosen_", "rejected_") if kind == "preference" else ("",):
+                    what = f"sample {index} {side[:-1]}".rstrip()
+                    logger.info("%s input:\n%s", what, tokenizer.decode(row[side + "input_ids"]))
+                    logger.info("%s labels:\n%s", what, render_labels(
+                        tokenizer, row[side + "input_ids"], row[side + "labels"], config.string_for_printing_masks))
     # Printing is for the eye only: a tokenizer whose decode fails (remote code, a broken decoder) or an
     # unreadable file must not fail a run whose data is already written. OverflowError: decode of a huge id.
     except (OSError, ValueError, TypeError, KeyError, IndexError, OverflowError) as err:

@@ -55,7 +55,8 @@ import torch
 
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.log import logger
-from minitrainer.data.packing import plan_minibatches
+from minitrainer.data.packing import plan_minibatches, sample_costs
+from minitrainer.data.preference import PreferenceDataset, is_preference_table
 
 BALANCE_CHOICES = ("tokens", "attention")
 DUMMY_TOKEN_ID = 0
@@ -158,8 +159,9 @@ class TokenizedDataset:
         return state
 
 
-def load_tokenized_dataset(data_path: str, *, cache_dir: str | None = None) -> TokenizedDataset:
-    """Open a tokenized jsonl (or ``process_data.py`` output folder) memory-mapped.
+def load_tokenized_dataset(data_path: str, *, cache_dir: str | None = None) -> TokenizedDataset | PreferenceDataset:
+    """Open a tokenized jsonl (or ``process_data.py`` output folder) memory-mapped: SFT rows, or preference
+    pairs when its rows have ``chosen_input_ids`` (``preference.py``).
 
     The jsonl is converted once to an arrow file in the Hugging Face datasets
     cache; later calls (other ranks, after a barrier) reuse it. Every row is
@@ -186,7 +188,11 @@ def load_tokenized_dataset(data_path: str, *, cache_dir: str | None = None) -> T
         dataset = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
     except datasets.exceptions.DatasetGenerationError as err:
         raise ValueError(_first_bad_json_line(path) or f"{path}: cannot be read as JSON lines ({err})") from None
-    return TokenizedDataset(str(path), dataset.data.table, dataset)
+    table = dataset.data.table
+    # The columns say what a row is: chosen/rejected pairs (DPO) or one sample (SFT).
+    if is_preference_table(table):
+        return PreferenceDataset(str(path), table, lambda side: TokenizedDataset(str(path), side, dataset))
+    return TokenizedDataset(str(path), table, dataset)
 
 
 def datasets_cache_dir(fallback: Path) -> tuple[str | None, str | None]:
@@ -209,13 +215,13 @@ def datasets_cache_dir(fallback: Path) -> tuple[str | None, str | None]:
     import datasets.config
 
     default = Path(datasets.config.HF_DATASETS_CACHE)
-    problem = _cannot_write(default)
+    problem = cannot_write(default)
     if problem is None:
         return None, None
     if os.environ.get("HF_DATASETS_CACHE"):
         raise ValueError(f"HF_DATASETS_CACHE={default} cannot be written ({problem}): point it at a writable "
                          "folder (the tokenized data is converted to an arrow file there)")
-    fallback_problem = _cannot_write(fallback)
+    fallback_problem = cannot_write(fallback)
     if fallback_problem is not None:
         raise ValueError(f"the datasets cache {default} ({problem}) and {fallback} ({fallback_problem}) cannot be "
                          "written: set HF_DATASETS_CACHE to a writable folder")
@@ -223,7 +229,7 @@ def datasets_cache_dir(fallback: Path) -> tuple[str | None, str | None]:
                            f"data goes to {fallback} instead (HF_DATASETS_CACHE chooses another folder)")
 
 
-def _cannot_write(folder: Path) -> str | None:
+def cannot_write(folder: Path) -> str | None:
     """Why a file cannot be created in ``folder`` (made if missing), or None: the check is a real write."""
     import tempfile
 
@@ -436,6 +442,9 @@ class Minibatch:
     # A context-parallel rank's shard of the group's row carries its attention plan
     # (a context_parallel.ContextParallelPlan; that module builds it, this one cannot import it).
     context_parallel_plan: object | None = None
+    # The dataset rows packed here, in order: with preference pairs, sequences 2i and 2i + 1 of the row
+    # are row rows[i]'s chosen and rejected sides (the objective looks their reference log-probs up).
+    rows: tuple[int, ...] = ()
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Minibatch:
         return dataclasses.replace(
@@ -463,7 +472,8 @@ class StepBatch:
     end_position: int  # stream position after the batch: resume from here
     epoch: int  # epoch of the batch's first sample
     dropped_indices: list[int] = dataclasses.field(default_factory=list)  # dataset rows dropped
-    sample_lengths: list[int] = dataclasses.field(default_factory=list)  # real samples' lengths, all ranks (FLOPs)
+    kept_indices: list[int] = dataclasses.field(default_factory=list)  # dataset rows trained, all ranks
+    sample_lengths: list[int] = dataclasses.field(default_factory=list)  # real sequences' lengths, all ranks (FLOPs)
 
     @property
     def num_minibatches(self) -> int:
@@ -505,6 +515,32 @@ def collate_minibatch(samples: Sequence[tuple[Sequence[int], Sequence[int]]]) ->
         num_samples=num_samples,
         num_tokens=total,
     )
+
+
+def collate_units(dataset, rows: Sequence[int]) -> Minibatch:
+    """Pack whole units of ``dataset`` (a sample, or a preference pair's two sides, chosen first) into one row;
+    ``num_samples`` counts units."""
+    if getattr(dataset, "sequences_per_unit", 1) == 1:
+        return dataclasses.replace(collate_minibatch([dataset.sample_arrays(row) for row in rows]), rows=tuple(rows))
+    packed = collate_minibatch([sequence for row in rows for sequence in dataset.sequences(row)])
+    return dataclasses.replace(packed, num_samples=len(rows), rows=tuple(rows))
+
+
+def sequence_lengths(dataset, rows: np.ndarray) -> np.ndarray:
+    """The lengths of the packed sequences of ``rows``: a pair's two sides are two attention documents (FLOPs)."""
+    if getattr(dataset, "sequences_per_unit", 1) == 1:
+        return dataset.lengths[rows]
+    return dataset.side_lengths[rows].reshape(-1)
+
+
+def unit_costs(dataset, rows: np.ndarray, balance: str):
+    """The packer's balance cost of ``rows``: by name for single samples; for pairs under ``attention``, the
+    sum of each side's cost, since each side is an attention document of its own."""
+    side_lengths = getattr(dataset, "side_lengths", None)
+    if getattr(dataset, "sequences_per_unit", 1) == 1 or balance == "tokens":
+        return balance
+    costs = sample_costs(side_lengths[rows, 0], balance) + sample_costs(side_lengths[rows, 1], balance)
+    return lambda _lengths: costs
 
 
 # ----------------------------------------------------------------------------
@@ -553,7 +589,8 @@ class _StepDataset(torch.utils.data.Dataset):
         kept = indices[keep]
         kept_lengths = lengths[keep]
         plan = plan_minibatches(
-            kept_lengths, max_tokens_per_rank=self.max_tokens_per_rank, num_ranks=self.world_size, cost=self.balance
+            kept_lengths, max_tokens_per_rank=self.max_tokens_per_rank, num_ranks=self.world_size,
+            cost=unit_costs(self.dataset, kept, self.balance),
         )
         if not plan:
             # Every sample was dropped: one all-dummy minibatch keeps the step shape.
@@ -561,7 +598,7 @@ class _StepDataset(torch.utils.data.Dataset):
         minibatches = []
         for minibatch in plan:
             rows = [int(kept[i]) for i in minibatch[self.rank] if i != -1]
-            packed = collate_minibatch([self.dataset.sample_arrays(row) for row in rows])
+            packed = collate_units(self.dataset, rows)
             assert packed.num_loss_counted_tokens == int(self.dataset.num_loss_counted_tokens[rows].sum())
             minibatches.append(packed)
         return StepBatch(
@@ -574,7 +611,8 @@ class _StepDataset(torch.utils.data.Dataset):
             end_position=start + self.batch_size,
             epoch=start // len(self.dataset),
             dropped_indices=dropped.tolist(),
-            sample_lengths=kept_lengths.tolist(),
+            kept_indices=kept.tolist(),
+            sample_lengths=sequence_lengths(self.dataset, kept).tolist(),
         )
 
 

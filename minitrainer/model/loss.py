@@ -83,6 +83,35 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     return total
 
 
+def _chunk_sequence_sums(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         labels: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int,
+                         transform: LogitTransform) -> torch.Tensor:
+    logits = transform.apply(F.linear(hidden, weight, bias).float())
+    losses = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")  # 0 where ignored
+    return losses.new_zeros(num_sequences).index_add(0, sequence_ids, losses)
+
+
+def chunked_cross_entropy_per_sequence(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                       labels: torch.Tensor, sequence_ids: torch.Tensor, *, num_sequences: int,
+                                       chunk_tokens: int = CHUNK_TOKENS,
+                                       transform: LogitTransform = LogitTransform()) -> torch.Tensor:
+    """Like ``chunked_cross_entropy_sum``, but one sum per packed sequence: ``[num_sequences]`` fp32.
+
+    ``sequence_ids`` ([T]) says which sequence each position belongs to. A preference objective needs
+    each side's log-probability (minus this sum), and the pair loss is not linear in it.
+    """
+    total = hidden.new_zeros(num_sequences, dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        chunk = (hidden[start:end], weight, bias, labels[start:end], sequence_ids[start:end], num_sequences,
+                 transform)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            total = total + checkpoint(_chunk_sequence_sums, *chunk, use_reentrant=False)
+        else:
+            total = total + _chunk_sequence_sums(*chunk)
+    return total
+
+
 _positions_of = learned_positions  # the forward's argument of that name shadows it
 
 
@@ -111,8 +140,8 @@ class CausalLMWithLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, *,
                 router_aux_weight: float = 0.0, own_forward: bool = False,
-                learned_positions: torch.Tensor | None = None,
-                **attention_kwargs: torch.Tensor | int) -> torch.Tensor:
+                learned_positions: torch.Tensor | None = None, sequence_ids: torch.Tensor | None = None,
+                num_sequences: int = 0, **attention_kwargs: torch.Tensor | int) -> torch.Tensor:
         """Summed token loss of one packed row, plus the weighted router loss of MoE models.
 
         Args:
@@ -123,6 +152,9 @@ class CausalLMWithLoss(nn.Module):
                 (``objective.router_aux_weight``); 0 leaves it out.
             learned_positions: ``learned_positions(labels)``, found on the host before the copy
                 (``attention.model_inputs``); None: found here, on the device (a synchronisation).
+            sequence_ids: [1, T] the packed sequence of each position, 0 to ``num_sequences - 1``: the
+                forward then returns one summed loss per sequence, ``[num_sequences]``, with the chunked
+                head (Liger's fused loss sums over the whole row).
             own_forward: return the Hugging Face model's own ``forward(labels=...).loss``
                 instead (the start-up self-check's reference; one unpacked sample,
                 unshifted labels). Runs here so FSDP gathers the root's parameters.
@@ -141,10 +173,21 @@ class CausalLMWithLoss(nn.Module):
             positions = learned_positions if learned_positions is not None else _positions_of(flat_labels)
         outputs = self._run_decoder(input_ids, position_ids, {**extra, **attention_kwargs})
         hidden = outputs.last_hidden_state.flatten(0, 1)  # [T, H]
+        flat_sequences = sequence_ids.flatten() if sequence_ids is not None else None
         if positions is not None:
             # Backward scatters the gradient into zeros: the dropped rows' gradient was exactly 0 anyway.
             hidden, flat_labels = hidden.index_select(0, positions), flat_labels.index_select(0, positions)  # [N, H]
+            if flat_sequences is not None:
+                flat_sequences = flat_sequences.index_select(0, positions)
         head = self.model.get_output_embeddings()
+        if flat_sequences is not None:
+            sums = chunked_cross_entropy_per_sequence(
+                hidden, head.weight, head.bias, flat_labels, flat_sequences,
+                num_sequences=num_sequences,
+                transform=self.logit_transform)
+            self.last_ce_sum = sums.detach().sum()
+            self.last_router_aux_sum = torch.zeros((), device=sums.device)
+            return sums
         if self.liger_loss is not None:
             scale = self.logit_transform.scale
             # The scale is folded into the hidden states (and bias): (s*h) W + s*b = s * (h W + b).

@@ -1,0 +1,116 @@
+"""A training objective: the loss of one packed minibatch, scaled so that a step optimises the exact mean over
+its whole batch, and the metrics a step and a validation pass report. ``TrainingObjective`` is the interface
+and, as it stands, SFT: the exact per-token mean cross-entropy (the model's own objective, ``model/loss.py``).
+
+The other objectives are one module each, a subclass overriding the hooks it needs:
+
+    dpo.py    DPOObjective   preference pairs: sigmoid, IPO or hinge loss against reference log-probabilities
+
+``TrainConfig.training_objective`` is the one place that picks an objective from the flags. Where each hook
+runs::
+
+    setup_run            run_params (resume fingerprint), data_error, model_error, prepare (before the resume)
+    train_step           minibatch_loss (every minibatch), record and step_loss (the metrics line, the guard)
+    run_actions          validation_loss
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import torch.distributed as dist
+
+from minitrainer.data.sampler import Minibatch, StepBatch, collate_minibatch
+from minitrainer.model.attention import model_inputs
+from minitrainer.model.objective import router_aux_weight
+
+
+class TrainingObjective:
+    """SFT: every learned token's cross-entropy, summed, divided by the batch's learned-token count."""
+
+    unit = "samples"
+    """What the sampler draws and ``--batch-size`` counts, as the start-up lines name it."""
+
+    sum_names: tuple[str, ...] = ()
+    """What ``minibatch_loss`` sums besides the cross-entropy, in order: reduced over ranks with the step's
+    other counts (``train_step.reduce_step_counts``) and read by ``record``."""
+
+    def run_params(self) -> dict:
+        """Fields of the resume comparison (``resume_policy.run_params``): none for SFT, so every full state
+        written before objectives existed still resumes."""
+        return {}
+
+    def data_error(self, dataset, path: str) -> str | None:
+        """Why this objective cannot train on ``dataset`` (one line), or None."""
+        if getattr(dataset, "sequences_per_unit", 1) > 1:
+            return f"{path} holds preference pairs (chosen/rejected): train them with --objective dpo"
+        return None
+
+    def model_error(self, model: nn.Module) -> str | None:
+        """Why this objective cannot train ``model`` (a ``CausalLMWithLoss``), or None."""
+        return None
+
+    def prepare(self, model: nn.Module, **run) -> None:
+        """Once, after the model is set up and before a resume loads its weights (collective)."""
+
+    def minibatch_loss(self, model: nn.Module, minibatch: Minibatch, batch: StepBatch, *, attn: str,
+                       device: torch.device, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What to backpropagate for one minibatch, and this minibatch's ``sum_names`` sums (detached).
+
+        The summed cross-entropy is divided by the whole batch's learned-token count, known before any
+        forward. FSDP averages gradients over ranks, so multiplying by world_size turns that average back
+        into the sum the exact per-token mean needs. With context parallelism each rank's sum covers its own
+        shard of the group's row, so the sum over all ranks is still the batch's: the same factor holds.
+        """
+        # MoE router loss (objective.py): per-sample, averaged over the batch's samples.
+        aux_weight = router_aux_weight(
+            model.router_loss, batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
+            batch_num_samples=batch.num_samples, minibatch_num_samples=minibatch.num_samples)
+        loss = model(**model_inputs(minibatch, attn, device), router_aux_weight=aux_weight)
+        scale = world_size / max(batch.batch_num_loss_counted_tokens, 1)
+        return loss * scale, torch.zeros(len(self.sum_names), device=device, dtype=torch.float64)
+
+    def record(self, counts) -> dict:
+        """Metrics-line fields that replace or join ``batch_metrics.step_record``'s (``counts``: the step's
+        ``batch_metrics.StepCounts``)."""
+        return {}
+
+    def step_loss(self, counts) -> float:
+        """The step's loss, as the metrics line reports it (the divergence guard watches it)."""
+        return counts.loss_sum / max(counts.batch_num_loss_counted_tokens, 1)
+
+    def validation_loss(self, model: nn.Module, dataset, plan, *, rank: int, device: torch.device, attn: str,
+                        shard=None) -> tuple[float, int, dict]:
+        """One pass over the validation set (collective: every rank calls it with the same plan).
+
+        Args:
+            model: the FSDP-wrapped ``CausalLMWithLoss``; returns the summed loss of a packed row.
+            dataset: the validation samples (``sample_arrays(row)``).
+            plan: from ``validation.plan_validation``.
+            rank: this rank (with context parallelism: its group's data rank).
+            device: where the loss lives.
+            attn: the attention backend (the training loop's model inputs).
+            shard: minibatch -> this rank's shard of it (context parallelism; None: the whole row).
+
+        Returns:
+            ``(val_loss, num_loss_counted_tokens, extra fields of the validation line)`` over the whole set,
+            all ranks; NaN loss for an empty set.
+        """
+        was_training = model.training
+        model.eval()
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        tokens = 0
+        with torch.no_grad():
+            for minibatch in plan.minibatches:
+                packed = collate_minibatch([dataset.sample_arrays(row) for row in minibatch[rank]])
+                if shard is not None:
+                    packed = shard(packed)  # its own loss tokens only: the group's shards sum to the row's
+                loss_sum += model(**model_inputs(packed, attn, device)).double()
+                tokens += packed.num_loss_counted_tokens
+        model.train(was_training)
+        totals = torch.stack([loss_sum, torch.tensor(float(tokens), device=device, dtype=torch.float64)])
+        dist.all_reduce(totals)
+        total_loss, total_tokens = totals.tolist()  # CPU-GPU sync point
+        assert int(total_tokens) == plan.num_loss_counted_tokens, (total_tokens, plan.num_loss_counted_tokens)
+        return (total_loss / total_tokens if total_tokens else float("nan")), int(total_tokens), {}

@@ -1,0 +1,186 @@
+"""The reference log-probabilities of preference pairs: computed once, by the training code path, and kept.
+
+One forward-only pass before step 1 walks **the training loader itself** over epoch 0 (the same packer, rows
+per rank, kernels, dtype and chunking as the steps) and the validation plan, so every pair's reference sums are
+computed in exactly the packed row its first step computes the policy's in: the log-ratio of step 1 is then
+exactly 0 (on deterministic kernels), and the sigmoid loss exactly ln 2.
+
+The values are stored as ``reference_logps/<key>.npz`` beside the tokenized data (the run's output folder when
+that one is read-only). The key hashes what they depend on: the reference model's weights digest (the one
+resume compares), the fine-tuning method (QLoRA's NF4 base is another reference), dtype, attention backend,
+the data's content digests and the packing; so a rerun or resume reuses them and another model never does.
+
+Which model is the reference: ``--reference-model PATH`` when given, loaded for the pass and freed; else the
+run's own model before its first update (this pass runs before a resume loads a checkpoint), which with LoRA or
+QLoRA is the base with adapters adding exactly 0, and with OSFT the base rebuilt from its factors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minitrainer.common.distributed import reshard
+from minitrainer.common.log import log_rank_0
+from minitrainer.data.sampler import cannot_write, collate_units, make_batch_loader
+
+STORE_DIR = "reference_logps"
+
+
+@dataclass(frozen=True)
+class ReferenceTable:
+    """Reference log-probabilities ``[N, 2]`` (chosen, rejected) of a dataset's pairs, and their sides'
+    learned-token counts ``[N, 2]``, indexed by the dataset's rows."""
+
+    values: np.ndarray
+    side_tokens: np.ndarray
+
+    @staticmethod
+    def empty() -> ReferenceTable:
+        return ReferenceTable(np.zeros((0, 2), np.float32), np.zeros((0, 2), np.int64))
+
+    def logps(self, rows, device: torch.device) -> torch.Tensor:
+        return torch.as_tensor(self.values[list(rows)], device=device)
+
+
+def reference_tables(model: nn.Module, *, objective, config, dist_info, dataset, val_dataset, val_plan,
+                     max_tokens_per_rank: int, attn: str, weights_digest: str, method_fingerprint: dict,
+                     param_dtype: torch.dtype, load_model: Callable[[str], nn.Module],
+                     reference_digest: Callable[[str], str], output_dir: str, **_) -> tuple[ReferenceTable,
+                                                                                          ReferenceTable]:
+    """The training and held-out tables: read from the store when its key matches, else computed and stored."""
+    source = objective.settings.reference_model
+    parts = {
+        "reference_weights": reference_digest(source) if source else weights_digest,
+        "method": {} if source else method_fingerprint,
+        "dtype": str(param_dtype), "attn_implementation": attn,
+        "data": dataset.content_digest(), "held_out": val_dataset.content_digest() if val_dataset else None,
+        "packing": {"batch_size": config.batch_size, "max_tokens_per_rank": max_tokens_per_rank,
+                    "ranks": dist_info.world_size, "balance": config.balance, "seed": config.seed},
+    }
+    key = _key(parts)
+    folder = _store_folder(Path(dataset.path).parent, Path(output_dir))
+    path = folder / f"{key}.npz"
+    found = [_read(path) if dist_info.is_main else None]
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        train, held_out = found[0]
+        log_rank_0("reference log-probabilities: %s (computed before, for this model, data and packing)", path)
+    else:
+        began = time.perf_counter()
+        reference = load_model(source) if source else model
+        train = epoch_pass(reference, dataset, config=config, dist_info=dist_info,
+                           max_tokens_per_rank=max_tokens_per_rank, attn=attn, objective=objective)
+        held_out = (held_out_pass(reference, val_dataset, val_plan, dist_info=dist_info, attn=attn,
+                                  objective=objective) if val_dataset is not None else np.zeros((0, 2), np.float32))
+        if reference is not model:
+            del reference
+        if dist_info.is_main:
+            _write(path, train, held_out, parts)
+        log_rank_0("reference log-probabilities of %d pairs%s by %s in %.1fs, stored in %s", len(train),
+                   f" (+{len(held_out)} held out)" if len(held_out) else "", source or "the starting model",
+                   time.perf_counter() - began, path)
+    return (ReferenceTable(train, dataset.side_loss_tokens),
+            ReferenceTable(held_out, val_dataset.side_loss_tokens if val_dataset is not None
+                           else np.zeros((0, 2), np.int64)))
+
+
+def epoch_pass(model: nn.Module, dataset, *, config, dist_info, max_tokens_per_rank: int, attn: str,
+               objective) -> np.ndarray:
+    """Every pair's log-probabilities in epoch 0's packing, forward only (collective). The last batch may
+    reach into epoch 1; a pair seen twice gets the mean of its two (equal up to summation order) values."""
+    device = dist_info.device
+    num_rows = len(dataset)
+    totals = torch.zeros((num_rows, 2), dtype=torch.float64, device=device)
+    counts = torch.zeros(num_rows, dtype=torch.float64, device=device)
+    was_training = model.training
+    model.train()  # as the steps run (dropout is off)
+    with make_batch_loader(dataset, batch_size=config.batch_size, max_tokens_per_rank=max_tokens_per_rank,
+                           rank=dist_info.rank, world_size=dist_info.world_size, seed=config.seed,
+                           num_workers=0, balance=config.balance) as loader, torch.no_grad():
+        for _, batch in zip(range(math.ceil(num_rows / config.batch_size)), loader):
+            for minibatch in batch.minibatches:
+                _add(totals, counts, objective.forward_pairs(model, minibatch, attn, device)[0], minibatch.rows)
+    model.train(was_training)
+    reshard(model)
+    return _gathered(totals, counts, what="training")
+
+
+def held_out_pass(model: nn.Module, dataset, plan, *, dist_info, attn: str, objective) -> np.ndarray:
+    """The held-out pairs' log-probabilities in the validation plan's packing and mode (collective)."""
+    device = dist_info.device
+    totals = torch.zeros((len(dataset), 2), dtype=torch.float64, device=device)
+    counts = torch.zeros(len(dataset), dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for minibatch in plan.minibatches:
+            packed = collate_units(dataset, minibatch[dist_info.rank])
+            _add(totals, counts, objective.forward_pairs(model, packed, attn, device)[0], packed.rows)
+    model.train(was_training)
+    reshard(model)
+    return _gathered(totals, counts, what="held-out", allow_unseen=True)
+
+
+def _add(totals: torch.Tensor, counts: torch.Tensor, logps: torch.Tensor, rows: tuple[int, ...]) -> None:
+    if rows:
+        index = torch.tensor(rows, device=totals.device)
+        totals.index_add_(0, index, logps.double())
+        counts.index_add_(0, index, torch.ones(len(rows), dtype=torch.float64, device=totals.device))
+
+
+def _gathered(totals: torch.Tensor, counts: torch.Tensor, *, what: str, allow_unseen: bool = False) -> np.ndarray:
+    packed = torch.cat([totals, counts.unsqueeze(1)], dim=1)
+    dist.all_reduce(packed)
+    packed = packed.cpu().numpy()
+    seen = packed[:, 2] > 0
+    # Pairs over the token budget are never trained (nor evaluated): they keep no reference.
+    assert allow_unseen or seen.any() or not len(packed), f"no {what} pair was seen by the reference pass"
+    values = np.zeros((len(packed), 2), np.float32)
+    values[seen] = (packed[seen, :2] / packed[seen, 2:]).astype(np.float32)
+    return values
+
+
+def _key(parts: dict) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _store_folder(data_folder: Path, output_dir: Path) -> Path:
+    """Beside the data, unless that folder cannot be written (a shared read-only dataset)."""
+    if cannot_write(data_folder) is None:
+        return data_folder / STORE_DIR
+    log_rank_0("reference log-probabilities: %s cannot be written, storing them in %s", data_folder, output_dir)
+    return output_dir / STORE_DIR
+
+
+def _read(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path) as stored:
+            return stored["train"], stored["held_out"]
+    except (OSError, ValueError, KeyError) as err:  # a torn or foreign file: computed again
+        log_rank_0("reference log-probabilities: %s is unreadable (%s): computing them again", path, err)
+        return None
+
+
+def _write(path: Path, train: np.ndarray, held_out: np.ndarray, parts: dict) -> None:
+    """Whole or not at all: a temporary file, then a rename; the key's parts beside it, for a person."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as file:
+        np.savez(file, train=train, held_out=held_out)
+    os.replace(temporary, path)
+    path.with_suffix(".json").write_text(json.dumps(parts, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,262 @@
+"""DPO on packed batches (``--objective dpo``): the pair losses, per-sequence sums, pair units in the sampler,
+and real torchrun runs against a plain single-process DPO on the unpacked pairs."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fixtures.e2e import IGNORE_INDEX, assert_ok, model_vocab_size, read_metrics, torchrun
+from minitrainer.data.preference import PreferenceDataset
+from minitrainer.data.sampler import InfiniteSampler, load_tokenized_dataset, make_batch_loader
+from minitrainer.model.loss import chunked_cross_entropy_per_sequence, chunked_cross_entropy_sum
+from minitrainer.objectives.dpo import DPOSettings, pair_losses
+from minitrainer.train_config import TrainConfig
+
+
+def write_pairs(folder, *, num_pairs: int, vocab_size: int, seed: int = 0):
+    """Tokenized pairs as process_data.py writes them: a shared masked prompt, then each side's reply."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "data.jsonl").open("w") as file:
+        for _ in range(num_pairs):
+            prompt = rng.integers(5, vocab_size, size=int(rng.integers(3, 20))).tolist()
+            sides = [rng.integers(5, vocab_size, size=int(rng.integers(2, 16))).tolist() for _ in range(2)]
+            row = {}
+            for name, reply in zip(("chosen", "rejected"), sides):
+                row[f"{name}_input_ids"] = prompt + reply
+                row[f"{name}_labels"] = [IGNORE_INDEX] * len(prompt) + reply
+            row["len"] = len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
+            row["num_loss_counted_tokens"] = sum(len(reply) for reply in sides)
+            file.write(json.dumps(row) + "\n")
+    return folder
+
+
+# ----------------------------------------------------------------------------
+# Pure pieces
+
+
+@pytest.mark.parametrize("loss, at_zero", [("sigmoid", math.log(2)), ("hinge", 1.0), ("ipo", 25.0)])
+def test_every_pair_loss_has_its_closed_form_where_policy_equals_reference(loss, at_zero):
+    zeros = torch.zeros(3, dtype=torch.float64)
+    losses = pair_losses(zeros, zeros, torch.tensor([[4, 7]] * 3), DPOSettings(beta=0.1, loss=loss))
+    assert losses.tolist() == pytest.approx([at_zero] * 3, rel=1e-15)
+
+
+def test_pair_losses_match_their_definitions():
+    generator = torch.Generator().manual_seed(0)
+    chosen, rejected = torch.randn(8, generator=generator, dtype=torch.float64) * 5, torch.randn(8, dtype=torch.float64)
+    tokens = torch.randint(1, 30, (8, 2), generator=generator)
+    beta, eps = 0.2, 0.1
+    margin = beta * (chosen - rejected)
+    cdpo = pair_losses(chosen, rejected, tokens, DPOSettings(beta=beta, label_smoothing=eps))
+    torch.testing.assert_close(cdpo, -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin))
+    torch.testing.assert_close(pair_losses(chosen, rejected, tokens, DPOSettings(beta=beta, loss="hinge")),
+                               torch.clamp(1 - margin, min=0))
+    ipo = pair_losses(chosen, rejected, tokens, DPOSettings(beta=beta, loss="ipo"))
+    torch.testing.assert_close(ipo, (chosen / tokens[:, 0] - rejected / tokens[:, 1] - 1 / (2 * beta)) ** 2)
+
+
+def test_per_sequence_sums_equal_each_sequence_alone_across_chunk_boundaries():
+    generator = torch.Generator().manual_seed(1)
+    lengths = [5, 3, 7, 1, 4]
+    hidden = torch.randn(sum(lengths), 8, generator=generator, requires_grad=True)
+    weight = torch.randn(11, 8, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 11, (sum(lengths),), generator=generator)
+    labels[::4] = IGNORE_INDEX
+    sequence_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    sums = chunked_cross_entropy_per_sequence(hidden, weight, None, labels, sequence_ids,
+                                              num_sequences=len(lengths), chunk_tokens=3)
+    starts = np.cumsum([0, *lengths])
+    alone = torch.stack([chunked_cross_entropy_sum(hidden[a:b], weight, None, labels[a:b])
+                         for a, b in zip(starts[:-1], starts[1:])])
+    torch.testing.assert_close(sums, alone, rtol=1e-6, atol=1e-6)
+    # A nonlinear function of the sums, as a pair loss is: the gradients agree too.
+    weights = torch.arange(1.0, len(lengths) + 1)
+    grads = torch.autograd.grad((torch.sigmoid(sums) * weights).sum(), (hidden, weight))
+    expected = torch.autograd.grad((torch.sigmoid(alone) * weights).sum(), (hidden, weight))
+    for ours, theirs in zip(grads, expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pair_is_one_unit_packed_whole_on_one_rank_and_used_once_per_epoch(tmp_path):
+    data = write_pairs(tmp_path / "pairs", num_pairs=40, vocab_size=200)
+    dataset = load_tokenized_dataset(str(data), cache_dir=str(tmp_path / "cache"))
+    assert isinstance(dataset, PreferenceDataset) and len(dataset) == 40
+    seen = []
+    budget, batch_size = 44, 8
+    loaders = [make_batch_loader(dataset, batch_size=batch_size, max_tokens_per_rank=budget, rank=rank, world_size=2,
+                                 seed=3, num_workers=0, balance="attention") for rank in (0, 1)]
+    for _ in range(math.ceil(len(dataset) / batch_size)):
+        batches = [next(loader) for loader in loaders]
+        assert batches[0].num_samples == sum(mb.num_samples for b in batches for mb in b.minibatches)
+        for batch in batches:
+            for minibatch in batch.minibatches:
+                assert minibatch.num_tokens <= budget
+                assert minibatch.num_samples == len(minibatch.rows)
+                ids, positions = minibatch.input_ids[0], minibatch.position_ids[0]
+                starts = minibatch.cu_seqlens.tolist()
+                assert len(starts) - 1 == 2 * len(minibatch.rows) or not minibatch.rows
+                for index, row in enumerate(minibatch.rows):
+                    for side, (input_ids, _) in enumerate(dataset.sequences(row)):
+                        begin, end = starts[2 * index + side], starts[2 * index + side + 1]
+                        assert ids[begin:end].tolist() == input_ids.tolist()
+                        assert positions[begin:end].tolist() == list(range(end - begin))
+                seen += list(minibatch.rows)
+    for loader in loaders:
+        loader.close()
+    # Five batches of 8 are epoch 0: every pair that fits the budget exactly once, the others dropped.
+    kept = [row for row in range(len(dataset)) if dataset.lengths[row] <= budget]
+    assert sorted(seen) == kept and len(kept) < len(dataset)
+
+
+def test_the_preference_flags_need_the_objective_and_sane_values():
+    base = {"output_dir": "out", "min_samples_per_checkpoint": 1}
+    with pytest.raises(ValueError, match="--dpo-beta needs --objective dpo"):
+        TrainConfig(**base, dpo_beta=0.5)
+    with pytest.raises(ValueError, match="label-smoothing applies to --dpo-loss sigmoid"):
+        TrainConfig(**base, objective="dpo", dpo_loss="ipo", dpo_label_smoothing=0.1)
+    with pytest.raises(ValueError, match="does not combine with --context-parallel-size 2"):
+        TrainConfig(**base, objective="dpo", context_parallel_size=2)
+    with pytest.raises(ValueError, match="--dpo-beta must be positive"):
+        TrainConfig(**base, objective="dpo", dpo_beta=0.0)
+
+
+def test_each_objective_refuses_the_other_kind_of_data_in_one_line(tmp_path):
+    from fixtures.e2e import write_tokenized_jsonl
+
+    pairs = load_tokenized_dataset(str(write_pairs(tmp_path / "pairs", num_pairs=4, vocab_size=50)),
+                                   cache_dir=str(tmp_path / "cache"))
+    rows = load_tokenized_dataset(str(write_tokenized_jsonl(tmp_path / "sft" / "data.jsonl", num_samples=4,
+                                                            vocab_size=50)), cache_dir=str(tmp_path / "cache"))
+    dpo = TrainConfig(output_dir="o", min_samples_per_checkpoint=1, objective="dpo").training_objective()
+    sft = TrainConfig(output_dir="o", min_samples_per_checkpoint=1).training_objective()
+    assert "holds SFT rows" in dpo.data_error(rows, "sft")
+    assert "--objective dpo" in sft.data_error(pairs, "pairs")
+    assert dpo.data_error(pairs, "pairs") is None and sft.data_error(rows, "sft") is None
+
+
+# ----------------------------------------------------------------------------
+# Real runs: 2 gloo ranks, several packed minibatches per rank
+
+
+def reference_dpo_losses(model_dir, data, *, steps: int, batch_size: int, seed: int, lr: float, beta: float,
+                         cache_dir: str) -> list[float]:
+    """Plain DPO in one process: each side alone through the model (no packing, no sharding), reference
+    log-probabilities from the starting model, the mean over the batch's pairs, AdamW."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    dataset = load_tokenized_dataset(str(data), cache_dir=cache_dir)
+
+    def logps(row: int) -> torch.Tensor:
+        values = []
+        for input_ids, labels in dataset.sequences(row):
+            logits = model(input_ids=torch.tensor([input_ids.tolist()])).logits[0, :-1]
+            values.append(-F.cross_entropy(logits, torch.tensor(labels[1:].tolist()), ignore_index=IGNORE_INDEX,
+                                           reduction="sum"))
+        return torch.stack(values)
+
+    with torch.no_grad():
+        reference = {row: logps(row) for row in range(len(dataset))}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
+    sampler, losses = InfiniteSampler(len(dataset), seed), []
+    for _ in range(steps):
+        rows = [int(row) for row in sampler.take(batch_size)]
+        ratios = torch.stack([logps(row) - reference[row] for row in rows])
+        loss = -F.logsigmoid(beta * (ratios[:, 0] - ratios[:, 1])).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+DPO_ARGS = ["--objective", "dpo", "--batch-size", "16", "--max-tokens-per-gpu", "64", "--lr-scheduler", "constant",
+            "--num-warmup-steps", "0", "--learning-rate", "1e-3", "--seed", "7", "--num-data-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(tmp_path_factory, chatml_model):
+    """One set of launches that several tests read: a whole run, the same run stopped after 2 steps and
+    resumed, LoRA with validation, OSFT."""
+    root = tmp_path_factory.mktemp("dpo")
+    data = write_pairs(root / "pairs", num_pairs=40, vocab_size=model_vocab_size(chatml_model))
+    common = ["--model-name-or-path", str(chatml_model), "--data-path", str(data), *DPO_ARGS]
+    runs = {}
+    for name, extra, steps in [
+        ("whole", [], [4]),
+        ("resumed", ["--min-samples-per-checkpoint", "32"], [2, 4]),
+        ("lora", ["--lora-rank", "4", "--validation-split", "0.2", "--validation-every-n-steps", "1"], [2]),
+        ("osft", ["--osft", "--osft-unfreeze-rank-ratio", "0.5"], [2]),
+    ]:
+        out = root / name
+        results = [torchrun([*common, "--output-dir", str(out), "--max-steps", str(n),
+                             *(extra if "--min-samples-per-checkpoint" in extra
+                               else [*extra, "--min-samples-per-checkpoint", "1000"])]) for n in steps]
+        runs[name] = (out, results)
+    return root, data, runs
+
+
+def test_step_one_is_ln2_and_packed_sharded_steps_equal_plain_unpacked_dpo(dpo_runs, chatml_model):
+    root, data, runs = dpo_runs
+    out, (result,) = runs["whole"]
+    assert_ok(result)
+    metrics = read_metrics(out)
+    # Policy and reference are one code path on the same packing: the log-ratio of step 1 is exactly 0.
+    assert metrics[0]["loss"] == math.log(2) and metrics[0]["rewards/margins"] == 0.0
+    assert metrics[0]["rewards/accuracies"] == 0.0 and metrics[0]["num_pairs"] == 16
+    assert all(m["grad_accum"] > 1 for m in metrics)  # several packed minibatches per rank
+    expected = reference_dpo_losses(chatml_model, data, steps=4, batch_size=16, seed=7, lr=1e-3, beta=0.1,
+                                    cache_dir=str(root / "cache"))
+    assert [m["loss"] for m in metrics] == pytest.approx(expected, rel=1e-5)
+    assert metrics[-1]["loss"] < math.log(2)
+    for name in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "loss_backward"):
+        assert all(math.isfinite(m[name]) for m in metrics)
+    assert metrics[-1]["loss_backward"] == pytest.approx(metrics[-1]["loss"], rel=1e-5)
+    assert "reference log-probabilities of 40 pairs by the starting model" in result.stderr
+    from transformers import AutoModelForCausalLM
+
+    exported = sorted((out / "hf_format").glob("samples_*"))[-1]
+    assert AutoModelForCausalLM.from_pretrained(exported).num_parameters() > 0
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one_and_reuses_the_stored_reference(dpo_runs):
+    _, data, runs = dpo_runs
+    out, results = runs["resumed"]
+    for result in results:
+        assert_ok(result)
+    assert "resumed from" in results[1].stderr
+    assert re.search(r"reference log-probabilities: \S+\.npz \(computed before", results[1].stderr)
+    whole = read_metrics(runs["whole"][0])
+    resumed = read_metrics(out)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for ours, theirs in zip(resumed, whole):
+        assert ours["loss"] == theirs["loss"] and ours["rewards/margins"] == theirs["rewards/margins"]
+    assert len(list((data / "reference_logps").glob("*.npz"))) >= 1
+
+
+def test_lora_trains_pairs_against_its_base_and_validates_on_held_out_pairs(dpo_runs):
+    out, (result,) = dpo_runs[2]["lora"]
+    assert_ok(result)
+    lines = [json.loads(line) for line in (out / "training_metrics_0.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "val_loss" not in line]
+    validations = [line for line in lines if "val_loss" in line]
+    assert steps[0]["loss"] == math.log(2)
+    assert len(validations) == 2 and all(0 <= v["val_rewards/accuracies"] <= 1 for v in validations)
+    assert all(math.isfinite(v["val_loss"]) and "val_rewards/margins" in v for v in validations)
+
+
+def test_osft_trains_pairs(dpo_runs):
+    out, (result,) = dpo_runs[2]["osft"]
+    assert_ok(result)
+    metrics = read_metrics(out)
+    assert metrics[0]["loss"] == math.log(2) and metrics[1]["loss"] != math.log(2)
