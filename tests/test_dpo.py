@@ -3,6 +3,7 @@ and real torchrun runs against a plain single-process DPO on the unpacked pairs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -12,30 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.e2e import IGNORE_INDEX, assert_ok, model_vocab_size, read_metrics, torchrun
+from fixtures.e2e import IGNORE_INDEX, assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_pairs
 from minitrainer.data.preference import PreferenceDataset
 from minitrainer.data.sampler import InfiniteSampler, load_tokenized_dataset, make_batch_loader
 from minitrainer.model.loss import chunked_cross_entropy_per_sequence, chunked_cross_entropy_sum
 from minitrainer.objectives.dpo import DPOSettings, pair_losses
+from minitrainer.tools.tiny_model import build_tiny_model
 from minitrainer.train_config import TrainConfig
-
-
-def write_pairs(folder, *, num_pairs: int, vocab_size: int, seed: int = 0):
-    """Tokenized pairs as process_data.py writes them: a shared masked prompt, then each side's reply."""
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    with (folder / "data.jsonl").open("w") as file:
-        for _ in range(num_pairs):
-            prompt = rng.integers(5, vocab_size, size=int(rng.integers(3, 20))).tolist()
-            sides = [rng.integers(5, vocab_size, size=int(rng.integers(2, 16))).tolist() for _ in range(2)]
-            row = {}
-            for name, reply in zip(("chosen", "rejected"), sides):
-                row[f"{name}_input_ids"] = prompt + reply
-                row[f"{name}_labels"] = [IGNORE_INDEX] * len(prompt) + reply
-            row["len"] = len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
-            row["num_loss_counted_tokens"] = sum(len(reply) for reply in sides)
-            file.write(json.dumps(row) + "\n")
-    return folder
 
 
 # ----------------------------------------------------------------------------
@@ -86,7 +70,7 @@ def test_per_sequence_sums_equal_each_sequence_alone_across_chunk_boundaries():
 
 
 def test_a_pair_is_one_unit_packed_whole_on_one_rank_and_used_once_per_epoch(tmp_path):
-    data = write_pairs(tmp_path / "pairs", num_pairs=40, vocab_size=200)
+    data = write_tokenized_pairs(tmp_path / "pairs", num_pairs=40, vocab_size=200)
     dataset = load_tokenized_dataset(str(data), cache_dir=str(tmp_path / "cache"))
     assert isinstance(dataset, PreferenceDataset) and len(dataset) == 40
     seen = []
@@ -131,7 +115,7 @@ def test_the_preference_flags_need_the_objective_and_sane_values():
 def test_each_objective_refuses_the_other_kind_of_data_in_one_line(tmp_path):
     from fixtures.e2e import write_tokenized_jsonl
 
-    pairs = load_tokenized_dataset(str(write_pairs(tmp_path / "pairs", num_pairs=4, vocab_size=50)),
+    pairs = load_tokenized_dataset(str(write_tokenized_pairs(tmp_path / "pairs", num_pairs=4, vocab_size=50)),
                                    cache_dir=str(tmp_path / "cache"))
     rows = load_tokenized_dataset(str(write_tokenized_jsonl(tmp_path / "sft" / "data.jsonl", num_samples=4,
                                                             vocab_size=50)), cache_dir=str(tmp_path / "cache"))
@@ -147,25 +131,27 @@ def test_each_objective_refuses_the_other_kind_of_data_in_one_line(tmp_path):
 
 
 def reference_dpo_losses(model_dir, data, *, steps: int, batch_size: int, seed: int, lr: float, beta: float,
-                         cache_dir: str) -> list[float]:
+                         cache_dir: str, reference_dir=None) -> list[float]:
     """Plain DPO in one process: each side alone through the model (no packing, no sharding), reference
-    log-probabilities from the starting model, the mean over the batch's pairs, AdamW."""
+    log-probabilities from the starting model (or ``reference_dir``'s), the mean over the batch's pairs, AdamW."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     dataset = load_tokenized_dataset(str(data), cache_dir=cache_dir)
 
-    def logps(row: int) -> torch.Tensor:
+    def logps(row: int, of=model) -> torch.Tensor:
         values = []
         for input_ids, labels in dataset.sequences(row):
-            logits = model(input_ids=torch.tensor([input_ids.tolist()])).logits[0, :-1]
+            logits = of(input_ids=torch.tensor([input_ids.tolist()])).logits[0, :-1]
             values.append(-F.cross_entropy(logits, torch.tensor(labels[1:].tolist()), ignore_index=IGNORE_INDEX,
                                            reduction="sum"))
         return torch.stack(values)
 
+    reference_model = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32) if reference_dir \
+        else model
     with torch.no_grad():
-        reference = {row: logps(row) for row in range(len(dataset))}
+        reference = {row: logps(row, reference_model) for row in range(len(dataset))}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
     sampler, losses = InfiniteSampler(len(dataset), seed), []
     for _ in range(steps):
@@ -189,16 +175,22 @@ def dpo_runs(tmp_path_factory, chatml_model):
     """One set of launches that several tests read: a whole run, the same run stopped after 2 steps and
     resumed, LoRA with validation, OSFT."""
     root = tmp_path_factory.mktemp("dpo")
-    data = write_pairs(root / "pairs", num_pairs=40, vocab_size=model_vocab_size(chatml_model))
-    common = ["--model-name-or-path", str(chatml_model), "--data-path", str(data), *DPO_ARGS]
+    data = write_tokenized_pairs(root / "pairs", num_pairs=40, vocab_size=model_vocab_size(chatml_model))
+    # QLoRA quantizes whole NF4 groups: a wider model with the same tokenizer.
+    wide = build_tiny_model("chatml", root / "wide", hidden_size=256, intermediate_size=512, num_heads=4,
+                            num_kv_heads=2)
     runs = {}
-    for name, extra, steps in [
-        ("whole", [], [4]),
-        ("resumed", ["--min-samples-per-checkpoint", "32"], [2, 4]),
-        ("lora", ["--lora-rank", "4", "--validation-split", "0.2", "--validation-every-n-steps", "1"], [2]),
-        ("osft", ["--osft", "--osft-unfreeze-rank-ratio", "0.5"], [2]),
+    for name, model, extra, steps in [
+        ("whole", chatml_model, [], [4]),
+        ("resumed", chatml_model, ["--min-samples-per-checkpoint", "32"], [2, 4]),
+        ("reference", chatml_model, ["--reference-model", str(root / "whole" / "hf_format" / "samples_64")], [2]),
+        ("lora", chatml_model, ["--lora-rank", "4", "--validation-split", "0.2", "--validation-every-n-steps", "1"],
+         [2]),
+        ("qlora", wide, ["--lora-rank", "4", "--lora-quantize-data-type", "nf4"], [2]),
+        ("osft", chatml_model, ["--osft", "--osft-unfreeze-rank-ratio", "0.5"], [2]),
     ]:
         out = root / name
+        common = ["--model-name-or-path", str(model), "--data-path", str(data), *DPO_ARGS]
         results = [torchrun([*common, "--output-dir", str(out), "--max-steps", str(n),
                              *(extra if "--min-samples-per-checkpoint" in extra
                                else [*extra, "--min-samples-per-checkpoint", "1000"])]) for n in steps]
@@ -253,6 +245,28 @@ def test_lora_trains_pairs_against_its_base_and_validates_on_held_out_pairs(dpo_
     assert steps[0]["loss"] == math.log(2)
     assert len(validations) == 2 and all(0 <= v["val_rewards/accuracies"] <= 1 for v in validations)
     assert all(math.isfinite(v["val_loss"]) and "val_rewards/margins" in v for v in validations)
+
+
+def test_another_reference_model_is_the_reference(dpo_runs, chatml_model):
+    root, data, runs = dpo_runs
+    out, (result,) = runs["reference"]
+    assert_ok(result)
+    reference_dir = root / "whole" / "hf_format" / "samples_64"
+    assert f"reference log-probabilities of 40 pairs by {reference_dir}" in result.stderr
+    metrics = read_metrics(out)
+    assert metrics[0]["rewards/margins"] != 0.0  # the policy starts away from this reference
+    expected = reference_dpo_losses(chatml_model, data, steps=2, batch_size=16, seed=7, lr=1e-3, beta=0.1,
+                                    cache_dir=str(root / "cache"), reference_dir=reference_dir)
+    assert [m["loss"] for m in metrics] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="QLoRA needs torchao")
+def test_qlora_trains_pairs_against_its_nf4_base(dpo_runs):
+    out, (result,) = dpo_runs[2]["qlora"]
+    assert_ok(result)
+    metrics = read_metrics(out)
+    assert metrics[0]["loss"] == math.log(2) and metrics[1]["loss"] != math.log(2)
+    assert (out / "hf_format" / "samples_32" / "adapter").is_dir()
 
 
 def test_osft_trains_pairs(dpo_runs):

@@ -221,6 +221,21 @@ def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(met
                        "'How to add a fine-tuning method')")
 
 
+OBJECTIVE_NAMES = {"DPO": (r"(?:^|[^a-z])dpo", {"objectives/dpo.py", "objectives/base.py"})}
+"""Each training objective but SFT (the interface itself), as its code spells it, and the modules that may name it:
+its own, the interface's one-line refusal of its data, and the config (``training_objective`` picks it)."""
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVE_NAMES))
+def test_a_training_objective_is_named_only_in_its_own_modules_and_the_config(objective):
+    pattern, own = OBJECTIVE_NAMES[objective]
+    allowed = {f"minitrainer/{name}" for name in own | {"train_config.py"} | CONFIG_TRANSLATIONS}
+    code = [*PACKAGE_MODULES.values(), *(ROOT / name for name in ENTRY_SCRIPTS)]
+    named = sorted(str(path.relative_to(ROOT)) for path in code if str(path.relative_to(ROOT)) not in allowed
+                   and any(re.search(pattern, token, re.IGNORECASE) for token in _code_tokens(path)))
+    assert not named, f"{named} name {objective}: ask the run's TrainingObjective instead (objectives/base.py)"
+
+
 def test_optional_packages_are_imported_only_by_their_feature():
     """Importing the trainer (every module a plain full fine-tuning run imports, and the methods) loads none
     of peft, torchao, liger, or a tracker's package: each is imported where its feature is switched on."""
