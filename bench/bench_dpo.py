@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         results["rss_ours_vs_trl"] = round(results["ours"]["peak_rss_tree_gib"] / results["trl"]["peak_rss_tree_gib"], 2)
     (work / "bench_dpo_results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
-    print(f"\n| side | wall s | pairs/s | CPU s | pairs/CPU-s | peak RSS GiB | step-1 loss |\n|---|---|---|---|---|---|---|")
+    print("\n| side | wall s | pairs/s | CPU s | pairs/CPU-s | peak RSS GiB | step-1 loss |\n|---|---|---|---|---|---|---|")
     for side in sides:
         r = results[side]
         loss = "n/a" if r.get("step1_loss") is None else f"{r['step1_loss']:.6f}"

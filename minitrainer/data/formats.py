@@ -124,14 +124,7 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     Raises:
         SampleError: the row is not an object of an accepted format, or not a valid row of its format.
     """
-    if isinstance(raw, BadRow):
-        raise SampleError(raw.reason, raw.detail)
-    row = load_row(raw) if isinstance(raw, bytes) else raw
-    if not isinstance(row, dict):
-        raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
-    if columns:
-        row = _renamed(row, columns)
-    fmt = row_format(row, input_format)
+    row, fmt = _row_and_format(raw, input_format=input_format, columns=columns)
     if fmt in PAIR_FORMATS:
         err = SampleError("preference_row", "a chosen/rejected pair in a file of SFT rows (its first convertible "
                                             "row is not a pair): give pairs a file of their own")
@@ -161,14 +154,7 @@ def read_pair(raw: Any, *, input_format: str = "auto", columns: dict[str, str] |
         SampleError: not a preference row (``not_a_pair``), an empty side (``empty_side``), or a side
             that is not a valid prompt/completion row.
     """
-    if isinstance(raw, BadRow):
-        raise SampleError(raw.reason, raw.detail)
-    row = load_row(raw) if isinstance(raw, bytes) else raw
-    if not isinstance(row, dict):
-        raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
-    if columns:
-        row = _renamed(row, columns)
-    fmt = row_format(row, input_format)
+    row, fmt = _row_and_format(raw, input_format=input_format, columns=columns)
     if fmt not in PAIR_FORMATS:
         err = SampleError("not_a_pair", f"a {fmt} row in a file of preference pairs (its first convertible row is "
                                         "a pair): give SFT rows a file of their own")
@@ -183,6 +169,18 @@ def read_pair(raw: Any, *, input_format: str = "auto", columns: dict[str, str] |
     except SampleError as err:
         err.row_format = fmt
         raise
+
+
+def _row_and_format(raw: Any, *, input_format: str, columns: dict[str, str] | None) -> tuple[dict[str, Any], str]:
+    """The row as an object, ``--columns``' renames applied, and its format; a line that is no object raises."""
+    if isinstance(raw, BadRow):
+        raise SampleError(raw.reason, raw.detail)
+    row = load_row(raw) if isinstance(raw, bytes) else raw
+    if not isinstance(row, dict):
+        raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
+    if columns:
+        row = _renamed(row, columns)
+    return row, row_format(row, input_format)
 
 
 def _pair(fmt: str, row: dict[str, Any]) -> tuple[ChatRow, ChatRow]:
