@@ -210,13 +210,18 @@ def _code_tokens(path: Path) -> list[str]:
             if token.type in kinds and token.start[0] not in docstrings]
 
 
-@pytest.mark.parametrize("method", sorted(METHOD_NAMES))
-def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(method):
-    pattern, own = METHOD_NAMES[method]
+def _named_outside(pattern: str, own: set[str]) -> list[str]:
+    """The package modules and entry scripts whose code spells ``pattern``, besides ``own``, the config and the
+    translations of other tools' settings."""
     allowed = {f"minitrainer/{name}" for name in own | {"train_config.py"} | CONFIG_TRANSLATIONS}
     code = [*PACKAGE_MODULES.values(), *(ROOT / name for name in ENTRY_SCRIPTS)]
-    named = sorted(str(path.relative_to(ROOT)) for path in code if str(path.relative_to(ROOT)) not in allowed
-                   and any(re.search(pattern, token, re.IGNORECASE) for token in _code_tokens(path)))
+    return sorted(str(path.relative_to(ROOT)) for path in code if str(path.relative_to(ROOT)) not in allowed
+                  and any(re.search(pattern, token, re.IGNORECASE) for token in _code_tokens(path)))
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_NAMES))
+def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(method):
+    named = _named_outside(*METHOD_NAMES[method])
     assert not named, (f"{named} name {method}: ask the run's FineTuningMethod instead (docs/code-layout.md, "
                        "'How to add a fine-tuning method')")
 
@@ -228,11 +233,7 @@ its own, the interface's one-line refusal of its data, and the config (``trainin
 
 @pytest.mark.parametrize("objective", sorted(OBJECTIVE_NAMES))
 def test_a_training_objective_is_named_only_in_its_own_modules_and_the_config(objective):
-    pattern, own = OBJECTIVE_NAMES[objective]
-    allowed = {f"minitrainer/{name}" for name in own | {"train_config.py"} | CONFIG_TRANSLATIONS}
-    code = [*PACKAGE_MODULES.values(), *(ROOT / name for name in ENTRY_SCRIPTS)]
-    named = sorted(str(path.relative_to(ROOT)) for path in code if str(path.relative_to(ROOT)) not in allowed
-                   and any(re.search(pattern, token, re.IGNORECASE) for token in _code_tokens(path)))
+    named = _named_outside(*OBJECTIVE_NAMES[objective])
     assert not named, f"{named} name {objective}: ask the run's TrainingObjective instead (objectives/base.py)"
 
 
