@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -24,6 +25,8 @@ from minitrainer.progress import PROGRESS_MODES
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+DPO_FIELDS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "dpo_sft_weight", "reference_model")
+"""The fields that mean something only with --objective dpo."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -406,11 +409,9 @@ def _context_parallel_errors(config: TrainConfig) -> list[str]:
 
 def _objective_errors(config: TrainConfig) -> list[str]:
     """The preference flags: in range, and only with --objective dpo."""
-    defaults = {"dpo_beta": 0.1, "dpo_loss": "sigmoid", "dpo_label_smoothing": 0.0, "dpo_sft_weight": 0.0,
-                "reference_model": None}
     if config.objective != "dpo":
-        return [f"--{name.replace('_', '-')} needs --objective dpo" for name, default in defaults.items()
-                if getattr(config, name) != default]
+        return [f"--{field.name.replace('_', '-')} needs --objective dpo" for field in dataclasses.fields(config)
+                if field.name in DPO_FIELDS and getattr(config, field.name) != field.default]
     errors = []
     if not (math.isfinite(config.dpo_beta) and config.dpo_beta > 0):
         errors.append(f"--dpo-beta must be positive, got {config.dpo_beta}")

@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 
 SIDES = ("chosen", "rejected")
-PAIR_COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("input_ids", "labels"))
 
 
 def is_preference_table(table: pa.Table) -> bool:

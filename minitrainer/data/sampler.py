@@ -536,10 +536,10 @@ def sequence_lengths(dataset, rows: np.ndarray) -> np.ndarray:
 def unit_costs(dataset, rows: np.ndarray, balance: str):
     """The packer's balance cost of ``rows``: by name for single samples; for pairs under ``attention``, the
     sum of each side's cost, since each side is an attention document of its own."""
-    side_lengths = getattr(dataset, "side_lengths", None)
     if getattr(dataset, "sequences_per_unit", 1) == 1 or balance == "tokens":
         return balance
-    costs = sample_costs(side_lengths[rows, 0], balance) + sample_costs(side_lengths[rows, 1], balance)
+    sides = dataset.side_lengths[rows]
+    costs = sample_costs(sides[:, 0], balance) + sample_costs(sides[:, 1], balance)
     return lambda _lengths: costs
 
 

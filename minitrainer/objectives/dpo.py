@@ -26,6 +26,7 @@ plus ``--dpo-sft-weight`` times the chosen sides' per-token mean cross-entropy o
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -164,22 +165,30 @@ class DPOObjective(TrainingObjective):
     def validation_loss(self, model: nn.Module, dataset, plan, *, rank: int, device: torch.device, attn: str,
                         shard=None) -> tuple[float, int, dict]:
         """The held-out pairs' loss (the training loss's definition) and reward metrics (collective)."""
-        was_training = model.training
-        model.eval()
         totals = torch.zeros(len(self.sum_names), device=device, dtype=torch.float64)
-        with torch.no_grad():
-            for minibatch in plan.minibatches:
-                packed = collate_units(dataset, minibatch[rank])
-                logps, _ = self.forward_pairs(model, packed, attn, device)
-                _, sums = self.pair_terms(logps, packed.rows, self.held_out)
-                totals += sums
-        model.train(was_training)
+        for logps, rows in self.held_out_logps(model, dataset, plan, rank=rank, attn=attn, device=device):
+            totals += self.pair_terms(logps, rows, self.held_out)[1]
         dist.all_reduce(totals)
         sums = dict(zip(self.sum_names, totals.tolist()))  # CPU-GPU sync point
         assert int(sums["pairs"]) == plan.num_samples, (sums["pairs"], plan.num_samples)
         if not sums["pairs"]:
             return float("nan"), plan.num_loss_counted_tokens, {}
         return self._loss(sums), plan.num_loss_counted_tokens, self._pair_metrics(sums, prefix="val_")
+
+    def held_out_logps(self, model: nn.Module, dataset, plan, *, rank: int, attn: str,
+                       device: torch.device) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
+        """``(log-probabilities [P, 2], rows)`` of this rank's minibatches of the validation plan, forward only
+        in eval mode: the one pass of held-out pairs, for their reference (``reference.py``) and validation
+        alike, so a validation at the starting weights sees log-ratios of exactly 0."""
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for minibatch in plan.minibatches:
+                    packed = collate_units(dataset, minibatch[rank])
+                    yield self.forward_pairs(model, packed, attn, device)[0], packed.rows
+        finally:
+            model.train(was_training)
 
     def _loss(self, sums: dict) -> float:
         loss = sums["pair_loss"] / max(sums["pairs"], 1)

@@ -32,7 +32,7 @@ from torch import nn
 
 from minitrainer.common.distributed import reshard
 from minitrainer.common.log import log_rank_0
-from minitrainer.data.sampler import cannot_write, collate_units, make_batch_loader
+from minitrainer.data.sampler import cannot_write, make_batch_loader
 
 STORE_DIR = "reference_logps"
 
@@ -60,17 +60,18 @@ def reference_tables(model: nn.Module, *, objective, config, dist_info, dataset,
                                                                                           ReferenceTable]:
     """The training and held-out tables: read from the store when its key matches, else computed and stored."""
     source = objective.settings.reference_model
-    parts = {
-        "reference_weights": reference_digest(source) if source else weights_digest,
-        "method": {} if source else method_fingerprint,
-        "dtype": str(param_dtype), "attn_implementation": attn,
-        "data": dataset.content_digest(), "held_out": val_dataset.content_digest() if val_dataset else None,
-        "packing": {"batch_size": config.batch_size, "max_tokens_per_rank": max_tokens_per_rank,
-                    "ranks": dist_info.world_size, "balance": config.balance, "seed": config.seed},
-    }
-    key = _key(parts)
-    folder = _store_folder(Path(dataset.path).parent, Path(output_dir))
-    path = folder / f"{key}.npz"
+    reference_weights = reference_digest(source) if source else weights_digest  # collective
+    parts = path = None
+    # Rank 0 alone keys, reads and writes the store (it hashed the data already, for the resume fingerprint).
+    if dist_info.is_main:
+        parts = {
+            "reference_weights": reference_weights, "method": {} if source else method_fingerprint,
+            "dtype": str(param_dtype), "attn_implementation": attn,
+            "data": dataset.content_digest(), "held_out": val_dataset.content_digest() if val_dataset else None,
+            "packing": {"batch_size": config.batch_size, "max_tokens_per_rank": max_tokens_per_rank,
+                        "ranks": dist_info.world_size, "balance": config.balance, "seed": config.seed},
+        }
+        path = _store_folder(Path(dataset.path).parent, Path(output_dir)) / f"{_key(parts)}.npz"
     found = [_read(path) if dist_info.is_main else None]
     dist.broadcast_object_list(found, src=0)
     if found[0] is not None:
@@ -83,8 +84,7 @@ def reference_tables(model: nn.Module, *, objective, config, dist_info, dataset,
                            max_tokens_per_rank=max_tokens_per_rank, attn=attn, objective=objective)
         held_out = (held_out_pass(reference, val_dataset, val_plan, dist_info=dist_info, attn=attn,
                                   objective=objective) if val_dataset is not None else np.zeros((0, 2), np.float32))
-        if reference is not model:
-            del reference
+        del reference  # a --reference-model is freed here; the run's model stays referenced
         if dist_info.is_main:
             _write(path, train, held_out, parts)
         log_rank_0("reference log-probabilities of %d pairs%s by %s in %.1fs, stored in %s", len(train),
@@ -121,13 +121,8 @@ def held_out_pass(model: nn.Module, dataset, plan, *, dist_info, attn: str, obje
     device = dist_info.device
     totals = torch.zeros((len(dataset), 2), dtype=torch.float64, device=device)
     counts = torch.zeros(len(dataset), dtype=torch.float64, device=device)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for minibatch in plan.minibatches:
-            packed = collate_units(dataset, minibatch[dist_info.rank])
-            _add(totals, counts, objective.forward_pairs(model, packed, attn, device)[0], packed.rows)
-    model.train(was_training)
+    for logps, rows in objective.held_out_logps(model, dataset, plan, rank=dist_info.rank, attn=attn, device=device):
+        _add(totals, counts, logps, rows)
     reshard(model)
     return _gathered(totals, counts, what="held-out", allow_unseen=True)
 
