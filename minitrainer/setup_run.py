@@ -258,6 +258,8 @@ def _preflight(config: TrainConfig) -> str | None:
         return "--validation-split takes rows of one dataset: with a data mix, give --validation-data-path"
     if config.validation_data_path and not Path(config.validation_data_path).exists():
         return f"--validation-data-path {config.validation_data_path}: no such file or folder"
+    if config.reference_model and (error := model_path_error(config.reference_model, flag="--reference-model")):
+        return error
     # Only a GPU runs Liger (elsewhere the flag warns and changes nothing); missing there, every rank would
     # stop in a traceback while building the model.
     if config.use_liger_kernels and device_type() == "cuda" and importlib.util.find_spec("liger_kernel") is None:
@@ -281,8 +283,7 @@ def _load_model_config(config: TrainConfig, path: str | None = None) -> Pretrain
 
     path = path or config.model_name_or_path
     flag = "--model-name-or-path" if path == config.model_name_or_path else "--reference-model"
-    model_config, error = None, model_path_error(path)
-    error = error and error.replace("--model-name-or-path", flag, 1)
+    model_config, error = None, model_path_error(path, flag=flag)
     # An unreachable hub is retried 5 times with a warning each, on every rank: they would bury the one line
     # below. Only for this small first file; the weights' downloads keep their retry warnings.
     hub_http = logging.getLogger("huggingface_hub.utils._http")
@@ -300,7 +301,7 @@ def _load_model_config(config: TrainConfig, path: str | None = None) -> Pretrain
     return model_config
 
 
-def model_path_error(name_or_path: str) -> str | None:
+def model_path_error(name_or_path: str, *, flag: str = "--model-name-or-path") -> str | None:
     """A local model folder that is not there or holds no ``config.json``, in one line; None for a folder that
     does, and for a hub id (``name`` or ``namespace/name``), which only loading can check.
 
@@ -311,12 +312,12 @@ def model_path_error(name_or_path: str) -> str | None:
     path = Path(name_or_path).expanduser()
     if not path.exists():
         if name_or_path.startswith(("/", ".", "~")) or name_or_path.strip("/").count("/") > 1:
-            return f"--model-name-or-path {name_or_path}: no such folder"
+            return f"{flag} {name_or_path}: no such folder"
         return None
     if not path.is_dir():
-        return f"--model-name-or-path {name_or_path}: a file, not a model folder"
+        return f"{flag} {name_or_path}: a file, not a model folder"
     if not (path / "config.json").is_file():
-        return (f"--model-name-or-path {name_or_path}: cannot load a model from this folder: it has no config.json "
+        return (f"{flag} {name_or_path}: cannot load a model from this folder: it has no config.json "
                 "(not a Hugging Face model folder)")
     return None
 

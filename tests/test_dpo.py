@@ -274,3 +274,10 @@ def test_osft_trains_pairs(dpo_runs):
     assert_ok(result)
     metrics = read_metrics(out)
     assert metrics[0]["loss"] == math.log(2) and metrics[1]["loss"] != math.log(2)
+
+
+def test_a_missing_reference_model_is_named_by_its_flag():
+    from minitrainer.setup_run import model_path_error
+
+    assert model_path_error("./no-such-model", flag="--reference-model") == \
+        "--reference-model ./no-such-model: no such folder"
