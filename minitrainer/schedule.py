@@ -1,11 +1,13 @@
-"""How long a run lasts and its learning-rate schedule: stop conditions and transformers' schedulers."""
+"""How long a run lasts and its learning-rate schedule: stop conditions and transformers' schedules."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from minitrainer.checkpoint.train_state import TrainState
 from minitrainer.common.log import logger
@@ -34,11 +36,127 @@ def stop_reason(config: TrainConfig, state: TrainState, num_dataset_samples: int
     return None
 
 
-def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int | None):
-    from transformers import get_scheduler
+def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int | None) -> LambdaLR:
+    """``--lr-scheduler``'s schedule, as ``transformers.get_scheduler`` builds it (the same factors to the last bit,
+    the same ``LambdaLR`` state in a full state) without importing transformers' trainer stack, which start-up does
+    not otherwise need (peft and torchao come with it: about a second in every process)."""
+    kwargs = scheduler_kwargs(config, total_steps)
+    warmup = config.num_warmup_steps
+    if config.lr_scheduler == "constant":
+        return LambdaLR(optimizer, _constant)
+    if config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL and total_steps is None:
+        raise ValueError(f"{config.lr_scheduler} requires `num_training_steps`, please provide that argument.")
+    if config.lr_scheduler == "polynomial":
+        kwargs = {"lr_end": 1e-7, "power": 1.0, "lr_init": optimizer.defaults["lr"]}
+        if not kwargs["lr_init"] > kwargs["lr_end"]:
+            raise ValueError(f"lr_end ({kwargs['lr_end']}) must be smaller than initial lr ({kwargs['lr_init']})")
+    if config.lr_scheduler == "inverse_sqrt":
+        kwargs = {"timescale": warmup or 10_000}
+    if config.lr_scheduler == "warmup_stable_decay":
+        kwargs["num_stable_steps"] = total_steps - warmup - kwargs["num_decay_steps"]
+    total = {} if config.lr_scheduler in SCHEDULERS_WITHOUT_TOTAL + ("warmup_stable_decay",) else \
+        {"num_training_steps": total_steps}
+    return LambdaLR(optimizer, functools.partial(_FACTORS[config.lr_scheduler], num_warmup_steps=warmup, **total,
+                                                 **kwargs))
 
-    return get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.num_warmup_steps,
-                         num_training_steps=total_steps, scheduler_specific_kwargs=scheduler_kwargs(config, total_steps))
+
+def _constant(_=None):
+    return 1
+
+
+def _warming_up(step: int, num_warmup_steps: int) -> float:
+    return float(step) / float(max(1, num_warmup_steps))
+
+
+def _constant_with_warmup(step: int, *, num_warmup_steps: int) -> float:
+    if step < num_warmup_steps:
+        return float(step) / float(max(1.0, num_warmup_steps))
+    return 1.0
+
+
+def _linear(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    if step < num_warmup_steps:
+        return _warming_up(step, num_warmup_steps)
+    return max(0.0, float(num_training_steps - step) / float(max(1, num_training_steps - num_warmup_steps)))
+
+
+def _decay_progress(step: int, num_warmup_steps: int, num_training_steps: int) -> float:
+    return float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+
+
+def _half_cosine(progress: float) -> float:
+    return 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress))
+
+
+def _cosine(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    if step < num_warmup_steps:
+        return _warming_up(step, num_warmup_steps)
+    return max(0.0, _half_cosine(_decay_progress(step, num_warmup_steps, num_training_steps)))
+
+
+def _cosine_with_restarts(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    if step < num_warmup_steps:
+        return _warming_up(step, num_warmup_steps)
+    progress = _decay_progress(step, num_warmup_steps, num_training_steps)
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(1) * progress) % 1.0))))
+
+
+def _polynomial(step: int, *, num_warmup_steps: int, num_training_steps: int, lr_end: float, power: float,
+                lr_init: float) -> float:
+    """A factor on ``lr_init``, which ``LambdaLR`` multiplies back."""
+    if step < num_warmup_steps:
+        return _warming_up(step, num_warmup_steps)
+    if step > num_training_steps:
+        return lr_end / lr_init
+    remaining = 1 - (step - num_warmup_steps) / (num_training_steps - num_warmup_steps)
+    return ((lr_init - lr_end) * remaining**power + lr_end) / lr_init
+
+
+def _inverse_sqrt(step: int, *, num_warmup_steps: int, timescale: int) -> float:
+    if step < num_warmup_steps:
+        return _warming_up(step, num_warmup_steps)
+    return 1.0 / math.sqrt((step + timescale - num_warmup_steps) / timescale)
+
+
+def _cosine_with_min_lr(step: int, *, num_warmup_steps: int, num_training_steps: int, min_lr_rate: float) -> float:
+    if step < num_warmup_steps:
+        return _warming_up(step, num_warmup_steps)
+    factor = _half_cosine(_decay_progress(step, num_warmup_steps, num_training_steps))
+    return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+def _cosine_warmup_with_min_lr(step: int, *, num_warmup_steps: int, num_training_steps: int,
+                               min_lr_rate: float) -> float:
+    """Its warmup starts one step in, and its decay one step earlier, than the others'."""
+    step, num_warmup_steps, num_training_steps = float(step), float(num_warmup_steps), float(num_training_steps)
+    if step < num_warmup_steps:
+        return (step + 1.0) / max(1.0, num_warmup_steps)
+    progress = (step - num_warmup_steps + 1.0) / (max(1.0, num_training_steps - num_warmup_steps))
+    factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+    return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+def _warmup_stable_decay(step: int, *, num_warmup_steps: int, num_stable_steps: int, num_decay_steps: int,
+                         min_lr_ratio: float) -> float:
+    """A linear warmup, a plateau, then a cosine decay to ``min_lr_ratio``."""
+    if step < num_warmup_steps:
+        factor = float(step) / float(max(1, num_warmup_steps))
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    if step < num_warmup_steps + num_stable_steps:
+        return 1.0
+    if step < num_warmup_steps + num_stable_steps + num_decay_steps:
+        factor = _half_cosine(float(step - num_warmup_steps - num_stable_steps) / float(max(1, num_decay_steps)))
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    return min_lr_ratio
+
+
+_FACTORS = {"linear": _linear, "cosine": _cosine, "cosine_with_restarts": _cosine_with_restarts,
+            "polynomial": _polynomial, "constant_with_warmup": _constant_with_warmup, "inverse_sqrt": _inverse_sqrt,
+            "cosine_with_min_lr": _cosine_with_min_lr, "cosine_warmup_with_min_lr": _cosine_warmup_with_min_lr,
+            "warmup_stable_decay": _warmup_stable_decay}
+"""Each schedule's factor on ``--learning-rate`` at a scheduler step, written as transformers 5 computes it."""
 
 
 def scheduler_kwargs(config: TrainConfig, total_steps: int | None) -> dict:

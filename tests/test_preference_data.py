@@ -310,10 +310,10 @@ def test_pairs_equal_trls_dpo_preparation(tmp_path, tiny_models, template):
     """Plain strings: TRL's sequences and completions exactly (TRL's BOS aside, as in test_trl_boundary.py).
     Conversations: TRL's sequences; the learned part starts at TRL's prompt_len and is TRL's completion up to
     the end-of-turn (TRL also learns the template's text after it, ChatML's newline)."""
-    from fixtures.trl_venv import TRL_VERSION, VENV, run_in_trl_venv
+    from fixtures.peer_venv import require
+    from fixtures.trl_venv import TRL_VERSION, run_in_trl_venv, trl_python
 
-    if not (VENV / "bin" / "python").exists():
-        pytest.skip(f"no TRL venv at {VENV}")
+    require(trl_python)
     from transformers import AutoTokenizer
 
     model = tiny_models[template]

@@ -2,7 +2,9 @@
 
     .venv/bin/python -m pytest -q tests/test_schedule.py
 
-The schedules are transformers' own (built on a stand-in optimizer, as ``check_scheduler`` does at start-up).
+The schedules are transformers' own, built without its trainer stack: every factor of every schedule equals
+``transformers.get_scheduler``'s to the last bit (built on a stand-in optimizer, as ``check_scheduler`` does at
+start-up).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from fixtures.e2e import ROOT
 from minitrainer.common.cli import parse_config
 from minitrainer.run import split_argv
 from minitrainer.schedule import build_scheduler, check_scheduler, schedule_warnings, total_steps
-from minitrainer.train_config import TrainConfig
+from minitrainer.train_config import SCHEDULERS, TrainConfig
 
 
 def _warnings(config: TrainConfig, steps: int | None) -> list[str]:
@@ -78,3 +80,44 @@ def test_the_readme_quick_start_trains_past_its_warmup():
     _, train_argv = split_argv(shlex.split(command.replace("\\\n", " "))[3:])
     config = parse_config(TrainConfig, train_argv)
     assert config.max_steps == 4 and _warnings(config, total_steps(config, num_dataset_samples=412)) == []
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize(("warmup", "steps"), [(0, 1), (0, 7), (3, 10), (10, 4), (4, 4), (20, 500)])
+def test_every_schedule_is_transformers_own_to_the_last_bit(scheduler, warmup, steps):
+    from transformers import get_scheduler
+
+    from minitrainer.schedule import scheduler_kwargs
+
+    config = _config(lr_scheduler=scheduler, num_warmup_steps=warmup, max_steps=steps, min_lr_ratio=0.1,
+                     learning_rate=3e-4)
+
+    def built(make):
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.learning_rate)
+        try:
+            return make(optimizer)
+        except (TypeError, ValueError, ZeroDivisionError) as err:
+            return f"{type(err).__name__}: {err}"
+
+    ours = built(lambda optimizer: build_scheduler(config, optimizer, steps))
+    theirs = built(lambda optimizer: get_scheduler(scheduler, optimizer, num_warmup_steps=warmup,
+                                                   num_training_steps=steps,
+                                                   scheduler_specific_kwargs=scheduler_kwargs(config, steps)))
+    if isinstance(theirs, str):
+        assert ours == theirs
+        return
+
+    def factors(built_scheduler):
+        try:
+            return [built_scheduler.lr_lambdas[0](step) for step in range(steps + 3)]
+        except ZeroDivisionError as err:
+            return str(err)
+
+    assert factors(ours) == factors(theirs)
+    if isinstance(factors(ours), str):  # polynomial with as many warmup steps as steps: both divide by zero
+        return
+    for _ in range(min(steps, 5)):  # the state a full state records, after a few steps
+        for one in (ours, theirs):
+            one.optimizer.step()
+            one.step()
+    assert ours.state_dict() == theirs.state_dict()

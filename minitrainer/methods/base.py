@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 if TYPE_CHECKING:
     from minitrainer.model.multimodal import MultimodalExport
@@ -150,6 +149,8 @@ class FineTuningMethod:
         """All-gather the model's state dict into rank 0's host memory (empty on other ranks); collective.
         ``cpu_offload`` moves each tensor off the device as it arrives: a large model never needs its full
         size in device memory."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def export_state(self, state: dict[str, torch.Tensor], folder: Path, *,
