@@ -17,7 +17,7 @@ GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 # Wheels the GPU image lacks (datasets, liger-kernel, torchao and what they pull), for machines without an index.
 GPU_CARRY ?= .gpu-carry
 
-.PHONY: install test test-matrix test-deps demo clean gpu-check gpu-carry
+.PHONY: install test test-quick test-matrix test-deps demo clean gpu-check gpu-carry peer-fields
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	@py=$(PY); test -x $$py || py=$(PYTHON); $$py -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
@@ -31,8 +31,19 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 
 install: $(VENV)/.installed
 
+# Two lanes on two cores (pytest-xdist, a test file to one lane), then the tests that bound wall-clock time, alone.
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not timing" tests; lanes=$$?; \
+		$(PY) -m pytest -q -m timing tests; apart=$$?; [ $$lanes -eq 0 ] && [ $$apart -eq 0 ]
+
+# The in-process tests only (no torchrun job, subprocess or warm job; conftest.py marks the others `launches`).
+test-quick: install
+	$(PY) -m pytest -q -n 2 -m "not launches" tests
+
+# The peers' config field names the tests read (fixtures/peer_fields/), re-derived from the real releases, each in
+# a venv of its own under .venv-peers/ (minutes the first time).
+peer-fields: install
+	$(PY) -m fixtures.peer_config_venv
 
 # Format, data, packing and resume tests under several interpreters, one venv each under .venv-matrix/
 # (default: /usr/bin/python3 and every pyenv 3.11-3.13; MATRIX_PYTHONS="/path/python3.12 ..." to choose).

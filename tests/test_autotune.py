@@ -4,7 +4,7 @@
 
 Real torchrun with 2 gloo CPU processes (``python -m tests.probe_recovery_run``); the failure is injected with the
 test-only ``MINI_TRAINER_TEST_PROBE_FAIL`` hook, an allocation failure raised as a plain RuntimeError
-half-way through backward.
+half-way through backward. The clean run every failed one is compared with is one run for the module.
 """
 
 from __future__ import annotations
@@ -33,27 +33,37 @@ def test_allocation_failures_beyond_out_of_memory_error_mean_does_not_fit():
     assert not trial_fits(lambda n: None, 8, agree=lambda ok: False), "another rank's failure fails this one"
 
 
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, chatml_model) -> Path:
+    return write_tokenized_jsonl(tmp_path_factory.mktemp("data") / "d.jsonl", num_samples=12,
+                                 vocab_size=model_vocab_size(chatml_model), seed=2)
+
+
+def _probe_run(chatml_model: Path, data: Path, path: Path, env: dict) -> dict:
+    run = torchrun([str(chatml_model), str(data), str(path)], module="tests.probe_recovery_run", env=env, timeout=240)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory, chatml_model, data) -> dict:
+    """The trial and step with no failure injected: what every failed trial must leave FSDP as."""
+    return _probe_run(chatml_model, data, tmp_path_factory.mktemp("clean") / "clean.json", {})
+
+
 @pytest.mark.parametrize("failing_ranks", ["*", "none"])
-def test_failed_trial_leaves_fsdp_consistent(tmp_path, chatml_model, failing_ranks):
-    vocab = model_vocab_size(chatml_model)
-    data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=12, vocab_size=vocab, seed=2)
-    results = {}
-    for name, env in (("failed", {"MINI_TRAINER_TEST_PROBE_FAIL": f"64:{failing_ranks}"}), ("clean", {})):
-        path = tmp_path / f"{name}.json"
-        run = torchrun([str(chatml_model), str(data), str(path)], module="tests.probe_recovery_run", env=env,
-                       timeout=240)
-        assert run.returncode == 0, run.stderr[-4000:]
-        results[name] = json.loads(Path(path).read_text())
-    assert results["failed"]["fitted"] is (failing_ranks == "none")
-    assert results["clean"]["fitted"] is True
-    assert results["failed"]["weights"] == pytest.approx(results["clean"]["weights"], rel=1e-6, abs=1e-9)
+def test_failed_trial_leaves_fsdp_consistent(tmp_path, chatml_model, data, clean_run, failing_ranks):
+    failed = _probe_run(chatml_model, data, tmp_path / "failed.json",
+                        {"MINI_TRAINER_TEST_PROBE_FAIL": f"64:{failing_ranks}"})
+    assert failed["fitted"] is (failing_ranks == "none")
+    assert clean_run["fitted"] is True
+    assert failed["weights"] == pytest.approx(clean_run["weights"], rel=1e-6, abs=1e-9)
 
 
-def test_failure_on_one_rank_only_stops_the_job_without_a_hang(tmp_path, chatml_model):
+@pytest.mark.timing
+def test_failure_on_one_rank_only_stops_the_job_without_a_hang(tmp_path, chatml_model, data):
     """Rank 0 is left inside a collective of the trial that rank 1 never joins: rank 1 waits for the
     verdicts only as long as the probe timeout, then stops the job with an error naming the way out."""
-    vocab = model_vocab_size(chatml_model)
-    data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=12, vocab_size=vocab, seed=2)
     began = time.monotonic()
     run = torchrun([str(chatml_model), str(data), str(tmp_path / "r.json")], module="tests.probe_recovery_run",
                    env={"MINI_TRAINER_TEST_PROBE_FAIL": "64:1", "MINI_TRAINER_PROBE_TIMEOUT_SECONDS": "5"},

@@ -128,14 +128,21 @@ def test_nearest_name_prefers_spelling_then_initials():
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_usage_and_refusals_print_on_rank_0_only(rank):
-    """torchrun sets RANK before any process group: the other ranks of a refused launch stay quiet."""
-    env = {**os.environ, "RANK": rank}
+def test_usage_and_refusals_print_on_rank_0_only(rank, monkeypatch, capsys):
+    """torchrun sets RANK before any process group: the other ranks of a refused launch stay quiet, their whole
+    process (a real ``python train.py``); rank 0 prints (the parse ``train.main`` runs, here in-process)."""
     for argv, code in ((["--lr", "1"], 2), (["--help"], 0)):
-        result = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=env, capture_output=True,
-                                text=True, timeout=120)
-        assert result.returncode == code
-        output = result.stdout + result.stderr
+        if rank == "1":
+            result = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env={**os.environ, "RANK": rank},
+                                    capture_output=True, text=True, timeout=120)
+            status, output = result.returncode, result.stdout + result.stderr
+        else:
+            monkeypatch.setenv("RANK", rank)
+            with pytest.raises(SystemExit) as stop:
+                parse_config(TrainConfig, argv)
+            captured = capsys.readouterr()
+            status, output = stop.value.code, captured.out + captured.err
+        assert status == code
         assert (output == "") == (rank == "1"), output[-500:]
 
 
@@ -173,14 +180,14 @@ def test_training_params_replay_the_run(tmp_path, chatml_model):
     data = write_tokenized_jsonl(tmp_path / "d.jsonl", num_samples=24, vocab_size=model_vocab_size(chatml_model),
                                  seed=4)
     first = tmp_path / "first"
-    assert_ok(torchrun(_run_args(chatml_model, data, first)))
+    assert_ok(torchrun(_run_args(chatml_model, data, first), warm=True))
     record = json.loads((first / "training_params.json").read_text())
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     assert set(record) - fields == set(TrainConfig.recorded_keys)  # the record's extra keys are all skipped
     assert read_config_file(TrainConfig, first / "training_params.json")["output_dir"] == str(first)
 
     replay = tmp_path / "replay"
-    assert_ok(torchrun(["--config", str(first / "training_params.json"), "--output-dir", str(replay)]))
+    assert_ok(torchrun(["--config", str(first / "training_params.json"), "--output-dir", str(replay)], warm=True))
     losses = [[line["loss"] for line in read_metrics(out)] for out in (first, replay)]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
     replayed = json.loads((replay / "training_params.json").read_text())

@@ -5,7 +5,9 @@
 The stream is a pure function of (seed, position): any start position gives
 the continuation of the uninterrupted stream, and over many samples each
 source's share is within binomial tolerance of its weight. End to end, a
-SIGKILLed run on a mix resumes to the same steps as an uninterrupted one.
+SIGKILLed run on a mix (a fresh torchrun) resumes to the same steps as an
+uninterrupted one (the resume, the reference and the refusal are warm runs of
+2 gloo ranks, ``fixtures/warm_jobs.py``: their numbers are the subject).
 """
 
 from __future__ import annotations
@@ -93,13 +95,13 @@ def _args(model: Path, data: str, out: Path, *extra: str) -> list[str]:
 
 def test_sigkill_then_rerun_with_a_mix_matches_uninterrupted(tmp_path, chatml_model, mix_spec):
     reference = tmp_path / "a"
-    result = torchrun(_args(chatml_model, mix_spec, reference))
+    result = torchrun(_args(chatml_model, mix_spec, reference), warm=True)
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "b"
     killed = torchrun(_args(chatml_model, mix_spec, out), env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(3 * BATCH)})
     assert killed.returncode != 0
     assert [p.name for p in complete_checkpoints(out / "full_state")] == [f"samples_{3 * BATCH}"]
-    resumed = torchrun(_args(chatml_model, mix_spec, out))
+    resumed = torchrun(_args(chatml_model, mix_spec, out), warm=True)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     a, b = read_metrics(reference), read_metrics(out)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
@@ -115,5 +117,5 @@ def test_sigkill_then_rerun_with_a_mix_matches_uninterrupted(tmp_path, chatml_mo
     assert last["epoch_per_source"] == pytest.approx(expected["epoch_per_source"])
     # Changing the weights is a changed run parameter.
     refused = torchrun(_args(chatml_model, mix_spec.replace("0.7", "0.8").replace("0.3", "0.2"), out,
-                             "--max-steps", str(STEPS + 2)))
+                             "--max-steps", str(STEPS + 2)), warm=True)
     assert refused.returncode != 0 and "data_mix_weights" in refused.stderr

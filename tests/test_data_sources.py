@@ -381,19 +381,23 @@ def test_unreachable_hub_is_refused_in_one_line(tmp_path, tiny_models, monkeypat
         tokenize(tmp_path, "hub", "org/chat-data", tiny_models["chatml"])
 
 
-def _offline_process_data(tmp_path: Path, model: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "process_data.py"), "--input-file", "org/chat-data",
-                           "--output-dir", str(tmp_path / "out"), "--model-name-or-path", str(model), "--num-proc", "1",
-                           "--num-printed-samples", "0", *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+def _offline_argv(tmp_path: Path, model: Path, *extra: str) -> list[str]:
+    return ["--input-file", "org/chat-data", "--output-dir", str(tmp_path / "out"), "--model-name-or-path", str(model),
+            "--num-proc", "1", "--num-printed-samples", "0", *extra]
 
 
-def test_offline_a_hub_id_reads_the_hub_caches_copy(tmp_path, tiny_models):
+def test_offline_a_hub_id_reads_the_hub_caches_copy(tmp_path, tiny_models, monkeypatch, capfd):
     """What ``huggingface-cli download --repo-type dataset org/chat-data`` leaves in the cache, files linked
-    into blobs/: datasets.load_dataset cannot load it offline, process_data.py reads it as a dataset folder."""
+    into blobs/: datasets.load_dataset cannot load it offline, process_data.py reads it as a dataset folder.
+    The refusal is a real process with the shell's HF_HOME and HF_HUB_OFFLINE (read when the libraries import);
+    the read is ``main`` in this one, with what the libraries made of those two."""
+    import datasets
+    from huggingface_hub import constants
+
     model = tiny_models["qwen25"]
-    result = _offline_process_data(tmp_path, model)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "process_data.py"), *_offline_argv(tmp_path, model)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "process_data.py: error: input org/chat-data: the hub is off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE) and "
@@ -410,10 +414,13 @@ def test_offline_a_hub_id_reads_the_hub_caches_copy(tmp_path, tiny_models):
         link = cache / "snapshots" / "3f2a" / file.relative_to(repo)
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(cache / "blobs" / file.name)
-    result = _offline_process_data(tmp_path, model, "--overwrite")
-    assert result.returncode == 0, result.stderr[-2000:]
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
+    monkeypatch.chdir(tmp_path)  # "org/chat-data" is no local path here
+    capfd.readouterr()
+    main(_offline_argv(tmp_path, model, "--overwrite"))  # returns: exit status 0
     assert "the hub cache's copy of org/chat-data, offline; split train by file names; not read: 1 file(s) of " \
-           "split test" in result.stderr
+           "split test" in capfd.readouterr().err
     expected, _ = tokenize(tmp_path, "jsonl", write_kind(tmp_path, "jsonl", ROWS), model)
     assert (tmp_path / "out" / "data.jsonl").read_bytes() == expected
 

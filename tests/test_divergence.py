@@ -2,8 +2,9 @@
 
     .venv/bin/python -m pytest -q tests/test_divergence.py
 
-The rules are pure functions (``divergence.detect``); the runs are real ``torchrun`` launches of
-train.py (2 gloo CPU processes) on the tiny model, diverging by their learning rate: 1e3 makes the
+The rules are pure functions (``divergence.detect``); the runs are ``train.main`` calls in a warm 2-rank
+torchrun job (``fixtures/warm_jobs.py``: real gloo CPU ranks, started once; no fault is injected, so nothing
+here needs a fresh process) on the tiny model, diverging by their learning rate: 1e3 makes the
 loss jump by six orders of magnitude and then sit at ln(vocabulary size) with a gradient norm of 0;
 1e30 makes every later step non-finite. The poisoned batch is real data: one long row whose labels
 are arbitrary tokens among short rows of a pattern the model learns within a few steps.
@@ -85,7 +86,7 @@ def _args(model: Path, data: Path, out: Path, learning_rate: str, *extra: str, s
 def test_a_learning_rate_that_blows_up_stops_before_the_diverged_model_is_exported(tmp_path, chatml_model,
                                                                                     data_path):
     out = tmp_path / "run"
-    result = torchrun(_args(chatml_model, data_path, out, "1e3"))
+    result = torchrun(_args(chatml_model, data_path, out, "1e3"), warm=True)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     [line] = [line for line in output.splitlines() if "[rank0] ERROR" in line]
@@ -99,7 +100,8 @@ def test_a_learning_rate_that_blows_up_stops_before_the_diverged_model_is_export
 def test_warn_goes_on_and_never_takes_a_later_validation_as_best(tmp_path, chatml_model, data_path):
     out = tmp_path / "run"
     assert_ok(torchrun(_args(chatml_model, data_path, out, "1e3", "--on-divergence", "warn",
-                             "--validation-split", "0.2", "--validation-every-n-steps", "1", "--save-best-val-loss")))
+                             "--validation-split", "0.2", "--validation-every-n-steps", "1", "--save-best-val-loss"),
+                       warm=True))
     records = read_metrics(out)
     val_losses = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(val_losses) == 5 and min(val_losses[1:]) < val_losses[0], "later validations look better"
@@ -111,7 +113,7 @@ def test_warn_goes_on_and_never_takes_a_later_validation_as_best(tmp_path, chatm
 
 def test_non_finite_steps_in_a_row_abort_naming_every_steps_samples(tmp_path, chatml_model, data_path):
     out = tmp_path / "run"
-    result = torchrun(_args(chatml_model, data_path, out, "1e30", "--max-bad-steps", "3"))
+    result = torchrun(_args(chatml_model, data_path, out, "1e30", "--max-bad-steps", "3"), warm=True)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     [line] = [line for line in output.splitlines() if "[rank0] ERROR" in line]
@@ -122,18 +124,19 @@ def test_rewind_skips_the_poisoned_batch_like_a_run_resumed_without_it(tmp_path,
     """The poisoned row lands in step 6's batch (samples 40..48, seed 7). The rewinding run must equal a run
     that stopped after step 5 and was resumed from that full state with those samples skipped."""
     rewound = tmp_path / "rewound"
-    result = torchrun(_args(chatml_model, poisoned_data, rewound, "5e-2", "--on-divergence", "rewind", steps=7))
+    result = torchrun(_args(chatml_model, poisoned_data, rewound, "5e-2", "--on-divergence", "rewind", steps=7),
+                      warm=True)
     assert_ok(result)
     output = result.stdout + result.stderr
     assert "divergence at step 6 (samples 40..48 of the stream)" in output, output[-3000:]
     assert f"rewound to {rewound / 'full_state' / 'samples_40'} (step 5)" in output
 
     reference = tmp_path / "reference"
-    assert_ok(torchrun(_args(chatml_model, poisoned_data, reference, "5e-2", steps=5)))
+    assert_ok(torchrun(_args(chatml_model, poisoned_data, reference, "5e-2", steps=5), warm=True))
     state_file = reference / "full_state" / "samples_40" / "trainer_state.json"
     state = json.loads(state_file.read_text())
     state_file.write_text(json.dumps({**state, "skipped_batches": [[40, 48]]}))
-    assert_ok(torchrun(_args(chatml_model, poisoned_data, reference, "5e-2", steps=7)))
+    assert_ok(torchrun(_args(chatml_model, poisoned_data, reference, "5e-2", steps=7), warm=True))
 
     ours, theirs = read_metrics(rewound), read_metrics(reference)
     assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, 8)), "no step logged twice"

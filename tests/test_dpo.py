@@ -1,5 +1,6 @@
 """DPO on packed batches (``--objective dpo``): the pair losses, per-sequence sums, pair units in the sampler,
-and real torchrun runs against a plain single-process DPO on the unpacked pairs."""
+and 2-rank runs of train.py (warm calls, ``fixtures/e2e.py``: their numbers are the subject) against a plain
+single-process DPO on the unpacked pairs."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def test_each_objective_refuses_the_other_kind_of_data_in_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# Real runs: 2 gloo ranks, several packed minibatches per rank
+# Runs: 2 gloo ranks, several packed minibatches per rank
 
 
 def reference_dpo_losses(model_dir, data, *, steps: int, batch_size: int, seed: int, lr: float, beta: float,
@@ -172,8 +173,8 @@ DPO_ARGS = ["--objective", "dpo", "--batch-size", "16", "--max-tokens-per-gpu", 
 
 @pytest.fixture(scope="module")
 def dpo_runs(tmp_path_factory, chatml_model):
-    """One set of launches that several tests read: a whole run, the same run stopped after 2 steps and
-    resumed, LoRA with validation, OSFT."""
+    """One set of warm runs that several tests read: a whole run, the same run stopped after 2 steps and
+    resumed, another reference model, LoRA with validation, QLoRA, OSFT."""
     root = tmp_path_factory.mktemp("dpo")
     data = write_tokenized_pairs(root / "pairs", num_pairs=40, vocab_size=model_vocab_size(chatml_model))
     # QLoRA quantizes whole NF4 groups: a wider model with the same tokenizer.
@@ -193,7 +194,7 @@ def dpo_runs(tmp_path_factory, chatml_model):
         common = ["--model-name-or-path", str(model), "--data-path", str(data), *DPO_ARGS]
         results = [torchrun([*common, "--output-dir", str(out), "--max-steps", str(n),
                              *(extra if "--min-samples-per-checkpoint" in extra
-                               else [*extra, "--min-samples-per-checkpoint", "1000"])]) for n in steps]
+                               else [*extra, "--min-samples-per-checkpoint", "1000"])], warm=True) for n in steps]
         runs[name] = (out, results)
     return root, data, runs
 

@@ -5,8 +5,11 @@ and ``run_status.json`` a script reads (issue 40 items 3-5, issue 41).
     .venv/bin/python -m pytest -q tests/test_exit_status.py
 
 Every signal is delivered as it is on a cluster or a terminal: to torchrun's process group (``os.killpg``,
-what Ctrl-C does), or SIGKILL to torchrun alone. Each run is a real ``torchrun`` of train.py with 2 gloo CPU
-processes.
+what Ctrl-C does), or SIGKILL to torchrun alone. Each run whose process's life or torchrun's report is the subject
+is a real fresh ``torchrun`` of train.py with 2 gloo CPU processes; the refusals whose text alone is the subject,
+and the rerun after a Ctrl-C, are warm 2-rank runs (``fixtures/warm_jobs.py``): the report's root cause is one
+mechanism for every refusal of ``fail_together`` (the missing model folder's fresh run shows it) and one for a bad
+flag (its own fresh run).
 """
 
 from __future__ import annotations
@@ -80,22 +83,32 @@ def test_a_missing_local_model_path_is_one_line_and_torchruns_root_cause(tmp_pat
     assert _status(out)["status"] == "failed" and _status(out)["message"] == line
 
 
-@pytest.mark.parametrize("refusal", ["bad_flag", "missing_data", "budget_too_small"])
-def test_a_refusal_is_one_line_and_torchruns_root_cause(tmp_path, chatml_model, data_path, refusal):
+def test_a_refusal_is_one_line_and_torchruns_root_cause(tmp_path, chatml_model, data_path):
+    """A bad flag: argparse's line, the exit line of its own path (``cli.py``), is the report's root cause."""
+    line = "train.py: error: unknown flag --lr; did you mean --learning-rate?"
+    result = torchrun(_args(chatml_model, data_path, tmp_path / "out", "--lr", "1e-4"), timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and line in output, output[-4000:]
+    assert _frames_of_ours(output) == [], output[-6000:]
+    assert _root_cause(output) == f"  traceback : {line}", output[-3000:]
+
+
+@pytest.mark.parametrize("refusal", ["missing_data", "budget_too_small"])
+def test_a_refusal_before_training_is_one_line_on_every_rank(tmp_path, chatml_model, data_path, refusal):
+    """Refused through ``fail_together``, as the missing model folder is (whose fresh run shows the line as
+    torchrun's root cause): the line, status 1 on both ranks, no traceback."""
     out = tmp_path / "out"
     args, line = {
-        "bad_flag": (_args(chatml_model, data_path, out, "--lr", "1e-4"),
-                     "train.py: error: unknown flag --lr; did you mean --learning-rate?"),
         "missing_data": (_args(chatml_model, tmp_path / "nothing.jsonl", out),
                          f"--data-path {tmp_path / 'nothing.jsonl'}: no such file or folder"),
         "budget_too_small": (_args(chatml_model, data_path, out, "--max-tokens-per-gpu", "3"),
                              f"--max-tokens-per-gpu 3 is below every sample of {data_path} (shortest: 4 tokens)"),
     }[refusal]
-    result = torchrun(args, timeout=240)
+    result = torchrun(args, timeout=240, warm=True)
     output = result.stdout + result.stderr
-    assert result.returncode == 1 and line in output, output[-4000:]
-    assert _frames_of_ours(output) == [], output[-6000:]
-    assert _root_cause(output) == f"  traceback : {line}", output[-3000:]
+    assert result.returncode == 1 and result.rank_codes == [1, 1] and f"[rank0] ERROR {line}" in output, \
+        output[-4000:]
+    assert _frames_of_ours(output) == [] and "Traceback" not in output, output[-6000:]
 
 
 def test_an_internal_error_keeps_its_traceback(tmp_path, chatml_model, data_path):
@@ -129,12 +142,13 @@ def test_ctrl_c_saves_and_stops_in_one_line_then_the_rerun_finishes(tmp_path, ch
     # torchao, imported by transformers whenever installed, warns of nothing a user can act on (log.setup_logging).
     assert "Failed to load" not in output and "_pytree" not in output, output[-6000:]
 
-    resumed = torchrun(_args(chatml_model, data_path, out), timeout=240)
+    resumed = torchrun(_args(chatml_model, data_path, out), timeout=240, warm=True)  # the rerun's state, not its life
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {match.group(2)}" in resumed.stderr
     assert _status(out)["status"] == "finished" and _status(out)["exit_code"] == 0
 
 
+@pytest.mark.timing
 def test_a_second_ctrl_c_stops_at_once_unsaved(tmp_path, chatml_model, data_path):
     out = tmp_path / "out"
     run = _Launch(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_STEP_SLEEP": "5"})
@@ -213,6 +227,7 @@ def test_a_hub_id_that_cannot_be_reached_is_one_line(tmp_path, data_path, hub):
     assert "Traceback" not in output and "Retrying" not in output, output[-3000:]
 
 
+@pytest.mark.timing
 def test_an_orphan_stuck_where_no_python_runs_exits_after_its_grace():
     """A rank whose launcher died while it waits in a collective for a peer that died too: the main thread runs
     no Python there (here: a blocking read), so only the watching thread can end it, unsaved, after its grace."""
@@ -258,6 +273,7 @@ with PreemptionFlag(lambda: lost_ranks(info)):
 """
 
 
+@pytest.mark.timing
 def test_a_signal_while_waiting_in_a_collective_for_a_dead_peer_ends_the_rank_at_once_naming_it(tmp_path):
     """torchrun's SIGTERM after a rank was killed reaches a survivor waiting in a gloo collective for it, whose
     connection a child of the dead rank still holds open. No Python handler runs inside the collective until it

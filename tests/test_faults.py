@@ -3,13 +3,16 @@ run on the folder, broken data files, a rank taken by the out-of-memory killer (
 
     .venv/bin/python -m pytest -q tests/test_faults.py
 
-Every run is a real ``torchrun`` of train.py with 2 gloo CPU processes and the DEFAULT data workers (one per
-rank: the tests of tests/test_resume.py use none, which is how a worker that held every rank's exit went
-unseen). A full disk is a small tmpfs mounted for the test: where mounting is refused (not root, a container
-without CAP_SYS_ADMIN) those tests skip and say so. Each test fails on the code before issue 30: a hang (the
-tests bound every wait), a silent resume, tracebacks instead of one line. The modules issue 30 added are
-imported inside the tests that use them, after the part that runs the job, so that this file runs against
-that older code too and each test fails there on its own assertion.
+A fault the processes live through (a full disk, corrupt bytes read on resume, a second live run, a killed rank,
+a broken data line) is a real fresh ``torchrun`` of train.py with 2 gloo CPU processes and the DEFAULT data
+workers (one per rank: the tests of tests/test_resume.py use none, which is how a worker that held every rank's
+exit went unseen). The reference run, the resume after the disk is freed and the refusals whose line is the
+subject (re-tokenized data, an empty data file) are ``train.main`` calls in a warm 2-rank torchrun job
+(``fixtures/warm_jobs.py``): the same ranks, workers and files. A full disk is a small tmpfs mounted for the
+test: where mounting is refused (not root, a container without CAP_SYS_ADMIN) those tests skip and say so. Each
+test fails on the code before issue 30: a hang (the tests bound every wait), a silent resume, tracebacks instead
+of one line. The modules issue 30 added are imported inside the tests that use them, after the part that runs
+the job, so that this file runs against that older code too and each test fails there on its own assertion.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def _no_worker_traceback(output: str, *, killed_rank: int | None = None) -> None
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("reference")
-    assert_ok(torchrun(_args(chatml_model, data_path, out)))
+    assert_ok(torchrun(_args(chatml_model, data_path, out), warm=True))
     return out
 
 
@@ -198,6 +201,7 @@ def _complete_and_verified(out: Path) -> list[str]:
 # The disk fills
 
 
+@pytest.mark.timing
 def test_disk_full_during_a_full_state_save_stops_every_rank_then_resumes_exactly(
         small_disk, chatml_model, data_path, uninterrupted):
     """A full state is ~1.9 MB and an export ~0.3 MB: 3 MB holds the first of each, not the second full state."""
@@ -216,12 +220,13 @@ def test_disk_full_during_a_full_state_save_stops_every_rank_then_resumes_exactl
     assert not list((out / "full_state").glob("*.tmp")), "the half-written save is removed, freeing its space"
 
     subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # the user frees space
-    resumed = torchrun(_args(chatml_model, data_path, out))
+    resumed = torchrun(_args(chatml_model, data_path, out), warm=True)
     assert_ok(resumed)
     assert f"resumed from {out / 'full_state' / 'samples_24'}" in resumed.stderr
     _same_run(out, uninterrupted)
 
 
+@pytest.mark.timing
 def test_disk_filled_by_another_writer_between_saves_stops_every_rank_in_one_line(small_disk, chatml_model,
                                                                                   data_path):
     disk = small_disk(16)  # room for every checkpoint the run plans: only the other writer fills it
@@ -250,7 +255,8 @@ def test_disk_filled_by_another_writer_between_saves_stops_every_rank_in_one_lin
 
 def test_corrupt_full_states_are_skipped_with_one_warning_each(tmp_path, chatml_model, data_path, uninterrupted):
     """Bytes flipped inside a shard of the newest full state, and an empty .metadata in the one before: the
-    resume skips both, each with one warning naming it, and continues exactly from the third."""
+    resume skips both, each with one warning naming it, and continues exactly from the third. A fresh run: the
+    whole output a user sees holds the warnings and no reader traceback."""
     out = tmp_path / "out"
     shutil.copytree(uninterrupted, out)
     newest, previous, third = complete_checkpoints(out / "full_state")[::-1]
@@ -283,7 +289,7 @@ def test_data_retokenized_with_the_same_lengths_is_refused(tmp_path, chatml_mode
             row = json.loads(line)
             row["labels"] = list(row["input_ids"])  # every token now learned
             dst.write(json.dumps(row) + "\n")
-    result = torchrun(_args(chatml_model, changed, out))
+    result = torchrun(_args(chatml_model, changed, out), warm=True)
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "written for another model or dataset (data_content_xxh3: checkpoint" in output, output[-4000:]
@@ -373,6 +379,7 @@ def test_a_lock_from_another_host_is_taken_over_only_by_the_same_slurm_job(tmp_p
 
 @pytest.mark.parametrize("fault", ["truncated_line", "empty_file"])
 def test_a_broken_data_file_is_one_line_naming_it(tmp_path, chatml_model, data_path, fault):
+    """The truncated line in a fresh torchrun (the output a user sees); the empty file's line warm."""
     broken = tmp_path / "broken.jsonl"
     lines = data_path.read_text().splitlines()
     if fault == "truncated_line":
@@ -382,13 +389,17 @@ def test_a_broken_data_file_is_one_line_naming_it(tmp_path, chatml_model, data_p
     else:
         broken.write_text("")
         expected = f"{broken}: the file is empty"
-    result = torchrun(_args(chatml_model, broken, tmp_path / "out"), timeout=240)
+    if fault == "truncated_line":
+        result = torchrun(_args(chatml_model, broken, tmp_path / "out"), timeout=240)
+    else:
+        result = torchrun(_args(chatml_model, broken, tmp_path / "out"), timeout=240, warm=True)
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert f"[rank0] ERROR {expected}" in output, output[-4000:]
     _no_worker_traceback(output)
 
 
+@pytest.mark.timing
 def test_a_rank_killed_by_the_oom_killer_makes_the_survivor_exit_at_once_naming_it(tmp_path, chatml_model,
                                                                                   data_path):
     """The kernel's out-of-memory killer sends SIGKILL to one process: here, rank 1, from outside."""

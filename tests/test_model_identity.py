@@ -3,7 +3,8 @@
     .venv/bin/python -m pytest -q tests/test_model_identity.py
 
 Two tiny models saved from different seeds with one config (the same shape, other weights) are
-pointed in turn at one output folder, through real ``torchrun`` runs of train.py (2 gloo CPU processes).
+pointed in turn at one output folder, through warm 2-rank runs of train.py (``fixtures/warm_jobs.py``: the
+refusal's text and the folder left as it was are the subject, not the processes' life).
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ def test_a_checkpoint_without_the_model_identity_resumes_with_a_warning(tmp_path
 
 def test_another_model_of_the_same_shape_is_refused_finished_or_not(tmp_path, chatml_model, other_model, data_path):
     out = tmp_path / "run"
-    assert_ok(torchrun(_args(chatml_model, data_path, out, steps=2)))
+    assert_ok(torchrun(_args(chatml_model, data_path, out, steps=2), warm=True))
     first_losses = [r["loss"] for r in read_metrics(out)]
     for steps in (2, 4):  # the folder holds a finished run (2 steps), then an unfinished one (of 4)
-        result = torchrun(_args(other_model, data_path, out, steps=steps))
+        result = torchrun(_args(other_model, data_path, out, steps=steps), warm=True)
         output = result.stdout + result.stderr
         assert result.returncode != 0, output[-3000:]
         refusals = [line for line in output.splitlines() if "cannot resume" in line]
@@ -86,5 +87,5 @@ def test_another_model_of_the_same_shape_is_refused_finished_or_not(tmp_path, ch
         assert "already finished" not in output
     assert [r["loss"] for r in read_metrics(out)] == first_losses, "the refused runs wrote nothing"
     moved = shutil.copytree(chatml_model, tmp_path / "moved_model")
-    assert_ok(torchrun(_args(moved, data_path, out, steps=4)))
+    assert_ok(torchrun(_args(moved, data_path, out, steps=4), warm=True))
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4], "the same weights moved still resume"

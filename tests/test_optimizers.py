@@ -2,8 +2,9 @@
 
     .venv/bin/python -m pytest -q tests/test_optimizers.py      # ~5 min on 2 loaded CPU cores
 
-The resume test is a real ``torchrun`` of train.py (2 gloo CPU processes, the tiny model): SIGKILL after a
-full-state save, rerun, and the resumed run's losses and final weights equal the uninterrupted run's.
+The resume test runs train.py on 2 gloo CPU ranks (the tiny model): a fresh ``torchrun`` SIGKILLed after a
+full-state save, then the uninterrupted run, the resume and a refused resume as warm calls (``fixtures/e2e.py``):
+the resumed run's losses and final weights equal the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -93,12 +94,12 @@ def _args(model: Path, data: Path, out: Path) -> list[str]:
 def test_8bit_adamw_killed_and_resumed_equals_uninterrupted(tmp_path, chatml_model, data_path):
     pytest.importorskip("torchao", reason="the 8-bit AdamW needs torchao (requirements-dev.txt)")
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    assert_ok(torchrun(_args(chatml_model, data_path, whole), timeout=900))
+    assert_ok(torchrun(_args(chatml_model, data_path, whole), timeout=900, warm=True))
     killed = torchrun(_args(chatml_model, data_path, resumed), timeout=900,
                       env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(CHECKPOINT_EVERY)})
     assert killed.returncode != 0
     assert [p.name for p in complete_checkpoints(resumed / "full_state")] == [f"samples_{CHECKPOINT_EVERY}"]
-    rerun = torchrun(_args(chatml_model, data_path, resumed), timeout=900)
+    rerun = torchrun(_args(chatml_model, data_path, resumed), timeout=900, warm=True)
     assert_ok(rerun)
     assert "resumed from" in rerun.stderr
     a, b = read_metrics(whole), read_metrics(resumed)
@@ -111,5 +112,6 @@ def test_8bit_adamw_killed_and_resumed_equals_uninterrupted(tmp_path, chatml_mod
     for name in final_a:
         torch.testing.assert_close(final_b[name], final_a[name], rtol=0, atol=0, msg=name)
     # A resume with another optimizer is refused before the model loads (its states would not fit).
-    other = torchrun([*_args(chatml_model, data_path, resumed)[:-2], "--max-steps", str(STEPS + 1)], timeout=300)
+    other = torchrun([*_args(chatml_model, data_path, resumed)[:-2], "--max-steps", str(STEPS + 1)], timeout=300,
+                     warm=True)
     assert other.returncode != 0 and "optimizer" in other.stderr

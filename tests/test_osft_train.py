@@ -4,8 +4,10 @@
 
 The C-numbers are issue 31's checks: C6 the export is a plain checkpoint equal to the OSFT model, C8 ratio
 1.0 is bit for bit a run without ``--osft``, C10 two ranks (FULL_SHARD) and four (HYBRID_SHARD, two
-"nodes" of two) equal one rank after three steps, C11 a kill -9 and resume equals the uninterrupted run.
-Runs are shared through module fixtures: seven launches in all.
+"nodes" of two) equal one rank after three steps, C11 a kill -9 and resume equals the uninterrupted run; and the
+2-rank run's own updates leave every weight's frozen subspace as it was. Runs are shared through module fixtures;
+those whose numbers are the subject are warm calls (``fixtures/e2e.py``), the 4-rank two-node run and the kill -9
+are fresh torchrun launches.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from minitrainer.api import config_to_argv
 from minitrainer.checkpoint.full_state import complete_checkpoints
 from minitrainer.common.cli import parse_config
 from minitrainer.common.fault_injection import KILL_AFTER_SAVE
-from minitrainer.methods.osft import FACTORS, apply_osft, osft_export_state, osft_targets
+from minitrainer.methods.osft import FACTORS, FROZEN, apply_osft, osft_export_state, osft_targets, reconstruct
 from minitrainer.train_config import TrainConfig
 
 BATCH = 8
@@ -37,6 +39,12 @@ C10_TOLERANCE = 1e-6  # fp32, absolute: every loss, gradient norm and AdamW mome
 # gradient is near eps (1e-8) turns a last-bit difference of the reduction order into up to a percent of
 # the learning rate: full fine-tuning's LM head differs by 2.2e-6 between 1 and 2 ranks, OSFT's by 1.1e-5.
 C10_PARAMETER_TOLERANCE = 2e-5
+FROZEN_SHARE_BOUND = 1e-4
+"""Largest share of a weight's change over a run that may lie in its frozen directions: rounding only. Measured:
+at most 1.4e-5 with the projection after each step, 0.12 to 0.27 without it."""
+MOVED_AT_LEAST = 0.02
+"""Smallest change ||dW|| / ||W|| of a decomposed weight over that run (measured 0.066 to 0.11): the SVD rounds the
+starting weight by ~1e-6 of its norm, which must stay far below the bound's share of the change."""
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +84,14 @@ def _steps(out: Path) -> list[tuple[float, float]]:
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("one_rank")
-    assert_ok(torchrun(_args(chatml_model, data_path, out, *RATIO), nproc=1))
+    assert_ok(torchrun(_args(chatml_model, data_path, out, *RATIO), nproc=1, warm=True))
     return out
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("two_ranks")
-    result = torchrun(_args(chatml_model, data_path, out, *RATIO))
+    result = torchrun(_args(chatml_model, data_path, out, *RATIO), warm=True)
     assert_ok(result)
     assert "OSFT: 14 matrices decomposed (7 on this rank" in result.stderr  # the SVDs were split
     return out
@@ -127,7 +135,7 @@ def test_c11_kill_and_resume_equals_the_uninterrupted_run(tmp_path, chatml_model
     out = tmp_path / "killed"
     killed = torchrun(_args(chatml_model, data_path, out, *RATIO), env={KILL_AFTER_SAVE: str(SAVE_EVERY)})
     assert killed.returncode != 0
-    resumed = torchrun(_args(chatml_model, data_path, out, *RATIO))
+    resumed = torchrun(_args(chatml_model, data_path, out, *RATIO), warm=True)  # the numbers are the subject
     assert_ok(resumed)
     assert f"resumed from {out / 'full_state' / f'samples_{SAVE_EVERY}'}" in resumed.stderr
     assert "OSFT: 14 matrices decomposed" in resumed.stderr  # then overwritten by the saved factors
@@ -136,6 +144,48 @@ def test_c11_kill_and_resume_equals_the_uninterrupted_run(tmp_path, chatml_model
     assert state.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
+
+
+def _frozen_share(before: torch.Tensor, factors: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """The share of a weight's change dW that lies in its frozen directions, ||dW - (1 - P_U) dW (1 - P_V)|| / ||dW||
+    with P_U, P_V the projections on U_high's and V_high's columns (what OSFT keeps U_low and V_low orthogonal to),
+    and ||dW|| / ||W||; in float64."""
+    factors = {name: tensor.double() for name, tensor in factors.items()}
+    update = reconstruct(factors, upcast_dtype=torch.float64) - before.double()
+    U, V = factors["U_high"], factors["V_high"]
+    trainable = update - U @ (U.T @ update)
+    trainable = trainable - (trainable @ V) @ V.T
+    return float((update - trainable).norm() / update.norm()), float(update.norm() / before.double().norm())
+
+
+@pytest.fixture(scope="module")
+def two_ranks_fast(tmp_path_factory, chatml_model, data_path) -> Path:
+    """The 2-rank run at 10x the learning rate: the change dwarfs the SVD's rounding of the starting weight."""
+    out = tmp_path_factory.mktemp("two_ranks_fast")
+    assert_ok(torchrun(_args(chatml_model, data_path, out, *RATIO, "--learning-rate", "1e-2"), warm=True))
+    return out
+
+
+def test_the_trainers_updates_leave_the_frozen_subspace(two_ranks_fast, chatml_model):
+    """Over a 2-rank run, every decomposed weight moves only in its trainable directions: U_high^T dW = 0 and
+    dW V_high = 0 up to rounding, dW the change from the starting model to the trained one. The gradients are
+    projected before the step, but AdamW's per-element scaling moves them back into the frozen subspace: a trainer
+    that skips the projection after the step puts a large share of each change there. Read from the fp32 full
+    state: the bf16 export's rounding alone is far larger than the bound."""
+    before = load_file(chatml_model / "model.safetensors")
+    trained = _model_state(_full_state(two_ranks_fast))
+    prefixes = sorted(key.removesuffix(".U_high") for key in trained if key.endswith(".U_high"))
+    assert len(prefixes) == 14
+    shares = {}
+    for prefix in prefixes:
+        factors = {name: trained[f"{prefix}.{name}"] for name in FACTORS}
+        weight = before[f"{prefix}.weight"].double()
+        # The frozen factors are still the starting weight's own top singular directions.
+        U, S, V = (factors[name].double() for name in FROZEN)
+        torch.testing.assert_close(U.T @ weight @ V, torch.diag(S), rtol=0, atol=1e-5 * float(S[0]), msg=prefix)
+        shares[prefix], moved = _frozen_share(weight, factors)
+        assert moved > MOVED_AT_LEAST, (prefix, moved)
+    assert max(shares.values()) < FROZEN_SHARE_BOUND, shares
 
 
 def test_c6_export_is_a_plain_checkpoint_equal_to_the_osft_model(one_rank, chatml_model):
@@ -172,7 +222,7 @@ def test_c8_ratio_one_is_bit_identical_to_no_osft(tmp_path, chatml_model, data_p
     runs = {}
     for name, extra in (("plain", []), ("ratio_one", ["--osft", "--osft-unfreeze-rank-ratio", "1.0"])):
         out = tmp_path / name
-        result = torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", *extra), nproc=1)
+        result = torchrun(_args(chatml_model, data_path, out, "--max-steps", "2", *extra), nproc=1, warm=True)
         assert_ok(result)
         runs[name] = out
     assert "freezes no direction" in result.stderr

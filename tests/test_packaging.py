@@ -178,8 +178,9 @@ def test_the_console_scripts_and_the_api_train_from_a_users_folder(installed, us
         str(installed / "bin" / "minitrainer-train"), *flags, "--max-steps", "2")
     typo = subprocess.run([str(installed / "bin" / "minitrainer-run"), "--nproc-per-node=2", *flags, "--max-stepz",
                            "3"], cwd=user_folder, env=env, capture_output=True, text=True, timeout=300)
-    assert (typo.returncode, typo.stderr) == (2, "minitrainer-run: error: unknown flag --max-stepz; did you mean "
-                                                 "--max-steps?\n")
+    # The launcher's refusal as a user sees it, its whole output (tests/test_run_launcher.py checks it in-process).
+    assert (typo.returncode, typo.stderr, typo.stdout) == (
+        2, "minitrainer-run: error: unknown flag --max-stepz; did you mean --max-steps?\n", "")
     api = ("from minitrainer import TorchrunArgs, TrainConfig, run_training\n"
            f"config = TrainConfig(model_name_or_path='tiny', data_path='data', output_dir='out', batch_size=8,\n"
            f"                     max_tokens_per_gpu=256, min_samples_per_checkpoint=16, num_data_workers=0,\n"

@@ -9,6 +9,9 @@ weight is replaced by its NF4 rounding (torchao's ``to_nf4`` then
 that model's own, and stay within a few percent of the unquantized base.
 The tiny model is wider than the shared one (hidden 256) so that every
 projection holds whole double-quantization groups (64 x 256 weights) per shard.
+The shared run, the refusal on an unquantizable model and the SIGKILLed run are fresh torchrun launches (what the
+processes print at exit, what a user sees, the kill); the other runs, whose numbers are the subject, are warm calls
+(``fixtures/e2e.py``).
 """
 
 from __future__ import annotations
@@ -63,14 +66,17 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 def _ok(result) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    # torch's exit-time count of collectives nobody waited for. Gathering NF4 DTensors for an export
-    # left torchao's three all-gathers per weight unwaited on rank 1 only (rank 0 waited on its copy),
-    # so rank 1 ran ahead with collectives still in flight; one such run lost rank 1 to SIGABRT.
+    # torch's exit-time count of collectives nobody waited for (printed as a process ends: a fresh launch's).
+    # Gathering NF4 DTensors for an export left torchao's three all-gathers per weight unwaited on rank 1 only
+    # (rank 0 waited on its copy), so rank 1 ran ahead with collectives still in flight; one such run lost
+    # rank 1 to SIGABRT.
     assert "unwaited collective calls" not in result.stderr, result.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")
 def qlora_run(tmp_path_factory, wide_model, data_path) -> Path:
+    """Fresh: it exports NF4 weights gathered from 2 shards at every step, and the processes' exit says whether
+    a collective was left unwaited."""
     out = tmp_path_factory.mktemp("qlora_run")
     _ok(torchrun(_args(wide_model, data_path, out)))
     return out
@@ -177,7 +183,7 @@ def test_a_one_rank_shard_group_trains_the_same(tmp_path, wide_model, data_path,
     # NO_SHARD: FSDP2 leaves the NF4 weights whole on every rank (its one-rank path cannot unshard them).
     out = tmp_path / "no_shard"
     _ok(torchrun(_args(wide_model, data_path, out, "--fsdp-sharding-strategy", "NO_SHARD", "--max-steps", "2",
-                       "--min-samples-per-checkpoint", "1000")))
+                       "--min-samples-per-checkpoint", "1000"), warm=True))
     expected = [r["loss"] for r in read_metrics(qlora_run)][:2]
     assert [r["loss"] for r in read_metrics(out)] == pytest.approx(expected, rel=1e-6)
 
@@ -230,9 +236,9 @@ def test_resume_after_sigkill_is_exact_and_quantization_is_fingerprinted(tmp_pat
     metadata = torch.distributed.checkpoint.FileSystemReader(str(state)).read_metadata()
     model_keys = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:5]
-    refused = torchrun(["none" if arg == "nf4" else arg for arg in args])
+    refused = torchrun(["none" if arg == "nf4" else arg for arg in args], warm=True)
     assert refused.returncode != 0 and "another model or dataset" in refused.stderr
-    _ok(torchrun(args))
+    _ok(torchrun(args, warm=True))
     assert [r["loss"] for r in read_metrics(qlora_run)] == [r["loss"] for r in read_metrics(out)]
     final_a = _adapter(complete_checkpoints(qlora_run / "hf_format")[-1])
     final_b = _adapter(complete_checkpoints(out / "hf_format")[-1])

@@ -2,9 +2,13 @@
 
     .venv/bin/python -m pytest -q tests/test_resume.py
 
-Every run is a real ``torchrun`` of train.py with 2 gloo CPU processes on the
-tiny local model; faults are injected with test-only environment hooks that
-SIGKILL or signal the real processes.
+Every fault is a real fresh ``torchrun`` of train.py with 2 gloo CPU processes on the
+tiny local model, injected with test-only environment hooks that SIGKILL or signal
+the real processes. The runs whose numbers are the subject (the reference, and the
+resumes that must equal it) are ``train.main`` calls in a warm 2-rank (or 1-rank)
+torchrun job (``fixtures/warm_jobs.py``): real ranks, files and gloo group, started once.
+The killed run most resumes start from is killed once (``killed_after_first_state``)
+and copied.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from safetensors.torch import load_file
 from fixtures.e2e import (ROOT, _free_port, assert_ok, model_vocab_size, pickle_enums, read_metrics, torchrun,
                           write_tokenized_jsonl)
 from minitrainer.checkpoint.full_state import complete_checkpoints
+from tests.test_faults import _no_worker_traceback
 
 BATCH = 12
 STEPS = 8
@@ -70,19 +75,34 @@ def _assert_same_steps(a: list[dict], b: list[dict], *, values: tuple[str, ...] 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, chatml_model, data_path) -> Path:
     out = tmp_path_factory.mktemp("run_a")
-    assert_ok(torchrun(_args(chatml_model, data_path, out)))
+    assert_ok(torchrun(_args(chatml_model, data_path, out), warm=True))
     return out
 
 
-def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(tmp_path, chatml_model, data_path, uninterrupted):
-    out = tmp_path / "run_b"
+@pytest.fixture(scope="module")
+def killed_after_first_state(tmp_path_factory, chatml_model, data_path) -> Path:
+    """A run whose every rank SIGKILLed itself right after its first full state (step 4): one kill that the
+    resumes below each start from, in a copy of their own (``_copy_killed``)."""
+    out = tmp_path_factory.mktemp("killed") / "run"
     killed = torchrun(_args(chatml_model, data_path, out),
                       env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(CHECKPOINT_EVERY)})
     assert killed.returncode != 0
     assert [p.name for p in complete_checkpoints(out / "full_state")] == [f"samples_{CHECKPOINT_EVERY}"]
+    return out
+
+
+def _copy_killed(killed: Path, out: Path) -> Path:
+    """A copy without the kill's stale lock: by a later test the dead rank's pid may be another process's (pid_max
+    is 32768 on a busy host). The takeover itself is met by the resumes right after the other kills below."""
+    return Path(shutil.copytree(killed, out, ignore=shutil.ignore_patterns(".lock")))
+
+
+def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(tmp_path, chatml_model, data_path, uninterrupted,
+                                                             killed_after_first_state):
+    out = _copy_killed(killed_after_first_state, tmp_path / "run_b")
     with (out / "training_metrics_0.jsonl").open("a") as f:
         f.write('{"step": 5, "lr": 0.0')  # a kill mid-write leaves half a line
-    resumed = torchrun(_args(chatml_model, data_path, out))
+    resumed = torchrun(_args(chatml_model, data_path, out), warm=True)
     assert_ok(resumed)
     assert f"resumed from {out / 'full_state' / f'samples_{CHECKPOINT_EVERY}'}" in resumed.stderr
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
@@ -94,17 +114,15 @@ def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(tmp_path, chatml_mo
 
 @pytest.mark.parametrize("by_name", [False, True], ids=["enum_by_value", "enum_by_name"])
 def test_resume_from_metadata_in_either_interpreters_form(tmp_path, chatml_model, data_path, uninterrupted,
-                                                          by_name):
+                                                          killed_after_first_state, by_name):
     """A checkpoint written by one interpreter resumes under another: its .metadata is rewritten in
     the enum form of Python 3.11.2 (by name) or of 3.11.7/3.12 (by value), whichever runs this test."""
-    out = tmp_path / "run_form"
-    assert torchrun(_args(chatml_model, data_path, out),
-                    env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(CHECKPOINT_EVERY)}).returncode != 0
+    out = _copy_killed(killed_after_first_state, tmp_path / "run_form")
     [saved] = complete_checkpoints(out / "full_state")
     with (saved / ".metadata").open("rb") as f:
         metadata = pickle.load(f)
     (saved / ".metadata").write_bytes(pickle_enums(metadata, by_name=by_name))
-    resumed = torchrun(_args(chatml_model, data_path, out))
+    resumed = torchrun(_args(chatml_model, data_path, out), warm=True)
     assert_ok(resumed)
     assert f"resumed from {saved}" in resumed.stderr
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
@@ -130,11 +148,11 @@ def test_a_full_state_written_before_the_package_move_resumes_exactly(tmp_path):
     the final weights. Nothing in a full state names a module."""
     out = tmp_path / "resumed"
     shutil.copytree(FLAT_LAYOUT_RUN / "output", out)
-    resumed = torchrun(_flat_layout_args(out))
+    resumed = torchrun(_flat_layout_args(out), warm=True)
     assert_ok(resumed)
     assert f"resumed from {out / 'full_state' / 'samples_16'}" in resumed.stderr
     fresh = tmp_path / "fresh"
-    assert_ok(torchrun(_flat_layout_args(fresh)))
+    assert_ok(torchrun(_flat_layout_args(fresh), warm=True))
     resumed_steps, fresh_steps = read_metrics(out), read_metrics(fresh)
     assert [r["step"] for r in resumed_steps] == [1, 2, 3, 4]
     _assert_same_steps(resumed_steps, fresh_steps, values=("loss", "grad_norm"))
@@ -156,7 +174,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, chatml_model, data
     root = out / "full_state"
     assert [p.name for p in complete_checkpoints(root)] == [f"samples_{CHECKPOINT_EVERY}"]
     assert (root / f".samples_{2 * CHECKPOINT_EVERY}.tmp").exists(), "the interrupted save stays a .tmp"
-    resumed = torchrun(_args(chatml_model, data_path, out))
+    resumed = torchrun(_args(chatml_model, data_path, out), warm=True)
     assert_ok(resumed)
     assert "left behind by a save that was interrupted" in resumed.stderr
     assert not list(root.glob("*.tmp")), "the next start removes the leftover"
@@ -173,7 +191,7 @@ def test_kill_during_an_export_leaves_nothing_a_glob_of_exports_finds(tmp_path, 
     # What a serving job or an eval sweep globs: only finished exports, each one loadable.
     for pattern in ("samples_*", "*"):
         assert glob.glob(str(exports / pattern)) == [], pattern
-    resumed = torchrun(_args(chatml_model, data_path, out, "--max-steps", "4"))
+    resumed = torchrun(_args(chatml_model, data_path, out, "--max-steps", "4"), warm=True)
     assert_ok(resumed)
     assert "left behind by a save that was interrupted" in resumed.stderr
     assert [p.name for p in exports.iterdir()] == [f"samples_{CHECKPOINT_EVERY}"]
@@ -197,7 +215,7 @@ def test_sigterm_checkpoints_and_exits_preempted_then_continues(tmp_path, chatml
     assert preempted.name == f"samples_{3 * BATCH}"
     for rank in (0, 1):  # plain tensors and numbers: loads without pickle
         assert "torch" in torch.load(preempted / f"rng_rank{rank}.pt", weights_only=True)
-    assert_ok(torchrun(_args(chatml_model, data_path, out)))
+    assert_ok(torchrun(_args(chatml_model, data_path, out), warm=True))
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
     names = _checkpoint_names(out)
     assert names["hf_format"] == _checkpoint_names(uninterrupted)["hf_format"], "same cadence across a preemption"
@@ -228,7 +246,7 @@ def test_group_sigterm_with_data_workers_checkpoints_and_resumes_exactly(tmp_pat
     done = read_metrics(out)
     assert 2 <= len(done) < STEPS
     assert complete_checkpoints(out / "full_state")[-1].name == f"samples_{len(done) * BATCH}", output[-4000:]
-    assert_ok(torchrun(args))
+    assert_ok(torchrun(args, warm=True))
     _assert_same_steps(read_metrics(out), read_metrics(uninterrupted))
     a, b = _final_weights(uninterrupted), _final_weights(out)
     for name in a:
@@ -240,11 +258,12 @@ def test_preempted_on_the_last_step_still_exports(tmp_path, chatml_model, data_p
     _assert_preempted(torchrun(_args(chatml_model, data_path, out), env={"MINI_TRAINER_TEST_SIGTERM": f"{STEPS}:0"}),
                       out, STEPS)
     assert _checkpoint_names(out) == _checkpoint_names(uninterrupted)
-    rerun = torchrun(_args(chatml_model, data_path, out))
+    rerun = torchrun(_args(chatml_model, data_path, out), warm=True)
     assert_ok(rerun)
     assert "this run is already finished" in rerun.stderr
 
 
+@pytest.mark.timing
 def test_export_failure_on_rank_0_stops_every_rank_with_its_error(tmp_path, chatml_model, data_path):
     out = tmp_path / "run_export_fails"
     began = time.monotonic()
@@ -258,12 +277,14 @@ def test_export_failure_on_rank_0_stops_every_rank_with_its_error(tmp_path, chat
 
 
 @pytest.mark.parametrize("nproc", [1, 4])
-def test_world_size_change_continues_the_same_stream(tmp_path, chatml_model, data_path, uninterrupted, nproc):
-    out = tmp_path / f"run_ws{nproc}"
-    killed = torchrun(_args(chatml_model, data_path, out),
-                      env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(CHECKPOINT_EVERY)})
-    assert killed.returncode != 0
-    assert_ok(torchrun(_args(chatml_model, data_path, out), nproc=nproc))
+def test_world_size_change_continues_the_same_stream(tmp_path, chatml_model, data_path, uninterrupted,
+                                                     killed_after_first_state, nproc):
+    """A 2-rank run resumed on 1 rank (a warm 1-rank job) or on 4 (a fresh torchrun: warm jobs have 1 or 2)."""
+    out = _copy_killed(killed_after_first_state, tmp_path / f"run_ws{nproc}")
+    if nproc == 4:
+        assert_ok(torchrun(_args(chatml_model, data_path, out), nproc=4))
+    else:
+        assert_ok(torchrun(_args(chatml_model, data_path, out), nproc=1, warm=True))
     resumed, reference = read_metrics(out), read_metrics(uninterrupted)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     step5, ref5 = resumed[4], reference[4]
@@ -290,15 +311,20 @@ def test_too_many_bad_steps_abort_clearly(tmp_path, chatml_model, data_path):
 
 
 def test_keep_last_n_and_mismatched_data_refused(tmp_path, chatml_model, data_path, uninterrupted):
+    """Retention keeps the newest two of each kind; a rerun on other data is refused before training. The
+    refusal is the suite's one fresh end-to-end resume refusal (the others are checked warm or in-process):
+    the process output a user sees, every rank's exit and no trainer traceback."""
     out = tmp_path / "run_keep"
     assert_ok(torchrun(_args(chatml_model, data_path, out, "--min-samples-per-checkpoint", str(BATCH),
-                       "--max-steps", "3", "--keep-last-n-checkpoints", "2")))
+                       "--max-steps", "3", "--keep-last-n-checkpoints", "2"), warm=True))
     assert [p.name for p in complete_checkpoints(out / "full_state")] == ["samples_24", "samples_36"]
     assert [p.name for p in complete_checkpoints(out / "hf_format")] == ["samples_24", "samples_36"]
     other = write_tokenized_jsonl(tmp_path / "other.jsonl", num_samples=30, vocab_size=100, seed=9)
     result = torchrun(_args(chatml_model, other, out))
     assert result.returncode != 0
-    assert "another model or dataset" in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert "another model or dataset" in output
+    _no_worker_traceback(output)
     state = json.loads((complete_checkpoints(out / "full_state")[-1] / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["samples_seen"] == 36
 
@@ -329,7 +355,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path, chatml_model, data_path, 
     pickle.loads(pickle.dumps(_RunsCode(tmp_path / "plain_pickle_runs_it")))
     assert (tmp_path / "plain_pickle_runs_it").exists(), "torch's own reader (plain pickle.load) would run it"
 
-    result = torchrun(_args(chatml_model, data_path, out))
+    result = torchrun(_args(chatml_model, data_path, out), warm=True)
     assert_ok(result)
     assert not marker.exists(), "resume ran code from a checkpoint folder"
     assert f"skipping unreadable checkpoint {crafted}" in result.stderr and "refusing posix.system" in result.stderr

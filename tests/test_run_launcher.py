@@ -3,8 +3,10 @@ one line of the launcher's own, never torchrun's ``ChildFailedError`` report (is
 
     .venv/bin/python -m pytest -q tests/test_run_launcher.py
 
-Three real launches of 2 gloo CPU ranks: a failure inside the ranks, a Ctrl-C to the launcher's process group
-(what a terminal sends) whose rerun finishes, and a typo in the training flags (refused before any rank starts).
+Real fresh launches of 2 gloo CPU ranks, the launcher's process and its output being the subject: a failure
+inside the ranks, a Ctrl-C to the launcher's process group (what a terminal sends) whose rerun finishes. A typo in
+the training flags (refused before any rank starts) is refused by the launcher's ``cli`` in this process; the
+installed ``minitrainer-run``'s real process shows the same refusal (tests/test_packaging.py).
 """
 
 from __future__ import annotations
@@ -92,12 +94,19 @@ def test_ctrl_c_ends_in_the_preemption_line_and_75_then_the_rerun_finishes_with_
     assert _status(out)["status"] == "finished"
 
 
-def test_a_typo_in_the_training_flags_is_refused_once_with_2_before_any_rank(tmp_path, chatml_model, data_path):
+def test_a_typo_in_the_training_flags_is_refused_once_with_2_before_any_rank(tmp_path, chatml_model, data_path,
+                                                                            capsys, monkeypatch):
+    from minitrainer.run import cli
+
     out = tmp_path / "out"
-    proc, stdout, stderr = _start(tmp_path, _args(chatml_model, data_path, out, "--max-stepz", "3"))
-    assert proc.wait(timeout=120) == 2, stderr.read_text()[-4000:]
-    assert stderr.read_text() == f"{PROG}: error: unknown flag --max-stepz; did you mean --max-steps?\n"
-    assert stdout.read_text() == ""
+    monkeypatch.setattr(sys, "argv", ["run.py", "--nproc-per-node=2",
+                                      *_args(chatml_model, data_path, out, "--max-stepz", "3")])
+    with pytest.raises(SystemExit) as stop:
+        cli()
+    captured = capsys.readouterr()
+    assert stop.value.code == 2, captured.err[-4000:]
+    assert captured.err == f"{PROG}: error: unknown flag --max-stepz; did you mean --max-steps?\n"
+    assert captured.out == ""
     assert not out.exists(), "no rank started"
 
 

@@ -8,6 +8,9 @@ the trainer, is replaced. It records every ``wandb.init`` call to a file and
 can refuse to start as wandb does without credentials, or fail on ``log`` as it does
 when its service goes away. A tracker package whose import fails is a ``wandb`` /
 ``tensorboard`` / ``mlflow`` package on PYTHONPATH that raises ``ImportError`` (a broken install).
+Those runs are fresh ``torchrun`` launches (a warm job cannot change its import path); the MLflow
+resume, a real mlflow-skinny on a local file store whose logged steps are the subject, is two
+``train.main`` calls in a warm 2-rank torchrun job (``fixtures/warm_jobs.py``).
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def test_resumed_run_continues_the_same_mlflow_run(tmp_path, chatml_model, monke
     out = tmp_path / "out"
     for steps in (1, 2):
         args = _args(chatml_model, data, out, steps)[:-2] + ["--mlflow-tracking-uri", store, "--mlflow-experiment", "e"]
-        result = torchrun(args, env=env)
+        result = torchrun(args, env=env, warm=True)
         assert result.returncode == 0, result.stderr[-4000:]
     client = MlflowClient(store)
     [run] = client.search_runs([client.get_experiment_by_name("e").experiment_id])

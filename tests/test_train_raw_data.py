@@ -2,13 +2,17 @@
 
     .venv/bin/python -m pytest -q tests/test_train_raw_data.py
 
-End to end (real torchrun, 2 gloo CPU processes, tiny local models): raw JSON lines, and a dataset
+End to end (2 gloo CPU ranks under torchrun, tiny local models): raw JSON lines, and a dataset
 repository folder of ShareGPT parquet shards with ``--data-split``, train exactly as process_data.py's
 output of the same file (that split's) does (same losses, the same tokenized bytes); a resume reuses
 the cache. Unit level: an edited input makes a new cache, a
 touched one does not; the data-path kinds are told apart. The gates: a failed label audit and data
 of another tokenizer are refused in one line at training time, each with its override. The other
 ranks outwait a rank 0 busy longer than the process group's timeout (a plain collective does not).
+
+Training on raw data is ordinary training: those runs are warm (``fixtures/warm_jobs.py``), and process_data.py
+runs in-process (``main``) where only its files and exit status matter. Fresh processes remain where the
+process is the subject: the timeouts of the waiting ranks and an old jinja2 made by a ``sitecustomize``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from fixtures.e2e import ROOT, assert_ok, read_metrics, torchrun, write_tokenize
 from minitrainer.common.cli import parse_config
 from minitrainer.common.log import logger
 from minitrainer.data.cache import is_tokenized, tokenize_once, validation_split
-from minitrainer.data.process_data import ProcessDataConfig
+from minitrainer.data.process_data import ProcessDataConfig, main
 from minitrainer.tools.demo import DEMO_DATA
 from minitrainer.train_config import TrainConfig
 
@@ -63,11 +67,25 @@ def _args(model: Path, data: Path | str, out: Path, *extra: str) -> list[str]:
             "--num-data-workers", "0", "--skip-objective-check", *extra]
 
 
-def _process_data(input_file: Path, model: Path, output_dir: Path, *extra: str,
-                  env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "process_data.py"), "--input-file", str(input_file),
-                           "--output-dir", str(output_dir), "--model-name-or-path", str(model), "--num-proc", "1",
-                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=300,
+def _process_data_argv(input_file: Path, model: Path, output_dir: Path, *extra: str) -> list[str]:
+    return ["--input-file", str(input_file), "--output-dir", str(output_dir), "--model-name-or-path", str(model),
+            "--num-proc", "1", *extra]
+
+
+def _process_data(input_file: Path, model: Path, output_dir: Path, *extra: str) -> int:
+    """process_data.py's exit status, its ``main`` run in-process: the files it writes are the subject."""
+    try:
+        main(_process_data_argv(input_file, model, output_dir, *extra))
+    except SystemExit as stop:
+        return 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+    return 0
+
+
+def _process_data_cli(input_file: Path, model: Path, output_dir: Path, *extra: str,
+                      env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "process_data.py"),
+                           *_process_data_argv(input_file, model, output_dir, *extra)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
 
 
@@ -77,7 +95,7 @@ def _caches(out: Path) -> list[Path]:
 
 def _refused_in_one_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
     """The job's last error line (the refusal) holds every fragment; no rank printed a traceback
-    (torchrun's own summary of a failed job is one, as in tests/test_faults.py)."""
+    (a fresh torchrun's own summary of a failed job is one, as in tests/test_faults.py; a warm run has none)."""
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-4000:]
     assert output.count("Traceback (most recent call last)") == output.count("ChildFailedError:"), output[-4000:]
@@ -104,12 +122,12 @@ def test_raw_data_trains_as_its_process_data_output_does(kind, tmp_path, chatml_
         raw, raw_file = _sharegpt_repository(tmp_path / "repo")
         split = ("--data-split", "train_sft", "--validation-data-path", str(raw), "--validation-data-split", "test_sft",
                  "--validation-every-n-steps", "1")
-    result = _process_data(raw_file, chatml_model, tmp_path / "tokenized")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_ok(torchrun(_args(chatml_model, tmp_path / "tokenized", tmp_path / "out_tokenized", "--max-steps", "2")))
+    assert _process_data(raw_file, chatml_model, tmp_path / "tokenized") == 0
+    assert_ok(torchrun(_args(chatml_model, tmp_path / "tokenized", tmp_path / "out_tokenized", "--max-steps", "2"),
+                       warm=True))
 
     out = tmp_path / "out_raw"
-    result = torchrun(_args(chatml_model, raw, out, "--max-steps", "2", *split))
+    result = torchrun(_args(chatml_model, raw, out, "--max-steps", "2", *split), warm=True)
     assert_ok(result)
     assert "is raw input; tokenizing it once into" in result.stderr
     assert "label audit:" in result.stderr and "sample " in result.stderr  # what process_data.py prints
@@ -125,7 +143,7 @@ def test_raw_data_trains_as_its_process_data_output_does(kind, tmp_path, chatml_
         return
 
     [cache] = caches
-    result = torchrun(_args(chatml_model, raw, out, "--max-steps", "3"))  # resumes at step 2
+    result = torchrun(_args(chatml_model, raw, out, "--max-steps", "3"), warm=True)  # resumes at step 2
     assert_ok(result)
     assert f"tokenized data: reusing {cache}" in result.stderr and "tokenizing it once" not in result.stderr
     assert "resum" in result.stderr and _caches(out) == [cache]
@@ -280,36 +298,36 @@ def test_a_failed_label_audit_is_refused_unless_allowed_when_tokenized(tmp_path,
     model = tiny_models["mistral"]
     raw = _write_jsonl(tmp_path / "chat.jsonl", _audit_failing_rows())
     out = tmp_path / "out"
-    line = _refused_in_one_line(torchrun(_args(model, raw, out, "--max-steps", "1")),
+    line = _refused_in_one_line(torchrun(_args(model, raw, out, "--max-steps", "1"), warm=True),
                                 f"--data-path {raw}: its label audit failed", "4 of 7 conversations",
                                 "--allow-audit-failures")
     assert "could not be masked" in line
     [cache] = _caches(out)  # kept: allowing the failure needs no second tokenization
-    result = torchrun(_args(model, raw, out, "--max-steps", "1", "--allow-audit-failures"))
+    result = torchrun(_args(model, raw, out, "--max-steps", "1", "--allow-audit-failures"), warm=True)
     assert_ok(result)
     assert f"reusing {cache}" in result.stderr and "that was allowed when it was tokenized" in result.stderr
 
     # process_data.py's own output: its recorded --allow-audit-failures decides, not train.py's flag.
-    assert _process_data(raw, model, tmp_path / "strict").returncode == 1
+    assert _process_data(raw, model, tmp_path / "strict") == 1
     line = _refused_in_one_line(torchrun(_args(model, tmp_path / "strict", tmp_path / "out_strict",
-                                               "--allow-audit-failures")), "its label audit failed")
+                                               "--allow-audit-failures"), warm=True), "its label audit failed")
     assert "process_data.py" in line
-    assert _process_data(raw, model, tmp_path / "allowed", "--allow-audit-failures").returncode == 0
-    assert_ok(torchrun(_args(model, tmp_path / "allowed", tmp_path / "out_allowed", "--max-steps", "1")))
+    assert _process_data(raw, model, tmp_path / "allowed", "--allow-audit-failures") == 0
+    assert_ok(torchrun(_args(model, tmp_path / "allowed", tmp_path / "out_allowed", "--max-steps", "1"), warm=True))
 
 
 def test_data_of_another_tokenizer_is_refused_unless_overridden(tmp_path, tiny_models):
     raw = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows()[:16])
     # llama2's tiny tokenizer has the chatml one's size: every id is in the vocabulary, and means something else.
-    assert _process_data(raw, tiny_models["llama2"], tmp_path / "llama2_tokens").returncode == 0
+    assert _process_data(raw, tiny_models["llama2"], tmp_path / "llama2_tokens") == 0
     chatml = tiny_models["chatml"]
     line = _refused_in_one_line(torchrun(_args(chatml, tmp_path / "llama2_tokens", tmp_path / "out",
-                                               "--max-steps", "1")),
+                                               "--max-steps", "1"), warm=True),
                                 f"was tokenized with '{tiny_models['llama2']}' but the model is '{chatml}'",
                                 "--allow-tokenizer-mismatch")
     assert "eos_token" in line
     result = torchrun(_args(chatml, tmp_path / "llama2_tokens", tmp_path / "out", "--max-steps", "1",
-                            "--allow-tokenizer-mismatch"))
+                            "--allow-tokenizer-mismatch"), warm=True)
     assert_ok(result)
     assert "training anyway (--allow-tokenizer-mismatch)" in result.stderr
 
@@ -362,7 +380,7 @@ def test_a_jinja2_below_its_floor_is_a_one_line_refusal(tmp_path, chatml_model):
     old.mkdir()
     (old / "sitecustomize.py").write_text('import jinja2\njinja2.__version__ = "3.1.0"\n')
     raw = _write_jsonl(tmp_path / "chat.jsonl", _demo_rows()[:2])
-    result = _process_data(raw, chatml_model, tmp_path / "tokenized", env={"PYTHONPATH": str(old)})
+    result = _process_data_cli(raw, chatml_model, tmp_path / "tokenized", env={"PYTHONPATH": str(old)})
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith(
         "process_data.py: error: apply_chat_template requires jinja2>=3.1.6"), result.stderr[-3000:]

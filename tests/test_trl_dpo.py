@@ -4,7 +4,9 @@ micro-batch per step on TRL's side, several packed minibatches per rank on ours)
 and log-probabilities agree to 1e-5 relative, on 1 and 2 ranks.
 
 TRL is fed our tokenized pairs (``fixtures/trl_dpo.py``), so the comparison is of the training, not of the
-tokenization (``tests/test_preference_data.py`` compares that with TRL's own preparation)."""
+tokenization (``tests/test_preference_data.py`` compares that with TRL's own preparation). Our side is a warm call
+(``fixtures/e2e.py``: its numbers are the subject), TRL's a fresh process in its venv. Where that venv cannot be
+built the test skips, except in CI, where it fails (``fixtures.peer_venv.require``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import math
 import pytest
 
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_pairs
+from fixtures.peer_venv import require
 from fixtures.trl_dpo import run_trl_dpo
+from fixtures.trl_venv import trl_python
 from minitrainer.data.sampler import InfiniteSampler
 
 NUM_PAIRS, BATCH, STEPS, SEED, LR = 32, 16, 2, 11, 1e-3
@@ -33,20 +37,26 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
+def trl_venv():
+    """TRL's venv, built first where it is not whole yet (``run_trl_dpo`` then finds it)."""
+    return require(trl_python)
+
+
+@pytest.fixture(scope="module")
 def pairs(tmp_path_factory, chatml_model):
     folder = tmp_path_factory.mktemp("trl_dpo_pairs")
     return write_tokenized_pairs(folder, num_pairs=NUM_PAIRS, vocab_size=model_vocab_size(chatml_model), seed=3)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_every_step_equals_trl_dpo_trainer(case, pairs, chatml_model, tmp_path):
+def test_every_step_equals_trl_dpo_trainer(case, trl_venv, pairs, chatml_model, tmp_path):
     ours_flags, loss_type, loss_weights, smoothing, ranks = CASES[case]
     result = torchrun(["--model-name-or-path", str(chatml_model), "--data-path", str(pairs),
                        "--output-dir", str(tmp_path / "ours"), "--objective", "dpo", "--dpo-beta", "0.1",
                        *ours_flags, "--batch-size", str(BATCH), "--max-tokens-per-gpu", "64",
                        "--max-steps", str(STEPS), "--learning-rate", str(LR), "--lr-scheduler", "constant",
                        "--num-warmup-steps", "0", "--seed", str(SEED), "--num-data-workers", "0",
-                       "--min-samples-per-checkpoint", "100000", "--no-full-state"], nproc=ranks)
+                       "--min-samples-per-checkpoint", "100000", "--no-full-state"], nproc=ranks, warm=True)
     assert_ok(result)
     ours = read_metrics(tmp_path / "ours")
     assert all(step["grad_accum"] > 1 for step in ours)  # packed into several minibatches per rank

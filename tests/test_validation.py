@@ -7,8 +7,9 @@ computation over the same held-out samples; the split is a pure function of
 the seed (training samples only the rest, on every rank and after resume);
 the best export is replaced only on improvement; a resume with changed
 training parameters is refused with a message naming them, or applied when
-asked; every metrics line is strict JSON. End-to-end runs are real torchrun
-launches with 2 gloo CPU processes on the tiny local model.
+asked; every metrics line is strict JSON. End-to-end runs have 2 gloo CPU ranks
+on the tiny local model: warm runs (``fixtures/warm_jobs.py``), but for the
+SIGKILLed one and the one with an injected NaN, which are fresh torchruns.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def test_validation_loss_is_exact_and_split_excludes_training_rows(tmp_path, cha
                  "--early-stopping-patience", "2", "--max-grad-norm", "0", "--min-samples-per-full-state", "8")
     killed = torchrun(args, env={"MINI_TRAINER_TEST_KILL_AFTER_SAVE": str(BATCH)})
     assert killed.returncode != 0
-    assert_ok(torchrun(args))
+    assert_ok(torchrun(args, warm=True))
     records = strict_metrics(out)
     steps = [r for r in records if "loss" in r]
     vals = [r for r in records if "val_loss" in r]
@@ -222,10 +223,10 @@ def test_separate_validation_file_and_strict_json(tmp_path, chatml_model, data_p
 
 def test_resume_refuses_changed_params_then_applies_them_when_asked(tmp_path, chatml_model, data_path):
     out = tmp_path / "run"
-    assert_ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "1e-3", "--max-steps", "2")))
+    assert_ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "1e-3", "--max-steps", "2"), warm=True))
 
     refused = torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--seed", "6",
-                             "--max-steps", "3"))
+                             "--max-steps", "3"), warm=True)
     text = refused.stdout + refused.stderr
     assert refused.returncode != 0
     assert "learning_rate: checkpoint 0.001, now 0.002" in text and "seed: checkpoint 5, now 6" in text
@@ -233,17 +234,17 @@ def test_resume_refuses_changed_params_then_applies_them_when_asked(tmp_path, ch
     assert "sharded with" not in text, "the refusal comes before the model loads"
 
     assert_ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--max-steps", "3",
-                       "--allow-config-change")))
+                       "--allow-config-change"), warm=True))
     steps = [r for r in strict_metrics(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert [r["lr"] for r in steps] == [pytest.approx(1e-3), pytest.approx(1e-3), pytest.approx(2e-3)]
 
-    finished = torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--max-steps", "3"))
+    finished = torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--max-steps", "3"), warm=True)
     assert_ok(finished)
     assert "already finished (reached --max-steps 3)" in finished.stderr and "--max-steps" in finished.stderr
 
     fresh = torchrun(_args(chatml_model, data_path, out, "--learning-rate", "2e-3", "--max-steps", "1",
-                           "--no-resume"))
+                           "--no-resume"), warm=True)
     assert_ok(fresh)
     [moved] = [p for p in out.iterdir() if p.name.startswith("superseded_")]
     assert f"moved the earlier run's checkpoints and metrics in {out} to {moved}" in fresh.stderr

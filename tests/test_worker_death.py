@@ -60,6 +60,7 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.timing
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 @pytest.mark.parametrize("built_on", ["main", "thread"])
 def test_workers_die_within_seconds_of_their_rank(tmp_path, built_on):
