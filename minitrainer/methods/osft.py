@@ -39,12 +39,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from minitrainer.common.device import peak_memory_gb, reset_peak_memory
 from minitrainer.common.log import log_rank_0
 from minitrainer.methods.base import FineTuningMethod, ModelBuild
 from minitrainer.model.loss import find_decoder_blocks
+
+# torch.distributed.tensor (0.4 s) is imported where a sharded factor is met: every --config or flag check imports
+# this module through the methods' registry, and a launcher that only checks flags never shards anything.
 
 FROZEN = ("U_high", "S_high", "V_high")
 TRAINABLE = ("U_low", "S_low", "V_low")
@@ -228,6 +230,8 @@ class OSFTLinear(nn.Module):
     @torch.no_grad()
     def load_factors(self, factors: OSFTFactors) -> None:
         """Copy whole factors in, keeping only this rank's shard of DTensor parameters."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         for name in FACTORS:
             param, full = getattr(self, name), getattr(factors, name)
             if isinstance(param, DTensor):
@@ -283,6 +287,8 @@ def osft_modules(model: nn.Module) -> list[tuple[str, OSFTLinear]]:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -290,6 +296,8 @@ def shard_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The ranks that split the OSFT factors' dim 0 (the FSDP2 mesh's shard dimension: the whole mesh
     under FULL_SHARD, ``mesh["shard"]`` under HYBRID_SHARD), for the projections; None without any
     sharded OSFT module."""
+    from torch.distributed.tensor import DTensor, Shard
+
     modules = osft_modules(model)
     param = modules[0][1].U_low if modules else None
     if not isinstance(param, DTensor):
@@ -300,6 +308,8 @@ def shard_group(model: nn.Module) -> dist.ProcessGroup | None:
 
 def _check_group(param: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """The group must be exactly the ranks that split this parameter's dim 0 (never the replicas)."""
+    from torch.distributed.tensor import DTensor, Shard
+
     num_shards = 1
     if isinstance(param, DTensor):
         num_shards = math.prod(param.device_mesh.size(i) for i, p in enumerate(param.placements)

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from minitrainer.common.log import log_rank_0
 from minitrainer.methods.base import ModelBuild
@@ -166,6 +165,8 @@ def broadcast_nf4(model: nn.Module, full_nf4: dict[str, torch.Tensor], *, device
     how ``fully_shard`` cut the shards, and ``nf4_refusal`` made every cut fall
     on a double-quantization group boundary, so the bytes split the same way.
     """
+    from torch.distributed.tensor import DTensor
+
     for name, param in model.named_parameters():
         if not is_nf4(param):
             continue
@@ -203,6 +204,7 @@ def gather_dequantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     torchao's asynchronous all-gathers, which are left unwaited and, on gloo, crashed a rank now
     and then mid-export."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
     is_main = not dist.is_initialized() or dist.get_rank() == 0
     sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
