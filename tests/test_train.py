@@ -310,6 +310,25 @@ def test_step_counts_are_summed_exactly_past_fp32_precision():
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])
+def test_clipping_scales_the_gradients_to_the_bound_and_reports_the_norm_before(max_norm):
+    """AdamW is nearly blind to a gradient's scale on its first step, so a run's weights barely show whether
+    clipping happened (only the pinned 5-step run would): the bound is checked on the gradients themselves."""
+    from minitrainer.train_step import clip_grad_norm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in before]))
+    assert total > 0.5, "the test needs a gradient above the middle bound"
+    norm = clip_grad_norm(model, max_norm)
+    torch.testing.assert_close(norm, total)
+    after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    expected = total if max_norm == 0 or max_norm >= total else torch.tensor(max_norm)
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=0)
+
+
 def test_cpu_offload_on_gpu_gets_a_cpu_collective_backend():
     from torch.distributed.distributed_c10d import Backend, BackendConfig
 
