@@ -1,3 +1,3 @@
-"""The original mini_trainer's ``from batch_metrics import ...``: ``minitrainer/batch_metrics.py``, re-exported."""
+"""The original mini_trainer's ``from batch_metrics import ...``: ``minitrainer/report/metrics.py``, re-exported."""
 
-from minitrainer.batch_metrics import *  # noqa: F403
+from minitrainer.report.metrics import *  # noqa: F403

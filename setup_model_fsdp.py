@@ -1,4 +1,4 @@
-"""The original mini_trainer's ``from setup_model_fsdp import ...``: ``minitrainer/setup_model_fsdp.py``,
+"""The original mini_trainer's ``from setup_model_fsdp import ...``: ``minitrainer/setup/model.py``,
 re-exported."""
 
-from minitrainer.setup_model_fsdp import *  # noqa: F403
+from minitrainer.setup.model import *  # noqa: F403

@@ -38,13 +38,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from bench.bench_train import BenchConfig, build_model
 from fixtures.e2e import ROOT
-from minitrainer.autotune import probe_max_tokens_per_gpu
+from minitrainer.setup.autotune import probe_max_tokens_per_gpu
 from minitrainer.common.cli import comma_list, config_field, parse_config
 from minitrainer.common.device import peak_memory_gb, reset_peak_memory, synchronize
 from minitrainer.common.distributed import DistInfo, cleanup, first_error, init_distributed
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.data.sampler import collate_minibatch
-from minitrainer.flops import device_peak_tflops, training_flops
+from minitrainer.setup.flops import device_peak_tflops, training_flops
 from minitrainer.model.attention import model_inputs, resolve_attn_implementation
 from minitrainer.model.context_parallel import (CONTEXT_PARALLEL, inner_backend, new_context_group,
                                                 register_context_parallel_backend, shard_minibatch)

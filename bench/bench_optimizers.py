@@ -23,11 +23,11 @@ from torch.distributed.tensor import DTensor
 from fixtures.e2e import model_vocab_size, write_tokenized_jsonl
 from minitrainer.common.cli import config_field, parse_config
 from minitrainer.common.distributed import cleanup, init_distributed
-from minitrainer.optimizers import OPTIMIZERS
-from minitrainer.setup_run import batch_loader, setup_run
+from minitrainer.optim.optimizers import OPTIMIZERS
+from minitrainer.setup.run import batch_loader, setup_run
 from minitrainer.tools.tiny_model import build_tiny_model
 from minitrainer.train_config import TrainConfig
-from minitrainer.train_step import reduce_step, train_step
+from minitrainer.loop.step import reduce_step, train_step
 
 
 @dataclass(kw_only=True)

@@ -35,14 +35,14 @@ import torch
 
 from fixtures.e2e import model_vocab_size, write_tokenized_jsonl
 from fixtures.sync_count import SyncCounter
-from minitrainer import schedule
+from minitrainer.optim import schedule
 from minitrainer.common.cli import config_field, parse_config
 from minitrainer.common.distributed import cleanup, init_distributed
-from minitrainer.progress import Progress
-from minitrainer.setup_run import batch_loader, setup_run
+from minitrainer.report.progress import Progress
+from minitrainer.setup.run import batch_loader, setup_run
 from minitrainer.tools.tiny_model import build_tiny_model
 from minitrainer.train_config import TrainConfig
-from minitrainer.train_step import log_step, reduce_step, train_step
+from minitrainer.loop.step import log_step, reduce_step, train_step
 
 
 @dataclass(kw_only=True)

@@ -53,13 +53,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from minitrainer.autotune import longest_first_plan, probe_max_tokens_per_gpu
+from minitrainer.setup.autotune import longest_first_plan, probe_max_tokens_per_gpu
 from minitrainer.common.cli import collect_errors, comma_list, config_field, parse_config
 from minitrainer.common.device import gpu_name, peak_memory_gb, reset_peak_memory, synchronize
 from minitrainer.common.distributed import DistInfo, cleanup, first_error, init_distributed
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.log import log_rank_0, setup_logging
-from minitrainer.flops import measure_bf16_matmul_tflops, model_flops, training_flops
+from minitrainer.setup.flops import measure_bf16_matmul_tflops, model_flops, training_flops
 from minitrainer.model.attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs,
                                          flash_attn_unavailable_reason, register_attention_backends)
 from minitrainer.model.loss import CausalLMWithLoss
@@ -192,7 +192,7 @@ def build_model(config: BenchConfig, *, attn: str, liger: bool, ac: bool, dist_i
     from transformers import AutoModelForCausalLM
 
     from minitrainer.model.loss import find_decoder_blocks
-    from minitrainer.setup_model_fsdp import apply_liger_kernels
+    from minitrainer.setup.model import apply_liger_kernels
 
     register_attention_backends()
     hf_config = model_config(config.shape, max_position_embeddings=max(32768, config.max_probe_tokens))

@@ -436,7 +436,7 @@ def fastest_exact(rows: list[dict], budget: int) -> dict | None:
 
 def out_of_memory(output: str) -> bool:
     """Whether a failed train.py ran out of device memory: its traceback names the allocation failure."""
-    from minitrainer.autotune import ALLOCATION_FAILURES
+    from minitrainer.setup.autotune import ALLOCATION_FAILURES
 
     return any(text in output for text in ALLOCATION_FAILURES)
 
@@ -669,7 +669,7 @@ def sub_env(_: dict) -> dict:
     import torch
     import transformers
 
-    from minitrainer.flops import peak_bf16_tflops_for
+    from minitrainer.setup.flops import peak_bf16_tflops_for
     from minitrainer.common.device import gpu_name
 
     name = gpu_name()
@@ -681,7 +681,7 @@ def sub_env(_: dict) -> dict:
 def sub_matmul(args: dict) -> dict:
     import torch
 
-    from minitrainer.flops import time_bf16_matmul
+    from minitrainer.setup.flops import time_bf16_matmul
     from minitrainer.common.device import device_type
 
     device = torch.device(device_type())

@@ -44,7 +44,7 @@ from minitrainer.common.exits import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from minitrainer.common.log import logger
 from minitrainer.data.process_data import ProcessDataConfig, process_data
 from minitrainer.run import pythonpath_with_package, read_run_status
-from minitrainer.run_watch import RunEvent, RunWatcher
+from minitrainer.report.watch import RunEvent, RunWatcher
 from minitrainer.train_config import TrainConfig
 
 __all__ = ["ProcessDataConfig", "RunEvent", "RunFailed", "RunResult", "TorchrunArgs", "TrainConfig", "config_from_file",

@@ -40,13 +40,13 @@ from minitrainer.common.cli import parse_config
 from minitrainer.common.distributed import DistInfo, cleanup, init_distributed, lost_ranks, stop_in_one_line
 from minitrainer.common.exits import EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, exit_process, write_run_status
 from minitrainer.common.log import exit_line, log_rank_0, logger, setup_logging
-from minitrainer.preemption import PreemptionFlag
-from minitrainer.progress import Progress, announce_progress, resolve_progress
-from minitrainer.run_actions import batches, checkpoints_due, rewind, save, stop_preempted, validate, validation_due
-from minitrainer.schedule import stop_reason
-from minitrainer.setup_run import close_run, setup_run
+from minitrainer.loop.preemption import PreemptionFlag
+from minitrainer.report.progress import Progress, announce_progress, resolve_progress
+from minitrainer.loop.actions import batches, checkpoints_due, rewind, save, stop_preempted, validate, validation_due
+from minitrainer.optim.schedule import stop_reason
+from minitrainer.setup.run import close_run, setup_run
 from minitrainer.train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
-from minitrainer.train_step import log_step, reduce_step, report_divergence, report_skipped_step, train_step
+from minitrainer.loop.step import log_step, reduce_step, report_divergence, report_skipped_step, train_step
 
 __all__ = ["TrainConfig", "cli", "main", "train"]
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from minitrainer.common.cli import collect_errors, comma_list, config_field
+from minitrainer.common.log import PROGRESS_MODES
 from minitrainer.data.formats import INPUT_FORMATS
 from minitrainer.data.mix import parse_data_spec
 from minitrainer.data.process_data import ProcessDataConfig, tokenizing_config
@@ -20,7 +21,6 @@ from minitrainer.methods.qlora import QLoRA
 from minitrainer.model.recomputation import POLICIES, as_policy
 from minitrainer.objectives.base import TrainingObjective
 from minitrainer.objectives.dpo import DPOObjective, DPOSettings
-from minitrainer.progress import PROGRESS_MODES
 
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",

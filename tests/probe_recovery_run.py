@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from minitrainer.autotune import make_trial_step, probe_agreement, trial_fits
+from minitrainer.setup.autotune import make_trial_step, probe_agreement, trial_fits
 from minitrainer.checkpoint.hf_export import gather_full_state_dict
 from minitrainer.common.distributed import cleanup, init_distributed
 from minitrainer.data import sampler
 from minitrainer.model.attention import model_inputs
-from minitrainer.setup_model_fsdp import setup_model
+from minitrainer.setup.model import setup_model
 
 
 def main(model_dir: str, data_file: str, result: str) -> None:

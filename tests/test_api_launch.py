@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from fixtures.e2e import ROOT
-from minitrainer.optimizers import build_optimizer
-from minitrainer.run_watch import Lifecycle, RunEvent, RunWatcher
+from minitrainer.optim.optimizers import build_optimizer
+from minitrainer.report.watch import Lifecycle, RunEvent, RunWatcher
 
 DEMO_DATA = ROOT / "minitrainer" / "tools" / "demo_chat.jsonl"
 NUM_ROWS = sum(1 for _ in DEMO_DATA.open())

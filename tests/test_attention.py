@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from fixtures.e2e import model_vocab_size, torchrun, write_tokenized_jsonl
-from minitrainer.autotune import (DEFAULT_MAX_TOKENS_PER_GPU, longest_first_plan, probe_max_tokens_per_gpu,
+from minitrainer.setup.autotune import (DEFAULT_MAX_TOKENS_PER_GPU, longest_first_plan, probe_max_tokens_per_gpu,
                                   search_largest_fitting)
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.log import logger
@@ -28,7 +28,7 @@ from minitrainer.model import attention
 from minitrainer.model.attention import (REFERENCE_VARLEN, TORCH_VARLEN, attention_inputs, cu_seqlens_from_position_ids,
                                          register_attention_backends, resolve_attn_implementation, varlen_reference)
 from minitrainer.model.loss import CausalLMWithLoss
-from minitrainer.setup_model_fsdp import apply_liger_kernels
+from minitrainer.setup.model import apply_liger_kernels
 
 gpu_test = pytest.mark.gpu  # conftest.py skips it without a GPU; make gpu-check runs `pytest -m gpu`
 
@@ -426,7 +426,7 @@ def test_torch_varlen_model_loss_matches_reference_on_gpu(chatml_model):
 
 def test_sharded_model_through_setup_model_gives_the_same_loss(chatml_model):
     """setup_model (FSDP2, one gloo process, activation checkpointing) with reference_varlen equals sdpa."""
-    from minitrainer.setup_model_fsdp import setup_model
+    from minitrainer.setup.model import setup_model
     from minitrainer.common.distributed import init_distributed
 
     dist_info = init_distributed()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fixtures.e2e import model_vocab_size, torchrun, write_tokenized_jsonl
-from minitrainer.autotune import is_allocation_failure, trial_fits
+from minitrainer.setup.autotune import is_allocation_failure, trial_fits
 
 
 def test_allocation_failures_beyond_out_of_memory_error_mean_does_not_fit():

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from minitrainer.checkpoint.hf_export import save_hf_checkpoint
 from minitrainer.common.distributed import init_distributed
-from minitrainer.setup_model_fsdp import setup_model
+from minitrainer.setup.model import setup_model
 
 
 def test_sharded_export_with_index_round_trips(tmp_path, chatml_model):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from minitrainer.checkpoint.full_state import complete_checkpoints
-from minitrainer.setup_model_fsdp import compile_refusal
+from minitrainer.setup.model import compile_refusal
 
 BATCH = 12
 STEPS = 6
@@ -115,7 +115,7 @@ from minitrainer.model.attention import model_inputs
 from minitrainer.model.loss import CausalLMWithLoss, find_decoder_blocks, make_liger_fused_loss
 from minitrainer.model.recomputation import set_policy
 from minitrainer.data.sampler import collate_minibatch
-from minitrainer.setup_model_fsdp import apply_liger_kernels, compile_blocks
+from minitrainer.setup.model import apply_liger_kernels, compile_blocks
 torch.manual_seed(0)
 gen = torch.Generator().manual_seed(1)
 samples = []

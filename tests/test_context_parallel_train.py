@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fixtures.e2e import model_vocab_size, read_metrics, torchrun, torchrun_two_nodes, write_tokenized_jsonl
-from minitrainer import setup_run
+from minitrainer.setup import run as setup_run
 from minitrainer.checkpoint.full_state import complete_checkpoints
 from minitrainer.common import fault_injection
 from minitrainer.model import context_parallel

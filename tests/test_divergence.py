@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from minitrainer.checkpoint.full_state import complete_checkpoints
-from minitrainer.divergence import HISTORY, detect, remember, rewind_target
+from minitrainer.loop.divergence import HISTORY, detect, remember, rewind_target
 
 BATCH = 8
 

@@ -278,7 +278,7 @@ def test_osft_trains_pairs(dpo_runs):
 
 
 def test_a_missing_reference_model_is_named_by_its_flag():
-    from minitrainer.setup_run import model_path_error
+    from minitrainer.setup.run import model_path_error
 
     assert model_path_error("./no-such-model", flag="--reference-model") == \
         "--reference-model ./no-such-model: no such folder"

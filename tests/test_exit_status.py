@@ -192,7 +192,7 @@ def test_ranks_whose_launcher_was_killed_save_and_stop_freeing_the_lock(tmp_path
 @pytest.mark.parametrize("kind", ["missing_relative", "missing_absolute", "missing_deep", "file", "no_config",
                                   "model_folder", "hub_id"])
 def test_model_path_refusals_are_one_line(tmp_path, chatml_model, kind, monkeypatch):
-    from minitrainer.setup_run import model_path_error
+    from minitrainer.setup.run import model_path_error
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
@@ -232,7 +232,7 @@ def test_an_orphan_stuck_where_no_python_runs_exits_after_its_grace():
     """A rank whose launcher died while it waits in a collective for a peer that died too: the main thread runs
     no Python there (here: a blocking read), so only the watching thread can end it, unsaved, after its grace."""
     rank = ("import os; os.environ['TORCHELASTIC_RUN_ID'] = 'x'\n"
-            "from minitrainer.preemption import PreemptionFlag\n"
+            "from minitrainer.loop.preemption import PreemptionFlag\n"
             "flag = PreemptionFlag(poll_s=0.1, orphan_grace_s=1.0)\n"
             "r, w = os.pipe(); print('ready', flush=True); os.read(r, 1)\n")
     launcher = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
@@ -253,7 +253,7 @@ _GLOO_RANK = """
 import datetime, os, socket, sys, time
 import torch, torch.distributed as dist
 from minitrainer.common.distributed import DistInfo, lost_ranks
-from minitrainer.preemption import PreemptionFlag
+from minitrainer.loop.preemption import PreemptionFlag
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 2), rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=120))

@@ -44,7 +44,7 @@ def params_args(tmp_path):
 
 
 def test_training_params_record_non_json_values_as_text(params_args, tmp_path):
-    from minitrainer.setup_run import _write_training_params
+    from minitrainer.setup.run import _write_training_params
 
     _write_training_params(*params_args, 64)
     params = json.loads((tmp_path / "training_params.json").read_text())
@@ -53,7 +53,7 @@ def test_training_params_record_non_json_values_as_text(params_args, tmp_path):
 
 
 def test_training_params_that_cannot_be_written_are_one_warning(params_args, tmp_path, caplog):
-    from minitrainer.setup_run import _write_training_params
+    from minitrainer.setup.run import _write_training_params
 
     (tmp_path / "training_params.json").mkdir()  # the record's name is taken by a folder: IsADirectoryError
     with caplog.at_level(logging.WARNING):

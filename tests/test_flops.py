@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fixtures.architectures import ARCHITECTURES, COMMON
-from minitrainer.flops import (ModelFlops, attended_pairs, checked_model_flops, matmul_params_of, model_flops,
+from minitrainer.setup.flops import (ModelFlops, attended_pairs, checked_model_flops, matmul_params_of, model_flops,
                                peak_bf16_tflops_for, speed_metrics, training_flops)
 
 

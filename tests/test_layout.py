@@ -4,10 +4,8 @@ repository, thin entry scripts at the root, the training loop in one screen.
     .venv/bin/python -m pytest -q tests/test_layout.py
 
 The import graph covers every ``*.py`` of ``minitrainer/``, the root, ``fixtures/``, ``bench/`` and ``tests/``,
-imports inside functions included. The layers, lowest first (docs/code-layout.md): the package's
-``common``, ``data``, ``model``, ``methods``, ``checkpoint``, the run (``minitrainer/*.py``) and ``tools``;
-then the root's entry scripts, ``fixtures/``, ``bench/``, ``tests/``. A module imports its own layer or a
-lower one, by its dotted path from the repository root (``minitrainer.data.sampler``, ``fixtures.e2e``); a
+imports inside functions included. The layers, lowest first, are ``LAYERS`` below (what each is for:
+docs/code-layout.md). A module imports its own layer or a lower one, by its dotted path from the repository root (``minitrainer.data.sampler``, ``fixtures.e2e``); a
 bare name that only a sys.path edit could resolve is reported. How the package installs and what a user's
 own modules do to it: tests/test_packaging.py.
 """
@@ -28,9 +26,12 @@ from fixtures.e2e import ROOT
 
 PACKAGE = ROOT / "minitrainer"
 LAYERS = ("minitrainer.common", "minitrainer.data", "minitrainer.model", "minitrainer.methods",
-          "minitrainer.objectives", "minitrainer.checkpoint", "minitrainer", "minitrainer.tools", "minitrainer.compat",
-          "minitrainer.integrations", "", "fixtures", "bench", "tests")
-"""Lowest first: a module may import modules of its own layer or a lower one (``""``: the root's entry scripts)."""
+          "minitrainer.objectives", "minitrainer.checkpoint", "minitrainer.train_config",
+          ("minitrainer.optim", "minitrainer.report"), "minitrainer.setup", "minitrainer.loop", "minitrainer",
+          "minitrainer.tools", "minitrainer.compat", "minitrainer.integrations", "", "fixtures", "bench", "tests")
+"""Lowest first (docs/code-layout.md): a module may import modules of its own layer or a lower one (a tuple: layers
+of one rank; ``"minitrainer"``: the doors left at the package top; ``""``: the root's entry scripts)."""
+RANK = {layer: rank for rank, tier in enumerate(LAYERS) for layer in (tier if isinstance(tier, tuple) else (tier,))}
 ENTRY_SCRIPTS = ("batch_metrics.py", "process_data.py", "sampler.py", "setup_model_fsdp.py", "train.py", "utils.py")
 """The brief's six root files: entry scripts and re-exports of the package, nothing of their own."""
 
@@ -49,7 +50,9 @@ PACKAGE_MODULES = {name: path for name, path in TREE.items() if name.split(".")[
 def _layer(name: str) -> str:
     """The layer of module ``name``: its package folder, the run's top folder, or the repository folder."""
     if name.split(".")[0] != "minitrainer":
-        return name.split(".")[0] if "." in name or name in LAYERS else ""
+        return name.split(".")[0] if "." in name or name in RANK else ""
+    if name == "minitrainer.train_config":
+        return name  # every flag: below all that reads the config, above all that the config reads
     parts = name.split(".")
     is_package = TREE.get(name, Path()).name == "__init__.py"
     folder = parts if is_package else parts[:-1]
@@ -116,15 +119,14 @@ def test_no_module_imports_itself_through_others():
 
 def test_each_layer_imports_only_its_own_or_lower_ones():
     upward = [f"{name} -> {imported}" for name, imports in sorted(GRAPH.items()) for imported in sorted(imports)
-              if LAYERS.index(_layer(imported)) > LAYERS.index(_layer(name))]
-    assert not upward, ("imports against the layers (common < data < model < methods < objectives < checkpoint < the run < "
-                        "tools < the root's entry scripts < fixtures < bench < tests; a function that needs a "
-                        "higher layer moves to the layer it belongs to): " + "; ".join(upward))
+              if RANK[_layer(imported)] > RANK[_layer(name)]]
+    assert not upward, ("imports against the layers (docs/code-layout.md; a function that needs a higher layer moves "
+                        "to the layer it belongs to): " + "; ".join(upward))
 
 
 def test_every_package_module_is_in_a_layer():
     folders = {_layer(name) for name in PACKAGE_MODULES}
-    assert folders <= set(LAYERS), f"folders of the package outside the layers: {sorted(folders - set(LAYERS))}"
+    assert folders <= set(RANK), f"folders of the package outside the layers: {sorted(folders - set(RANK))}"
 
 
 def test_modules_are_imported_from_the_root():
@@ -241,8 +243,8 @@ def test_optional_packages_are_imported_only_by_their_feature():
     """Importing the trainer (every module a plain full fine-tuning run imports, and the methods) loads none
     of peft, torchao, liger, or a tracker's package: each is imported where its feature is switched on."""
     optional = ("peft", "torchao", "liger_kernel", "wandb", "mlflow", "tensorboard", "torch.utils.tensorboard")
-    modules = ("minitrainer.train", "minitrainer.setup_run", "minitrainer.setup_model_fsdp", "minitrainer.run_actions",
-               "minitrainer.train_step", "minitrainer.trackers", "minitrainer.methods.lora", "minitrainer.methods.qlora",
+    modules = ("minitrainer.train", "minitrainer.setup.run", "minitrainer.setup.model", "minitrainer.loop.actions",
+               "minitrainer.loop.step", "minitrainer.report.trackers", "minitrainer.methods.lora", "minitrainer.methods.qlora",
                "minitrainer.methods.osft")
     code = f"import sys, {', '.join(modules)}; print(sorted(m for m in {optional!r} if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -46,7 +46,7 @@ from minitrainer.data.sampler import load_tokenized_dataset
 from minitrainer.model.attention import (attention_needs, backend_refusal, explicit_attention_refusal,
                                          reference_varlen_attention_forward, resolve_attn_implementation)
 from minitrainer.model.objective import LogitTransform, router_aux_sum
-from minitrainer.selfcheck import MAX_ROW_TOKENS, check_data_fits_model, pick_rows
+from minitrainer.setup.selfcheck import MAX_ROW_TOKENS, check_data_fits_model, pick_rows
 
 LIGER_SCRIPT = r"""
 import json, torch
@@ -282,7 +282,7 @@ def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str =
 
     from fixtures.tiny_configs import tiny_config
     from minitrainer.model.loss import CausalLMWithLoss
-    from minitrainer.selfcheck import check_objective
+    from minitrainer.setup.selfcheck import check_objective
 
     vocab = 96
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from fixtures.e2e import assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl
 from minitrainer.checkpoint.full_state import complete_checkpoints
-from minitrainer.optimizers import build_optimizer, skips_on_device, step_unless
+from minitrainer.optim.optimizers import build_optimizer, skips_on_device, step_unless
 
 BATCH = 12
 STEPS = 6

@@ -21,7 +21,7 @@ import pytest
 
 from fixtures.e2e import ROOT, model_vocab_size, torchrun, write_tokenized_jsonl
 from minitrainer.common.cli import parse_config
-from minitrainer.progress import Progress, format_duration, resolve_progress
+from minitrainer.report.progress import Progress, format_duration, resolve_progress
 from minitrainer.train_config import TrainConfig
 
 STEP_LINE = "INFO step "

@@ -19,13 +19,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fixtures.e2e import model_vocab_size
-from minitrainer.autotune import probe_recomputation
+from minitrainer.setup.autotune import probe_recomputation
 from minitrainer.common.cli import parse_config
 from minitrainer.common.distributed import init_distributed
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.data.sampler import collate_minibatch
 from minitrainer.model.attention import model_inputs
-from minitrainer.setup_model_fsdp import setup_model
+from minitrainer.setup.model import setup_model
 from minitrainer.train_config import TrainConfig
 
 LENGTHS = [7, 3, 12, 5]

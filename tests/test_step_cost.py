@@ -26,7 +26,7 @@ def test_a_gpu_step_reads_the_device_once_after_the_update():
     results = measure(StepCostConfig(optimizer_path="gpu", token_budgets="128", num_steps=1))
     [budget] = results["budgets"]
     [site] = _trainer_reads(budget)
-    assert site.startswith("train_step.py:") and site.endswith("tolist"), budget["sync_sites"]
+    assert site.startswith("step.py:") and site.endswith("tolist"), budget["sync_sites"]
     assert all("masking_utils" in site for site in budget["sync_sites"] if " via " in site), budget["sync_sites"]
 
 

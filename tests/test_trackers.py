@@ -18,7 +18,7 @@ import types
 
 import pytest
 
-from minitrainer.trackers import NullTracker, make_tracker
+from minitrainer.report.trackers import NullTracker, make_tracker
 from minitrainer.train_config import TrainConfig
 
 
@@ -27,7 +27,7 @@ def _config(**trackers) -> TrainConfig:
 
 
 def _record(step: int = 3) -> dict:
-    from minitrainer.batch_metrics import StepCounts, step_record
+    from minitrainer.report.metrics import StepCounts, step_record
 
     counts = StepCounts(loss_sum=30.0, backward_loss_sum=20.0, batch_num_loss_counted_tokens=10,
                         num_loss_counted_tokens=10, num_samples=4, num_total_tokens=40, num_dropped_samples=0,

@@ -226,7 +226,7 @@ def test_learning_rate_nan_is_one_usage_line_on_the_command_line(tmp_path, capsy
 
 @pytest.mark.parametrize("name", ["cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"])
 def test_every_offered_scheduler_builds_and_reaches_its_floor(name):
-    from minitrainer.schedule import build_scheduler
+    from minitrainer.optim.schedule import build_scheduler
     from minitrainer.train import TrainConfig
 
     config = TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20,
@@ -298,7 +298,7 @@ def test_step_counts_are_summed_exactly_past_fp32_precision():
     import torch.distributed as dist
 
     from minitrainer.data.sampler import StepBatch
-    from minitrainer.train_step import reduce_step_counts
+    from minitrainer.loop.step import reduce_step_counts
     from minitrainer.common.distributed import init_distributed
 
     info = init_distributed()
@@ -314,7 +314,7 @@ def test_step_counts_are_summed_exactly_past_fp32_precision():
 def test_clipping_scales_the_gradients_to_the_bound_and_reports_the_norm_before(max_norm):
     """AdamW is nearly blind to a gradient's scale on its first step, so a run's weights barely show whether
     clipping happened (only the pinned 5-step run would): the bound is checked on the gradients themselves."""
-    from minitrainer.train_step import clip_grad_norm
+    from minitrainer.loop.step import clip_grad_norm
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))

@@ -338,7 +338,7 @@ def test_data_of_another_tokenizer_is_refused_unless_overridden(tmp_path, tiny_m
 _WAIT_SCRIPT = """
 import sys, time
 import torch.distributed as dist
-from minitrainer import setup_run
+from minitrainer.setup import run as setup_run
 from minitrainer.common.distributed import init_distributed
 
 info = init_distributed(timeout_minutes=0.05)  # a 3-second process-group timeout

@@ -23,8 +23,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fixtures.e2e import assert_ok, model_vocab_size, torchrun, unpacked_loss_sum, write_tokenized_jsonl
-from minitrainer import validation
-from minitrainer.batch_metrics import MetricsWriter
+from minitrainer.data import held_out
+from minitrainer.loop import validation
+from minitrainer.report.metrics import MetricsWriter
 from minitrainer.checkpoint import resume_policy
 from minitrainer.checkpoint import policy as checkpoint_policy
 from minitrainer.checkpoint.full_state import complete_checkpoints
@@ -74,13 +75,13 @@ def _unpacked_loss(model_dir: Path, dataset, rows) -> tuple[float, int]:
 
 @pytest.mark.parametrize("num_samples,fraction", [(2, 0.5), (10, 0.1), (101, 0.3), (1000, 0.05)])
 def test_split_is_a_seeded_partition(num_samples, fraction):
-    train, val = validation.split_rows(num_samples, fraction, seed=3)
-    again_train, again_val = validation.split_rows(num_samples, fraction, seed=3)
+    train, val = held_out.split_rows(num_samples, fraction, seed=3)
+    again_train, again_val = held_out.split_rows(num_samples, fraction, seed=3)
     assert np.array_equal(train, again_train) and np.array_equal(val, again_val)
     assert np.array_equal(np.sort(np.concatenate([train, val])), np.arange(num_samples))
     assert len(val) == min(max(1, round(fraction * num_samples)), num_samples - 1)
     if num_samples >= 100:
-        assert not np.array_equal(val, validation.split_rows(num_samples, fraction, seed=4)[1])
+        assert not np.array_equal(val, held_out.split_rows(num_samples, fraction, seed=4)[1])
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3])
@@ -89,7 +90,7 @@ def test_validation_plan_uses_every_fitting_sample_once(num_ranks, group_size):
     rng = np.random.default_rng(num_ranks * 100 + group_size)
     lengths = rng.integers(1, 80, size=57)
     counts = rng.integers(0, 10, size=57)
-    plan = validation.plan_validation(lengths, counts, max_tokens_per_rank=64, num_ranks=num_ranks,
+    plan = held_out.plan_validation(lengths, counts, max_tokens_per_rank=64, num_ranks=num_ranks,
                                       group_size=group_size)
     rows = [row for minibatch in plan.minibatches for slot in minibatch for row in slot]
     fits = np.flatnonzero(lengths <= 64)
@@ -186,7 +187,7 @@ def test_validation_loss_is_exact_and_split_excludes_training_rows(tmp_path, cha
     steps = [r for r in records if "loss" in r]
     vals = [r for r in records if "val_loss" in r]
     dataset = load_tokenized_dataset(str(data_path))
-    train_rows, val_rows = validation.split_rows(len(dataset), 0.25, SEED)
+    train_rows, val_rows = held_out.split_rows(len(dataset), 0.25, SEED)
     ref_val, ref_tokens = _unpacked_loss(chatml_model, dataset, val_rows)
     assert [r["step"] for r in vals] == [1, 2, 3]
     for record in vals:

@@ -8,6 +8,8 @@ import os
 from typing import Any
 
 logger = logging.getLogger("mini_trainer")
+PROGRESS_MODES = ("auto", "bar", "lines", "none")
+"""``--progress``: how the loop shows its progress on stderr (``minitrainer/report/progress.py``)."""
 
 
 def setup_logging(level: str = "INFO", *, rank: int = 0) -> None:

@@ -21,7 +21,7 @@ from minitrainer import api
 from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
 from minitrainer.common.cli import errors_in_one_line
 from minitrainer.common.log import logger
-from minitrainer.run_watch import Lifecycle, RunEvent
+from minitrainer.report.watch import Lifecycle, RunEvent
 from minitrainer.train_config import TrainConfig
 
 __all__ = ["PretrainingConfig", "Refused", "TorchrunArgs", "TrainerCallback", "TrainingArgs", "TrainingContext",

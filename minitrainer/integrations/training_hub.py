@@ -30,7 +30,7 @@ from minitrainer.common.cli import errors_in_one_line
 from minitrainer.common.log import logger
 from minitrainer.data.cache import is_tokenized
 from minitrainer.integrations.hub_parameters import TORCHRUN_KEYS, translate
-from minitrainer.run_watch import Lifecycle, RunEvent
+from minitrainer.report.watch import Lifecycle, RunEvent
 from minitrainer.train_config import TrainConfig
 
 BACKEND_NAME = "minitrainer"

@@ -1,6 +1,6 @@
 """Named model shapes: the published configs of a few released models, built without a download.
 
-    python -m minitrainer.flops --shape Llama-3-8B          # their FLOPs per token
+    python -m minitrainer.setup.flops --shape Llama-3-8B          # their FLOPs per token
 
 Benchmarks train them at random init (``bench/bench_train.py``, ``make gpu-check``), count their
 training-state memory on the meta device (``bench/bench_lora.py``) and their FLOPs (``flops.py``).

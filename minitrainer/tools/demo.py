@@ -30,7 +30,7 @@ from pathlib import Path
 
 from minitrainer.common.cli import collect_errors, config_field, parse_config
 from minitrainer.common.log import logger, setup_logging
-from minitrainer.progress import announce_progress, resolve_progress
+from minitrainer.report.progress import announce_progress, resolve_progress
 
 DEMO_DATA = Path(__file__).resolve().with_name("demo_chat.jsonl")  # package data: a wheel carries it
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from minitrainer import divergence, validation
-from minitrainer.batch_metrics import MetricsWriter, truncate_metrics
+from minitrainer.loop import divergence, validation
+from minitrainer.report.metrics import MetricsWriter, truncate_metrics
 from minitrainer.checkpoint import policy as checkpoint_policy
 from minitrainer.checkpoint.full_state import complete_checkpoints, full_state_root, load_full_state, save_full_state
 from minitrainer.checkpoint.hf_export import save_hf_checkpoint
@@ -22,7 +22,7 @@ from minitrainer.common.exits import EXIT_PREEMPTED
 from minitrainer.common.log import log_rank_0, logger, note_exit_line
 from minitrainer.data.sampler import StepBatch
 from minitrainer.model.context_parallel import shard_minibatch
-from minitrainer.setup_run import Run, batch_loader
+from minitrainer.setup.run import Run, batch_loader
 
 
 def validation_due(run: Run, batch: StepBatch, *, done: str | None, preempted: bool) -> bool:

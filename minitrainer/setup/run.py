@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
-from minitrainer import flops, schedule, validation
-from minitrainer.autotune import probe_recomputation, probe_token_budget
-from minitrainer.batch_metrics import MetricsWriter, truncate_metrics
+from minitrainer.data import held_out
+from minitrainer.optim import schedule
+from minitrainer.setup import flops
+from minitrainer.setup.autotune import probe_recomputation, probe_token_budget
+from minitrainer.report.metrics import MetricsWriter, truncate_metrics
 from minitrainer.checkpoint import output_lock, resume_policy
 from minitrainer.checkpoint import policy as checkpoint_policy
 from minitrainer.checkpoint.full_state import remove_leftover_tmp, resume_candidates, resume_train_state
@@ -55,10 +57,10 @@ from minitrainer.model.loss import CausalLMWithLoss, find_decoder_blocks
 from minitrainer.model.multimodal import multimodal_preflight
 from minitrainer.model.recurrent import recurrent_mixers
 from minitrainer.objectives.base import TrainingObjective
-from minitrainer.optimizers import STATE_BYTES_PER_PARAM, build_optimizer
-from minitrainer.selfcheck import audit_refusal, check_data_fits_model, check_objective
-from minitrainer.setup_model_fsdp import ModelSetup, meta_model, setup_model, shard_group_size
-from minitrainer.trackers import NullTracker, Tracker, make_tracker
+from minitrainer.optim.optimizers import STATE_BYTES_PER_PARAM, build_optimizer
+from minitrainer.setup.selfcheck import audit_refusal, check_data_fits_model, check_objective
+from minitrainer.setup.model import ModelSetup, meta_model, setup_model, shard_group_size
+from minitrainer.report.trackers import NullTracker, Tracker, make_tracker
 from minitrainer.train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 
 if TYPE_CHECKING:
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
 PATIENT_WAIT_DAYS = 7
 """How long the other ranks wait for rank 0 to tokenize raw data (a 100M-row dataset on one node: hours)."""
 
-TrainingRows = sampler.TokenizedDataset | data_mix.MixedDataset | validation.RowSubset
+TrainingRows = sampler.TokenizedDataset | data_mix.MixedDataset | held_out.RowSubset
 """What the sampler draws from: a tokenized file, a data mix, or the rows a validation split left."""
 
 
@@ -97,7 +99,7 @@ class Run:
     tracker: Tracker
     context: context_parallel.ContextGroup  # this rank's context-parallel group (size 1 without it)
     val_dataset: TrainingRows | None = None
-    val_plan: validation.ValidationPlan | None = None
+    val_plan: held_out.ValidationPlan | None = None
 
     @property
     def max_tokens_per_rank(self) -> int:
@@ -167,11 +169,11 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device)))
     val_plan = None
     if val_dataset is not None:
-        val_plan = validation.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
+        val_plan = held_out.plan_validation(val_dataset.lengths, val_dataset.num_loss_counted_tokens,
                                               max_tokens_per_rank=context.tokens_per_data_rank(max_tokens_per_gpu),
                                               num_ranks=context.num_data_ranks,
                                               group_size=config.batch_size, balance=config.balance)
-        validation.announce(val_plan, val_source, objective.unit)
+        held_out.announce(val_plan, val_source, objective.unit)
     # Before the resume loads a checkpoint: the model is still the one the run started from (the reference).
     objective.prepare(
         model, config=config, dist_info=dist_info, dataset=dataset, val_dataset=val_dataset, val_plan=val_plan,
@@ -359,8 +361,8 @@ def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
     if not config.has_validation:
         return dataset, None, None
     if config.validation_split is not None:
-        train_rows, val_rows = validation.split_rows(len(dataset), config.validation_split, config.seed)
-        dataset, val_dataset = validation.RowSubset(dataset, train_rows), validation.RowSubset(dataset, val_rows)
+        train_rows, val_rows = held_out.split_rows(len(dataset), config.validation_split, config.seed)
+        dataset, val_dataset = held_out.RowSubset(dataset, train_rows), held_out.RowSubset(dataset, val_rows)
         source = f"{config.validation_split:g} of {config.data_path} (seed {config.seed})"
     else:
         val_dataset = _load_dataset_rank0_first(config, dist_info, path=config.validation_data_path, held_out=True)

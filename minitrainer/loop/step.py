@@ -17,17 +17,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from minitrainer import divergence, flops
-from minitrainer.batch_metrics import StepCounts, step_record
+from minitrainer.loop import divergence
+from minitrainer.setup import flops
+from minitrainer.report.metrics import StepCounts, step_record
 from minitrainer.common.device import peak_memory_gb, reset_peak_memory
 from minitrainer.common.distributed import DistInfo
 from minitrainer.common.log import log_rank_0, logger
 from minitrainer.data import mix as data_mix
 from minitrainer.data.sampler import StepBatch
-from minitrainer.optimizers import skips_on_device, step_unless
-from minitrainer.progress import Progress
-from minitrainer.setup_model_fsdp import sync_gradients_on
-from minitrainer.setup_run import Run
+from minitrainer.optim.optimizers import skips_on_device, step_unless
+from minitrainer.report.progress import Progress
+from minitrainer.setup.model import sync_gradients_on
+from minitrainer.setup.run import Run
 
 
 class DeviceTimer:

@@ -15,9 +15,8 @@ from typing import Callable, TextIO
 
 from tqdm import tqdm
 
-from minitrainer.common.log import logger
+from minitrainer.common.log import PROGRESS_MODES, logger
 
-PROGRESS_MODES = ("auto", "bar", "lines", "none")
 LINE_EVERY_SECONDS = 30.0
 
 
