@@ -56,7 +56,7 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
     import torch
 
     from minitrainer.model.loss import chunked_cross_entropy_sum, learned_positions, make_liger_fused_loss
-    from minitrainer.model.objective import LogitTransform
+    from minitrainer.model.loss_terms import LogitTransform
     from minitrainer.common.device import peak_memory_gb, reset_peak_memory, synchronize
     from minitrainer.common.labels import IGNORE_INDEX
 

@@ -9,9 +9,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 torch_pin=${TORCH_CPU:-torch==2.13.0}
 # Reading, converting and tokenizing data needs no torch; packing and the trainer's tests do (sampler.py).
-data=(tests/test_process_data.py tests/test_data_formats.py tests/test_data_sources.py tests/test_real_templates.py)
+data=(tests/test_process_data.py tests/test_formats.py tests/test_sources.py tests/test_real_templates.py)
 with_torch=(tests/test_checkpoint_format.py tests/test_packing.py "${data[@]}" tests/test_data_faults.py
-            tests/test_sampler.py tests/test_data_mix.py tests/test_resume.py)
+            tests/test_sampler.py tests/test_mix.py tests/test_resume.py)
 without_torch=("${data[@]}")
 
 pythons=("$@")

@@ -9,10 +9,10 @@ The loss never materialises fp32 logits for the whole packed row:
   cross-entropy, which never builds logits at all and accumulates the LM-head
   gradient in fp32 (``accum_dtype``), so bf16 chunks do not round it away.
 
-Both apply the model's own logit processing (``objective.LogitTransform``:
+Both apply the model's own logit processing (``loss_terms.LogitTransform``:
 Granite's ``logits_scaling``, Cohere's ``logit_scale``, Gemma's final
 softcapping) and, for MoE models whose config asks for it, add the router
-load-balancing loss (``objective.RouterLoss``) as documented in ``objective.py``.
+load-balancing loss (``loss_terms.RouterLoss``) as documented in ``loss_terms.py``.
 
 Both return the SUM of token losses; the trainer divides by the optimizer
 batch's loss-token count, known before the forward pass.
@@ -48,7 +48,7 @@ from minitrainer.common.device import device_type
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.log import log_rank_0
 from minitrainer.model.attention import cu_seqlens_from_position_ids, learned_positions
-from minitrainer.model.objective import LogitTransform, logit_transform, router_aux_sum, router_loss
+from minitrainer.model.loss_terms import LogitTransform, logit_transform, router_aux_sum, router_loss
 
 CHUNK_TOKENS = 4096
 """Tokens per checkpointed cross-entropy chunk: bounds live logits to CHUNK_TOKENS x vocab."""
@@ -149,7 +149,7 @@ class CausalLMWithLoss(nn.Module):
             position_ids: [1, T] restarting at 0 for each sample.
             labels: [1, T] per-sample shifted targets (unshifted with ``own_forward``).
             router_aux_weight: weight of the row's summed per-sample router loss
-                (``objective.router_aux_weight``); 0 leaves it out.
+                (``loss_terms.router_aux_weight``); 0 leaves it out.
             learned_positions: ``learned_positions(labels)``, found on the host before the copy
                 (``attention.model_inputs``); None: found here, on the device (a synchronisation).
             sequence_ids: [1, T] the packed sequence of each position, 0 to ``num_sequences - 1``: the

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from minitrainer.data.sampler import Minibatch, StepBatch, collate_minibatch
 from minitrainer.model.attention import model_inputs
-from minitrainer.model.objective import router_aux_weight
+from minitrainer.model.loss_terms import router_aux_weight
 
 
 class TrainingObjective:

@@ -53,13 +53,13 @@ class DPOSettings:
     reference_model: str | None = None
 
 
-def pair_losses(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, side_tokens: torch.Tensor,
+def pair_losses(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, side_loss_tokens: torch.Tensor,
                 settings: DPOSettings) -> torch.Tensor:
     """Each pair's loss, ``[P]``, from its sides' log-ratios (policy minus reference log-probabilities) and
     learned-token counts ``[P, 2]``. Pure."""
     beta = settings.beta
     if settings.loss == "ipo":
-        tokens = side_tokens.clamp(min=1).to(chosen_logratios.dtype)
+        tokens = side_loss_tokens.clamp(min=1).to(chosen_logratios.dtype)
         return (chosen_logratios / tokens[:, 0] - rejected_logratios / tokens[:, 1] - 1 / (2 * beta)) ** 2
     margin = beta * (chosen_logratios - rejected_logratios)
     if settings.loss == "hinge":
@@ -129,13 +129,13 @@ class DPOObjective(TrainingObjective):
         """``(per-pair losses [P], sums [K])`` of one minibatch's pairs, in float64."""
         device = logps.device
         reference_logps = table.logps(rows, device)
-        side_tokens = torch.as_tensor(table.side_tokens[list(rows)], device=device)
+        side_loss_tokens = torch.as_tensor(table.side_loss_tokens[list(rows)], device=device)
         ratios = logps.double() - reference_logps.double()
-        losses = pair_losses(ratios[:, 0], ratios[:, 1], side_tokens, self.settings)
+        losses = pair_losses(ratios[:, 0], ratios[:, 1], side_loss_tokens, self.settings)
         beta = self.settings.beta
         sums = torch.stack([
             logps.new_tensor(float(len(rows)), dtype=torch.float64), losses.sum(),
-            -logps[:, 0].double().sum(), side_tokens[:, 0].sum().double(), beta * ratios[:, 0].sum(),
+            -logps[:, 0].double().sum(), side_loss_tokens[:, 0].sum().double(), beta * ratios[:, 0].sum(),
             beta * ratios[:, 1].sum(), (ratios[:, 0] > ratios[:, 1]).sum().double(),
             logps[:, 0].double().sum(), logps[:, 1].double().sum()])
         return losses, sums
@@ -148,7 +148,7 @@ class DPOObjective(TrainingObjective):
         losses, sums = self.pair_terms(logps, minibatch.rows, self.train)
         objective = losses.sum() / max(batch.num_samples, 1)
         if self.settings.sft_weight:
-            chosen_tokens = int(self.train.side_tokens[batch.kept_indices, 0].sum())
+            chosen_tokens = int(self.train.side_loss_tokens[batch.kept_indices, 0].sum())
             objective = objective + self.settings.sft_weight * -logps[:, 0].sum() / max(chosen_tokens, 1)
         # + 0 x the sums: a dummy's backward still reaches every block, so every rank joins FSDP's reductions.
         return objective.float() * world_size + 0 * sequence_sums.sum(), sums.detach()

@@ -43,7 +43,7 @@ class ReferenceTable:
     learned-token counts ``[N, 2]``, indexed by the dataset's rows."""
 
     values: np.ndarray
-    side_tokens: np.ndarray
+    side_loss_tokens: np.ndarray
 
     @staticmethod
     def empty() -> ReferenceTable:

@@ -58,7 +58,7 @@ from minitrainer.model.multimodal import multimodal_preflight
 from minitrainer.model.recurrent import recurrent_mixers
 from minitrainer.objectives.base import TrainingObjective
 from minitrainer.optim.optimizers import STATE_BYTES_PER_PARAM, build_optimizer
-from minitrainer.setup.selfcheck import audit_refusal, check_data_fits_model, check_objective
+from minitrainer.setup.selfcheck import audit_refusal, check_data_fits_model, check_loss_terms
 from minitrainer.setup.model import ModelSetup, meta_model, setup_model, shard_group_size
 from minitrainer.report.trackers import NullTracker, Tracker, make_tracker
 from minitrainer.train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
@@ -155,7 +155,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     peak_tflops, peak_reason = flops.device_peak_tflops(dist_info.device)
     log_rank_0("MFU denominator: %s", peak_reason)
     if not config.skip_objective_check:
-        check_objective(model, _sequences(dataset), attn_implementation=resolved.attn_implementation,
+        check_loss_terms(model, _sequences(dataset), attn_implementation=resolved.attn_implementation,
                         compute_dtype=resolved.param_dtype, device=dist_info.device)
     max_tokens_per_gpu = config.max_tokens_per_gpu
     if max_tokens_per_gpu == "auto":

@@ -9,11 +9,11 @@
 * ``audit_refusal`` (rank 0, as each source loads): data whose ``summary.json``
   records a failed label audit is refused in one line, unless the failure was
   allowed when it was tokenized (``--allow-audit-failures``).
-* ``check_objective`` (every rank, before the first step): on a few real rows
+* ``check_loss_terms`` (every rank, before the first step): on a few real rows
   (the shortest; a window of ``MAX_ROW_TOKENS`` of a longer one), one at a time and
   unpacked, the trainer's loss (``loss.CausalLMWithLoss``: decoder, chunked or
   fused cross-entropy, the model's logit processing and router loss as
-  ``objective.py`` reads them) equals the Hugging Face model's own
+  ``model/loss_terms.py`` reads them) equals the Hugging Face model's own
   ``forward(input_ids, labels=...).loss``. Both run through the same sharded
   module in the same compute dtype, so for a 70B model it costs a few forward
   passes of short rows: seconds. The same rows packed into one row must give
@@ -45,7 +45,7 @@ from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.log import log_rank_0
 from minitrainer.model.attention import attention_inputs
 from minitrainer.model.loss import decoder_of
-from minitrainer.model.objective import router_aux_weight
+from minitrainer.model.loss_terms import router_aux_weight
 
 NUM_ROWS = 3
 MAX_ROW_TOKENS = 256
@@ -258,7 +258,7 @@ def compare_losses(wrapper, dataset, rows: list[Window], *, attn_implementation:
     return results
 
 
-def check_objective(wrapper, dataset, *, attn_implementation: str, compute_dtype: torch.dtype,
+def check_loss_terms(wrapper, dataset, *, attn_implementation: str, compute_dtype: torch.dtype,
                     device: torch.device) -> None:
     """Stop every rank (SystemExit) when the trainer's loss is not the model's own; log the outcome."""
     began = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The model's own training objective, read from the model: logit processing and the MoE router loss.
+"""The model's own loss terms, read from the model: logit processing and the MoE router loss.
 
 ``loss.CausalLMWithLoss`` runs the decoder and computes the cross-entropy on
 hidden states itself (chunked or fused, never the full fp32 logits), so it

@@ -3,7 +3,7 @@ array, gzip, parquet, arrow (file and stream), csv, a ``save_to_disk`` folder, a
 of shards, and a hub id through ``datasets.load_dataset`` give a byte-identical ``data.jsonl``;
 table rows are numbered by row in ``rejected.jsonl`` and ``--strict``; readers stream.
 
-    .venv/bin/python -m pytest -q tests/test_data_sources.py
+    .venv/bin/python -m pytest -q tests/test_sources.py
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``input_ids`` and ``labels`` under real chat templates; bad rows of each kind are counted, listed
 and skipped (exit 0), ``--strict`` stops at the first; a file of no accepted format is refused.
 
-    .venv/bin/python -m pytest -q tests/test_data_formats.py
+    .venv/bin/python -m pytest -q tests/test_formats.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The objective's pieces and the start-up checks, in one process (no torchrun).
 
-    .venv/bin/python -m pytest -q tests/test_objective.py
+    .venv/bin/python -m pytest -q tests/test_loss_terms.py
 
 Liger's fused linear cross-entropy runs on CPU tensors under Triton's
 interpreter (``TRITON_INTERPRET=1``, set in a subprocess before triton is
@@ -45,13 +45,13 @@ from minitrainer.common.log import logger
 from minitrainer.data.sampler import load_tokenized_dataset
 from minitrainer.model.attention import (attention_needs, backend_refusal, explicit_attention_refusal,
                                          reference_varlen_attention_forward, resolve_attn_implementation)
-from minitrainer.model.objective import LogitTransform, router_aux_sum
+from minitrainer.model.loss_terms import LogitTransform, router_aux_sum
 from minitrainer.setup.selfcheck import MAX_ROW_TOKENS, check_data_fits_model, pick_rows
 
 LIGER_SCRIPT = r"""
 import json, torch
 from minitrainer.model.loss import chunked_cross_entropy_sum, learned_positions, make_liger_fused_loss
-from minitrainer.model.objective import LogitTransform
+from minitrainer.model.loss_terms import LogitTransform
 torch.manual_seed(0)
 T, H, V = 24, 16, 64
 results = {}
@@ -276,13 +276,13 @@ def test_out_of_vocabulary_data_and_another_tokenizer_are_refused(tmp_path, chat
 
 def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str = "sdpa",
                 min_len: int = 4, max_len: int = 48) -> list[str]:
-    """``check_objective`` on the sweep's tiny ``model_type`` (``fixtures/tiny_configs.py``), one process, no FSDP;
+    """``check_loss_terms`` on the sweep's tiny ``model_type`` (``fixtures/tiny_configs.py``), one process, no FSDP;
     its ERROR lines (empty when it passes)."""
     from transformers import AutoModelForCausalLM
 
     from fixtures.tiny_configs import tiny_config
     from minitrainer.model.loss import CausalLMWithLoss
-    from minitrainer.setup.selfcheck import check_objective
+    from minitrainer.setup.selfcheck import check_loss_terms
 
     vocab = 96
     torch.manual_seed(0)
@@ -294,7 +294,7 @@ def _self_check(model_type: str, tmp_path, caplog, *, attn_implementation: str =
     try:
         with caplog.at_level(logging.INFO, logger=logger.name):
             try:
-                check_objective(CausalLMWithLoss(model), load_tokenized_dataset(str(data)),
+                check_loss_terms(CausalLMWithLoss(model), load_tokenized_dataset(str(data)),
                                 attn_implementation=attn_implementation, compute_dtype=torch.float32,
                                 device=torch.device("cpu"))
             except SystemExit as stop:

@@ -1,6 +1,6 @@
 """Weighted data mixing: the spec syntax, the stream's proportions and determinism, exact resume with a mix.
 
-    .venv/bin/python -m pytest -q tests/test_data_mix.py
+    .venv/bin/python -m pytest -q tests/test_mix.py
 
 The stream is a pure function of (seed, position): any start position gives
 the continuation of the uninterrupted stream, and over many samples each
