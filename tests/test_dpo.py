@@ -127,6 +127,35 @@ def test_each_objective_refuses_the_other_kind_of_data_in_one_line(tmp_path):
     assert dpo.data_error(pairs, "pairs") is None and sft.data_error(rows, "sft") is None
 
 
+def test_every_dataset_kind_is_the_rows_it_declares(tmp_path):
+    """``data/rows.py``: what the sampler, the packer and the objectives read of a dataset, declared once; a
+    kind's ``sequences_per_unit`` says which of the two shapes it has, and it has all of that one."""
+    from fixtures.e2e import write_tokenized_jsonl
+    from minitrainer.data.held_out import RowSubset
+    from minitrainer.data.mix import MixedDataset, load_data
+    from minitrainer.data.rows import PairRows, SampleRows
+
+    cache = str(tmp_path / "cache")
+    pairs = load_tokenized_dataset(str(write_tokenized_pairs(tmp_path / "pairs", num_pairs=6, vocab_size=50)),
+                                   cache_dir=cache)
+    paths = [write_tokenized_jsonl(tmp_path / name / "data.jsonl", num_samples=5, vocab_size=50) for name in "ab"]
+    samples = load_tokenized_dataset(str(paths[0]), cache_dir=cache)
+    mix = load_data(f"{paths[0]}:1,{paths[1]}:2", lambda path: load_tokenized_dataset(path, cache_dir=cache))
+    assert isinstance(mix, MixedDataset)
+    kinds = {"tokenized": samples, "mix": mix, "subset of samples": RowSubset(samples, np.array([3, 1])),
+             "pairs": pairs, "subset of pairs": RowSubset(pairs, np.array([4, 0, 2])), "sides": pairs.sides()}
+    for name, rows in kinds.items():
+        shape = PairRows if rows.sequences_per_unit == 2 else SampleRows
+        assert rows.sequences_per_unit in (1, 2) and isinstance(rows, shape), name
+        assert rows.lengths.shape == rows.num_loss_counted_tokens.shape == (len(rows),), name
+        units = [rows.sequences(i) if shape is PairRows else [rows.sample_arrays(i)] for i in range(len(rows))]
+        assert [sum(len(ids) for ids, _ in unit) for unit in units] == rows.lengths.tolist(), name
+        if shape is PairRows:
+            assert rows.side_loss_tokens.sum(axis=1).tolist() == rows.num_loss_counted_tokens.tolist(), name
+            assert rows.side_lengths.sum(axis=1).tolist() == rows.lengths.tolist(), name
+    assert [name for name, rows in kinds.items() if rows.sequences_per_unit == 2] == ["pairs", "subset of pairs"]
+
+
 # ----------------------------------------------------------------------------
 # Runs: 2 gloo ranks, several packed minibatches per rank
 
@@ -278,7 +307,7 @@ def test_osft_trains_pairs(dpo_runs):
 
 
 def test_a_missing_reference_model_is_named_by_its_flag():
-    from minitrainer.setup.run import model_path_error
+    from minitrainer.model.paths import model_path_error
 
     assert model_path_error("./no-such-model", flag="--reference-model") == \
         "--reference-model ./no-such-model: no such folder"

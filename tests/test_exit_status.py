@@ -192,7 +192,7 @@ def test_ranks_whose_launcher_was_killed_save_and_stop_freeing_the_lock(tmp_path
 @pytest.mark.parametrize("kind", ["missing_relative", "missing_absolute", "missing_deep", "file", "no_config",
                                   "model_folder", "hub_id"])
 def test_model_path_refusals_are_one_line(tmp_path, chatml_model, kind, monkeypatch):
-    from minitrainer.setup.run import model_path_error
+    from minitrainer.model.paths import model_path_error
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()

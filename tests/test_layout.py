@@ -228,9 +228,11 @@ def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(met
                        "'How to add a fine-tuning method')")
 
 
-OBJECTIVE_NAMES = {"DPO": (r"(?:^|[^a-z])dpo", {"objectives/dpo.py", "objectives/base.py"})}
-"""Each training objective but SFT (the interface itself), as its code spells it, and the modules that may name it:
-its own, the interface's one-line refusal of its data, and the config (``training_objective`` picks it)."""
+OBJECTIVE_NAMES = {"DPO": (r"(?:^|[^a-z])dpo|reference[_-]model",
+                           {"objectives/dpo.py", "objectives/reference.py", "objectives/base.py"})}
+"""Each training objective but SFT (the interface itself), as its code spells it (its name, its flags), and the
+modules that may name it: its own, the interface's one-line refusal of its data, and the config
+(``training_objective`` picks it); the run asks the objective (``preflight``, ``run_params``, ``prepare``)."""
 
 
 @pytest.mark.parametrize("objective", sorted(OBJECTIVE_NAMES))

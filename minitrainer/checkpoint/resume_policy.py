@@ -115,7 +115,7 @@ def weights_digest(model_name_or_path: str, *, commit_hash: str | None = None) -
     return digest.hexdigest()
 
 
-def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> dict:
+def run_params(config, total_steps: int | None, *, objective, schedule_has_total: bool) -> dict:
     """The values a checkpoint records and a resume compares (JSON-safe).
 
     ``total_steps`` is only part of it for decaying schedules: there it shapes the
@@ -127,7 +127,7 @@ def run_params(config, total_steps: int | None, *, schedule_has_total: bool) -> 
         params["optimizer"] = config.optimizer
     if config.adam_eps != 1e-8:  # the same: absent for AdamW's default, which states before the flag trained with
         params["adam_eps"] = config.adam_eps
-    params.update(config.training_objective().run_params())  # absent for SFT, as before objectives existed
+    params.update(objective.run_params())  # the run's TrainingObjective: none for SFT, as before objectives existed
     if schedule_has_total:
         params["scheduled_steps"] = total_steps
     sources = parse_data_spec(config.data_path)

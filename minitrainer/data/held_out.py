@@ -17,25 +17,26 @@ import numpy as np
 
 from minitrainer.common.log import log_rank_0
 from minitrainer.data.packing import plan_minibatches
+from minitrainer.data.rows import Rows, is_pairs
 
 SPLIT_SEED_SALT = 0x5E11
 """Mixed into the seed so the split does not correlate with epoch 0's shuffle (seed + 0)."""
 
 
 class RowSubset:
-    """A view of some rows of a TokenizedDataset, with the same interface the sampler reads.
+    """A view of some rows of another dataset (``data/rows.py``: of the same kind as ``base``).
 
     Row ``i`` of the view is row ``rows[i]`` of ``base``.
     """
 
-    def __init__(self, base, rows: np.ndarray) -> None:
+    def __init__(self, base: Rows, rows: np.ndarray) -> None:
         self.base = base
         self.rows = np.asarray(rows, dtype=np.int64)
         self.path = base.path
         self.lengths = base.lengths[self.rows]
         self.num_loss_counted_tokens = base.num_loss_counted_tokens[self.rows]
-        self.sequences_per_unit = getattr(base, "sequences_per_unit", 1)
-        if self.sequences_per_unit > 1:  # preference pairs: the per-side columns the sampler and objective read
+        self.sequences_per_unit = base.sequences_per_unit
+        if is_pairs(base):  # preference pairs: the per-side columns the sampler and objective read
             self.side_lengths = base.side_lengths[self.rows]
             self.side_loss_tokens = base.side_loss_tokens[self.rows]
 

@@ -187,6 +187,8 @@ class MixedStream:
 class MixedDataset:
     """Several TokenizedDatasets behind the interface the sampler reads (rows concatenated in order)."""
 
+    sequences_per_unit = 1  # data/rows.py: SampleRows
+
     def __init__(self, sources: list[Source], datasets: list) -> None:
         self.sources = sources
         self.datasets = datasets

@@ -30,7 +30,7 @@ class PreferenceDataset:
             log-probability is a sum over these, and the chosen count is the SFT term's denominator.
     """
 
-    sequences_per_unit = 2
+    sequences_per_unit = 2  # data/rows.py: PairRows
 
     def __init__(self, path: str, table: pa.Table, read_side: Callable[[pa.Table], object]) -> None:
         """``read_side``: a table with ``input_ids`` and ``labels`` -> a dataset of single sequences."""
@@ -71,6 +71,8 @@ class SideRows:
     """A pair dataset seen as ``2N`` plain samples: row ``2i`` is pair ``i``'s chosen side, ``2i + 1`` its
     rejected side."""
 
+    sequences_per_unit = 1  # data/rows.py: SampleRows
+
     def __init__(self, pairs: PreferenceDataset) -> None:
         self.pairs = pairs
         self.path = pairs.path
@@ -89,6 +91,9 @@ class SideRows:
 
     def max_token_id(self) -> int | None:
         return self.pairs.max_token_id()
+
+    def content_digest(self) -> str:
+        return self.pairs.content_digest()  # the same rows, seen side by side
 
 
 def _side_dataset(path: str, table: pa.Table, read_side: Callable[[pa.Table], object], side: str):

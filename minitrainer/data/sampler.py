@@ -57,6 +57,7 @@ from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.log import logger
 from minitrainer.data.packing import plan_minibatches, sample_costs
 from minitrainer.data.preference import PreferenceDataset, is_preference_table
+from minitrainer.data.rows import is_pairs
 
 BALANCE_CHOICES = ("tokens", "attention")
 DUMMY_TOKEN_ID = 0
@@ -94,6 +95,8 @@ class TokenizedDataset:
         num_loss_counted_tokens: int64 ``[N]``, shifted targets per sample,
             ``count(labels[1:] != IGNORE_INDEX)`` (the first token is never a target).
     """
+
+    sequences_per_unit = 1  # data/rows.py: SampleRows
 
     def __init__(self, path: str, table: pa.Table, dataset: object) -> None:
         self.path = path
@@ -520,7 +523,7 @@ def collate_minibatch(samples: Sequence[tuple[Sequence[int], Sequence[int]]]) ->
 def collate_units(dataset, rows: Sequence[int]) -> Minibatch:
     """Pack whole units of ``dataset`` (a sample, or a preference pair's two sides, chosen first) into one row;
     ``num_samples`` counts units."""
-    if getattr(dataset, "sequences_per_unit", 1) == 1:
+    if not is_pairs(dataset):
         return dataclasses.replace(collate_minibatch([dataset.sample_arrays(row) for row in rows]), rows=tuple(rows))
     packed = collate_minibatch([sequence for row in rows for sequence in dataset.sequences(row)])
     return dataclasses.replace(packed, num_samples=len(rows), rows=tuple(rows))
@@ -528,7 +531,7 @@ def collate_units(dataset, rows: Sequence[int]) -> Minibatch:
 
 def sequence_lengths(dataset, rows: np.ndarray) -> np.ndarray:
     """The lengths of the packed sequences of ``rows``: a pair's two sides are two attention documents (FLOPs)."""
-    if getattr(dataset, "sequences_per_unit", 1) == 1:
+    if not is_pairs(dataset):
         return dataset.lengths[rows]
     return dataset.side_lengths[rows].reshape(-1)
 
@@ -536,7 +539,7 @@ def sequence_lengths(dataset, rows: np.ndarray) -> np.ndarray:
 def unit_costs(dataset, rows: np.ndarray, balance: str):
     """The packer's balance cost of ``rows``: by name for single samples; for pairs under ``attention``, the
     sum of each side's cost, since each side is an attention document of its own."""
-    if getattr(dataset, "sequences_per_unit", 1) == 1 or balance == "tokens":
+    if not is_pairs(dataset) or balance == "tokens":
         return balance
     sides = dataset.side_lengths[rows]
     costs = sample_costs(sides[:, 0], balance) + sample_costs(sides[:, 1], balance)

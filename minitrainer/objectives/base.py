@@ -9,21 +9,72 @@ The other objectives are one module each, a subclass overriding the hooks it nee
 ``TrainConfig.training_objective`` is the one place that picks an objective from the flags. Where each hook
 runs::
 
-    setup_run            run_params (resume fingerprint), data_error, model_error, prepare (before the resume)
-    train_step           minibatch_loss (every minibatch), record and step_loss (the metrics line, the guard)
-    run_actions          validation_loss
+    setup/run.py         preflight (rank 0, before anything loads), run_params (what a resume compares),
+                         data_error, model_error, prepare (before the resume, with the run's ``RunContext``)
+    loop/step.py         minibatch_loss (every minibatch), record and step_loss (the metrics line, the guard)
+    loop/actions.py      validation_loss
+
+How to add one: docs/code-layout.md, "How to add a training objective".
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 import torch.distributed as dist
 
+from minitrainer.common.distributed import DistInfo
+from minitrainer.data.held_out import ValidationPlan
+from minitrainer.data.rows import Rows, is_pairs
 from minitrainer.data.sampler import Minibatch, StepBatch, collate_minibatch
 from minitrainer.model.attention import model_inputs
 from minitrainer.model.loss_terms import router_aux_weight
+
+
+class ModelSource(Protocol):
+    """Other models than the run's, set up as the run's is (dtype, attention, sharding; no fine-tuning method):
+    a reference model, a teacher. Both calls are collective."""
+
+    def weights_digest(self, path: str, *, flag: str) -> str:
+        """The digest of the weights at ``path`` (the one a resume compares); ``flag`` names it in a refusal."""
+        ...
+
+    def load(self, path: str, *, flag: str) -> nn.Module:
+        """The model at ``path`` as a sharded ``CausalLMWithLoss``, freed when the caller drops it."""
+        ...
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What ``prepare`` may read of the run being set up (``setup/run.py`` fills it), after the model is sharded
+    and before a resume loads a checkpoint: the model is still the one the run starts from."""
+
+    dist_info: DistInfo
+    dataset: Rows
+    val_dataset: Rows | None
+    val_plan: ValidationPlan | None
+    batches: Callable[[], contextlib.AbstractContextManager[Iterator[StepBatch]]]
+    """The run's own batch stream from its start, packed and placed on ranks as the steps will see it."""
+    batch_size: int
+    """Units per optimizer step (``--batch-size``)."""
+    packing: dict
+    """What the stream's packing depends on (batch size, token budget, ranks, balance, seed): the key of
+    anything stored per packing."""
+    attn: str
+    """The attention backend: the model inputs' kind (``model_inputs``)."""
+    param_dtype: torch.dtype
+    weights_digest: str
+    """The run's starting weights (``resume_policy``'s digest)."""
+    method_fingerprint: dict
+    """The fine-tuning method's settings (``FineTuningMethod.fingerprint``)."""
+    output_dir: str
+    models: ModelSource
 
 
 class TrainingObjective:
@@ -34,7 +85,11 @@ class TrainingObjective:
 
     sum_names: tuple[str, ...] = ()
     """What ``minibatch_loss`` sums besides the cross-entropy, in order: reduced over ranks with the step's
-    other counts (``train_step.reduce_step_counts``) and read by ``record``."""
+    other counts (``loop/step.reduce_step_counts``) and read by ``record``."""
+
+    def preflight(self) -> str | None:
+        """Rank 0, before anything loads: why this objective's own settings cannot run (one line), or None."""
+        return None
 
     def run_params(self) -> dict:
         """Fields of the resume comparison (``resume_policy.run_params``): none for SFT, so every full state
@@ -43,7 +98,7 @@ class TrainingObjective:
 
     def data_error(self, dataset, path: str) -> str | None:
         """Why this objective cannot train on ``dataset`` (one line), or None."""
-        if getattr(dataset, "sequences_per_unit", 1) > 1:
+        if is_pairs(dataset):
             return f"{path} holds preference pairs (chosen/rejected): train them with --objective dpo"
         return None
 
@@ -51,7 +106,7 @@ class TrainingObjective:
         """Why this objective cannot train ``model`` (a ``CausalLMWithLoss``), or None."""
         return None
 
-    def prepare(self, model: nn.Module, **run) -> None:
+    def prepare(self, model: nn.Module, context: RunContext) -> None:
         """Once, after the model is set up and before a resume loads its weights (collective)."""
 
     def minibatch_loss(self, model: nn.Module, minibatch: Minibatch, batch: StepBatch, *, attn: str,
@@ -63,7 +118,7 @@ class TrainingObjective:
         into the sum the exact per-token mean needs. With context parallelism each rank's sum covers its own
         shard of the group's row, so the sum over all ranks is still the batch's: the same factor holds.
         """
-        # MoE router loss (objective.py): per-sample, averaged over the batch's samples.
+        # MoE router loss (model/loss_terms.py): per-sample, averaged over the batch's samples.
         aux_weight = router_aux_weight(
             model.router_loss, batch_num_loss_counted_tokens=batch.batch_num_loss_counted_tokens,
             batch_num_samples=batch.num_samples, minibatch_num_samples=minibatch.num_samples)
@@ -72,8 +127,8 @@ class TrainingObjective:
         return loss * scale, torch.zeros(len(self.sum_names), device=device, dtype=torch.float64)
 
     def record(self, counts) -> dict:
-        """Metrics-line fields that replace or join ``batch_metrics.step_record``'s (``counts``: the step's
-        ``batch_metrics.StepCounts``)."""
+        """Metrics-line fields that replace or join ``report/metrics.step_record``'s (``counts``: the step's
+        ``report/metrics.StepCounts``)."""
         return {}
 
     def step_loss(self, counts) -> float:
@@ -87,7 +142,7 @@ class TrainingObjective:
         Args:
             model: the FSDP-wrapped ``CausalLMWithLoss``; returns the summed loss of a packed row.
             dataset: the validation samples (``sample_arrays(row)``).
-            plan: from ``validation.plan_validation``.
+            plan: from ``held_out.plan_validation``.
             rank: this rank (with context parallelism: its group's data rank).
             device: where the loss lives.
             attn: the attention backend (the training loop's model inputs).

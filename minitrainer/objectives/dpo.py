@@ -36,12 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from minitrainer.common.log import log_rank_0
+from minitrainer.data.rows import is_pairs
 from minitrainer.data.sampler import Minibatch, StepBatch, collate_units
 from minitrainer.model.attention import model_inputs
+from minitrainer.model.paths import model_path_error
 from minitrainer.objectives import reference
-from minitrainer.objectives.base import TrainingObjective
+from minitrainer.objectives.base import RunContext, TrainingObjective
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+REFERENCE_FLAG = "--reference-model"
 
 
 @dataclass(frozen=True)
@@ -87,12 +90,16 @@ class DPOObjective(TrainingObjective):
         self.train = reference.ReferenceTable.empty()
         self.held_out = reference.ReferenceTable.empty()
 
+    def preflight(self) -> str | None:
+        source = self.settings.reference_model
+        return model_path_error(source, flag=REFERENCE_FLAG) if source else None
+
     def run_params(self) -> dict:
         # A changed beta or loss is another function to optimise: a resume refuses it unless allowed.
         return {"objective": "dpo", **{f"dpo_{name}": value for name, value in asdict(self.settings).items()}}
 
     def data_error(self, dataset, path: str) -> str | None:
-        if getattr(dataset, "sequences_per_unit", 1) != 2:
+        if not is_pairs(dataset):
             return (f"--objective dpo needs preference pairs (prompt/chosen/rejected rows, tokenized by "
                     f"process_data.py), but {path} holds SFT rows")
         return None
@@ -103,7 +110,7 @@ class DPOObjective(TrainingObjective):
                     "yet): set output_router_logits=false in the model's config.json")
         return None
 
-    def prepare(self, model: nn.Module, **run) -> None:
+    def prepare(self, model: nn.Module, context: RunContext) -> None:
         """Dropout off (TRL's ``disable_dropout``: a sampled mask would make the log-ratio noise), then the
         reference log-probabilities of every training and held-out pair (``reference.py``)."""
         for module in model.modules():
@@ -114,7 +121,7 @@ class DPOObjective(TrainingObjective):
         if model.liger_loss is not None:
             log_rank_0("--objective dpo: per-sequence log-probabilities use the chunked head, not Liger's fused "
                        "loss (which sums over the whole row)", level=logging.WARNING)
-        self.train, self.held_out = reference.reference_tables(model, objective=self, **run)
+        self.train, self.held_out = reference.reference_tables(model, self, context, flag=REFERENCE_FLAG)
 
     def forward_pairs(self, model: nn.Module, minibatch: Minibatch, attn: str,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,8 @@ from torch import nn
 
 from minitrainer.common.distributed import reshard
 from minitrainer.common.log import log_rank_0
-from minitrainer.data.sampler import cannot_write, make_batch_loader
+from minitrainer.data.sampler import cannot_write
+from minitrainer.objectives.base import RunContext
 
 STORE_DIR = "reference_logps"
 
@@ -53,25 +53,24 @@ class ReferenceTable:
         return torch.as_tensor(self.values[list(rows)], device=device)
 
 
-def reference_tables(model: nn.Module, *, objective, config, dist_info, dataset, val_dataset, val_plan,
-                     max_tokens_per_rank: int, attn: str, weights_digest: str, method_fingerprint: dict,
-                     param_dtype: torch.dtype, load_model: Callable[[str], nn.Module],
-                     reference_digest: Callable[[str], str], output_dir: str, **_) -> tuple[ReferenceTable,
+def reference_tables(model: nn.Module, objective, context: RunContext, *, flag: str) -> tuple[ReferenceTable,
                                                                                           ReferenceTable]:
-    """The training and held-out tables: read from the store when its key matches, else computed and stored."""
+    """The training and held-out tables: read from the store when its key matches, else computed and stored.
+    ``objective``: the pairs' forward (``forward_pairs``, ``held_out_logps``) and its ``reference_model``
+    (``flag`` names it in a refusal)."""
     source = objective.settings.reference_model
-    reference_weights = reference_digest(source) if source else weights_digest  # collective
+    dist_info, dataset, val_dataset = context.dist_info, context.dataset, context.val_dataset
+    reference_weights = context.models.weights_digest(source, flag=flag) if source else context.weights_digest
     parts = path = None
     # Rank 0 alone keys, reads and writes the store (it hashed the data already, for the resume fingerprint).
     if dist_info.is_main:
         parts = {
-            "reference_weights": reference_weights, "method": {} if source else method_fingerprint,
-            "dtype": str(param_dtype), "attn_implementation": attn,
+            "reference_weights": reference_weights, "method": {} if source else context.method_fingerprint,
+            "dtype": str(context.param_dtype), "attn_implementation": context.attn,
             "data": dataset.content_digest(), "held_out": val_dataset.content_digest() if val_dataset else None,
-            "packing": {"batch_size": config.batch_size, "max_tokens_per_rank": max_tokens_per_rank,
-                        "ranks": dist_info.world_size, "balance": config.balance, "seed": config.seed},
+            "packing": context.packing,
         }
-        path = _store_folder(Path(dataset.path).parent, Path(output_dir)) / f"{_key(parts)}.npz"
+        path = _store_folder(Path(dataset.path).parent, Path(context.output_dir)) / f"{_key(parts)}.npz"
     found = [_read(path) if dist_info.is_main else None]
     dist.broadcast_object_list(found, src=0)
     if found[0] is not None:
@@ -79,10 +78,9 @@ def reference_tables(model: nn.Module, *, objective, config, dist_info, dataset,
         log_rank_0("reference log-probabilities: %s (computed before, for this model, data and packing)", path)
     else:
         began = time.perf_counter()
-        reference = load_model(source) if source else model
-        train = epoch_pass(reference, dataset, config=config, dist_info=dist_info,
-                           max_tokens_per_rank=max_tokens_per_rank, attn=attn, objective=objective)
-        held_out = (held_out_pass(reference, val_dataset, val_plan, dist_info=dist_info, attn=attn,
+        reference = context.models.load(source, flag=flag) if source else model
+        train = epoch_pass(reference, context, objective=objective)
+        held_out = (held_out_pass(reference, val_dataset, context.val_plan, dist_info=dist_info, attn=context.attn,
                                   objective=objective) if val_dataset is not None else np.zeros((0, 2), np.float32))
         del reference  # a --reference-model is freed here; the run's model stays referenced
         if dist_info.is_main:
@@ -95,22 +93,21 @@ def reference_tables(model: nn.Module, *, objective, config, dist_info, dataset,
                            else np.zeros((0, 2), np.int64)))
 
 
-def epoch_pass(model: nn.Module, dataset, *, config, dist_info, max_tokens_per_rank: int, attn: str,
-               objective) -> np.ndarray:
-    """Every pair's log-probabilities in epoch 0's packing, forward only (collective). The last batch may
-    reach into epoch 1; a pair seen twice gets the mean of its two (equal up to summation order) values."""
-    device = dist_info.device
-    num_rows = len(dataset)
+def epoch_pass(model: nn.Module, context: RunContext, *, objective) -> np.ndarray:
+    """Every pair's log-probabilities in epoch 0's packing, forward only (collective), walking the run's own
+    batch stream (``RunContext.batches``). The last batch may reach into epoch 1; a pair seen twice gets the mean
+    of its two (equal up to summation order) values."""
+    device = context.dist_info.device
+    num_rows = len(context.dataset)
     totals = torch.zeros((num_rows, 2), dtype=torch.float64, device=device)
     counts = torch.zeros(num_rows, dtype=torch.float64, device=device)
     was_training = model.training
     model.train()  # as the steps run (dropout is off)
-    with make_batch_loader(dataset, batch_size=config.batch_size, max_tokens_per_rank=max_tokens_per_rank,
-                           rank=dist_info.rank, world_size=dist_info.world_size, seed=config.seed,
-                           num_workers=0, balance=config.balance) as loader, torch.no_grad():
-        for _, batch in zip(range(math.ceil(num_rows / config.batch_size)), loader):
+    with context.batches() as loader, torch.no_grad():
+        for _, batch in zip(range(math.ceil(num_rows / context.batch_size)), loader):
             for minibatch in batch.minibatches:
-                _add(totals, counts, objective.forward_pairs(model, minibatch, attn, device)[0], minibatch.rows)
+                _add(totals, counts, objective.forward_pairs(model, minibatch, context.attn, device)[0],
+                     minibatch.rows)
     model.train(was_training)
     reshard(model)
     return _gathered(totals, counts, what="training")

@@ -49,14 +49,16 @@ from minitrainer.common.rng import seed_everything
 from minitrainer.data import sampler
 from minitrainer.data import cache as data_cache
 from minitrainer.data import mix as data_mix
+from minitrainer.data.rows import is_pairs
 from minitrainer.data.sampler import StepBatch
 from minitrainer.methods.base import FineTuningMethod
 from minitrainer.model import context_parallel
 from minitrainer.model.attention import attention_needs, explicit_attention_refusal, model_inputs
 from minitrainer.model.loss import CausalLMWithLoss, find_decoder_blocks
 from minitrainer.model.multimodal import multimodal_preflight
+from minitrainer.model.paths import model_path_error
 from minitrainer.model.recurrent import recurrent_mixers
-from minitrainer.objectives.base import TrainingObjective
+from minitrainer.objectives.base import RunContext, TrainingObjective
 from minitrainer.optim.optimizers import STATE_BYTES_PER_PARAM, build_optimizer
 from minitrainer.setup.selfcheck import audit_refusal, check_data_fits_model, check_loss_terms
 from minitrainer.setup.model import ModelSetup, meta_model, setup_model, shard_group_size
@@ -115,7 +117,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     seed_everything(config.seed)
     method = config.fine_tuning_method()
     objective = config.training_objective()
-    fail_together(_preflight(config) if dist_info.is_main else None)
+    fail_together((_preflight(config) or objective.preflight()) if dist_info.is_main else None)
     if dist_info.is_main:  # the folder is this run's now: the status of the run before it is gone
         write_run_status(config.output_dir, None)
     model_config = _load_model_config(config)
@@ -131,7 +133,7 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         fail_together(objective.data_error(val_dataset, val_source) if dist_info.is_main else None)
     total_steps = schedule.total_steps(config, len(dataset))
     schedule.check_scheduler(config, total_steps, is_main=dist_info.is_main)
-    run_params = resume_policy.run_params(config, total_steps,
+    run_params = resume_policy.run_params(config, total_steps, objective=objective,
                                           schedule_has_total=config.lr_scheduler not in SCHEDULERS_WITHOUT_TOTAL)
     weights_digest = _weights_digest(config, model_config, dist_info)
     model_fingerprint = resume_policy.fingerprint(
@@ -175,14 +177,16 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
                                               group_size=config.batch_size, balance=config.balance)
         held_out.announce(val_plan, val_source, objective.unit)
     # Before the resume loads a checkpoint: the model is still the one the run started from (the reference).
-    objective.prepare(
-        model, config=config, dist_info=dist_info, dataset=dataset, val_dataset=val_dataset, val_plan=val_plan,
-        max_tokens_per_rank=context.tokens_per_data_rank(max_tokens_per_gpu), attn=resolved.attn_implementation,
-        weights_digest=weights_digest, method_fingerprint=method.fingerprint(), param_dtype=resolved.param_dtype,
-        output_dir=config.output_dir,
-        reference_digest=lambda path: _weights_digest(config, _load_model_config(config, path), dist_info, path),
-        load_model=lambda path: _setup_model(config, _load_model_config(config, path), dist_info,
-                                             FineTuningMethod(), path)[0])
+    max_tokens_per_rank = context.tokens_per_data_rank(max_tokens_per_gpu)
+    objective.prepare(model, RunContext(
+        dist_info=dist_info, dataset=dataset, val_dataset=val_dataset, val_plan=val_plan,
+        batches=functools.partial(batch_stream, config, dist_info, context, dataset,
+                                  max_tokens_per_rank=max_tokens_per_rank, num_workers=0),
+        batch_size=config.batch_size,
+        packing={"batch_size": config.batch_size, "max_tokens_per_rank": max_tokens_per_rank,
+                 "ranks": context.num_data_ranks, "balance": config.balance, "seed": config.seed},
+        attn=resolved.attn_implementation, param_dtype=resolved.param_dtype, weights_digest=weights_digest,
+        method_fingerprint=method.fingerprint(), output_dir=config.output_dir, models=_OtherModels(config, dist_info)))
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
@@ -218,23 +222,46 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
                metrics=metrics, tracker=tracker, context=context, val_dataset=val_dataset, val_plan=val_plan)
 
 
-@contextlib.contextmanager
-def batch_loader(run: Run) -> Iterator[Iterator[StepBatch]]:
+def batch_loader(run: Run) -> contextlib.AbstractContextManager[Iterator[StepBatch]]:
     """The infinite, seeded stream of packed batches, from where the run stands; its workers are shut
-    down when the ``with`` block ends, however it ends (``sampler.BatchLoader``).
+    down when the ``with`` block ends, however it ends (``sampler.BatchLoader``)."""
+    return batch_stream(run.config, run.dist_info, run.context, run.dataset, max_tokens_per_rank=run.max_tokens_per_rank,
+                        start_position=run.state.samples_seen)
+
+
+@contextlib.contextmanager
+def batch_stream(config: TrainConfig, dist_info: DistInfo, context: context_parallel.ContextGroup, dataset,
+                 *, max_tokens_per_rank: int, start_position: int = 0,
+                 num_workers: int | None = None) -> Iterator[Iterator[StepBatch]]:
+    """The run's batch stream from ``start_position``: what the steps train on, and what an objective's pass
+    before step 1 walks (``RunContext.batches``), so both see the same packed rows on the same ranks.
 
     With context parallelism the sampler plans for the groups (one data rank
     each, N x the per-GPU budget), every rank of a group collates the same
     rows, and each keeps its own shard of every row.
     """
-    config, dist_info, context = run.config, run.dist_info, run.context
     with sampler.make_batch_loader(
-        run.dataset, batch_size=config.batch_size, max_tokens_per_rank=run.max_tokens_per_rank,
+        dataset, batch_size=config.batch_size, max_tokens_per_rank=max_tokens_per_rank,
         rank=context.data_rank, world_size=context.num_data_ranks, seed=config.seed,
-        start_position=run.state.samples_seen, num_workers=config.num_data_workers, balance=config.balance,
+        start_position=start_position, balance=config.balance,
+        num_workers=config.num_data_workers if num_workers is None else num_workers,
         pin_memory=dist_info.device.type == "cuda",  # lets the non_blocking host-to-GPU copies overlap
     ) as loader:
         yield (context_parallel.shard_step_batch(batch, context, device=dist_info.device) for batch in loader)
+
+
+class _OtherModels:
+    """``RunContext.models``: another model than the run's, read and set up with the run's settings."""
+
+    def __init__(self, config: TrainConfig, dist_info: DistInfo) -> None:
+        self.config, self.dist_info = config, dist_info
+
+    def weights_digest(self, path: str, *, flag: str) -> str:
+        return _weights_digest(self.config, _load_model_config(self.config, path, flag=flag), self.dist_info, path)
+
+    def load(self, path: str, *, flag: str) -> torch.nn.Module:
+        model_config = _load_model_config(self.config, path, flag=flag)
+        return _setup_model(self.config, model_config, self.dist_info, FineTuningMethod(), path)[0]
 
 
 def close_run(run: Run) -> None:
@@ -260,8 +287,6 @@ def _preflight(config: TrainConfig) -> str | None:
         return "--validation-split takes rows of one dataset: with a data mix, give --validation-data-path"
     if config.validation_data_path and not Path(config.validation_data_path).exists():
         return f"--validation-data-path {config.validation_data_path}: no such file or folder"
-    if config.reference_model and (error := model_path_error(config.reference_model, flag="--reference-model")):
-        return error
     # Only a GPU runs Liger (elsewhere the flag warns and changes nothing); missing there, every rank would
     # stop in a traceback while building the model.
     if config.use_liger_kernels and device_type() == "cuda" and importlib.util.find_spec("liger_kernel") is None:
@@ -277,14 +302,14 @@ def _preflight(config: TrainConfig) -> str | None:
     return output_lock.acquire(output)  # last: a refusal above leaves no lock behind
 
 
-def _load_model_config(config: TrainConfig, path: str | None = None) -> PretrainedConfig:
-    """The config of the model at ``path`` (default: the run's), read once per rank at start-up (honouring
-    --trust-remote-code) and handed to everything that needs it; a config that does not load stops every
-    rank with one line."""
+def _load_model_config(config: TrainConfig, path: str | None = None, *,
+                       flag: str = "--model-name-or-path") -> PretrainedConfig:
+    """The config of the model at ``path`` (default: the run's; ``flag``: what a refusal names), read once per
+    rank at start-up (honouring --trust-remote-code) and handed to everything that needs it; a config that does
+    not load stops every rank with one line."""
     from transformers import AutoConfig
 
     path = path or config.model_name_or_path
-    flag = "--model-name-or-path" if path == config.model_name_or_path else "--reference-model"
     model_config, error = None, model_path_error(path, flag=flag)
     # An unreachable hub is retried 5 times with a warning each, on every rank: they would bury the one line
     # below. Only for this small first file; the weights' downloads keep their retry warnings.
@@ -301,27 +326,6 @@ def _load_model_config(config: TrainConfig, path: str | None = None) -> Pretrain
         hub_http.setLevel(hub_http_level)
     fail_together(error)
     return model_config
-
-
-def model_path_error(name_or_path: str, *, flag: str = "--model-name-or-path") -> str | None:
-    """A local model folder that is not there or holds no ``config.json``, in one line; None for a folder that
-    does, and for a hub id (``name`` or ``namespace/name``), which only loading can check.
-
-    A value is taken for a path when it exists or when it cannot be a hub id: it starts with ``/``, ``.`` or
-    ``~`` or has more than one ``/``. Otherwise transformers answers a typo with "Repo id must be in the form
-    'repo_name' or 'namespace/repo_name'".
-    """
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        if name_or_path.startswith(("/", ".", "~")) or name_or_path.strip("/").count("/") > 1:
-            return f"{flag} {name_or_path}: no such folder"
-        return None
-    if not path.is_dir():
-        return f"{flag} {name_or_path}: a file, not a model folder"
-    if not (path / "config.json").is_file():
-        return (f"{flag} {name_or_path}: cannot load a model from this folder: it has no config.json "
-                "(not a Hugging Face model folder)")
-    return None
 
 
 def _model_preflight(config: TrainConfig, model_config: PretrainedConfig, method: FineTuningMethod) -> str | None:
@@ -544,7 +548,7 @@ def _check_data_fits_model(config: TrainConfig, model_config: PretrainedConfig, 
 def _sequences(dataset):
     """The dataset as single sequences, for the checks and probes made for SFT rows: a preference pair's
     two sides are two sequences (``PreferenceDataset.sides``)."""
-    return dataset.sides() if getattr(dataset, "sequences_per_unit", 1) > 1 else dataset
+    return dataset.sides() if is_pairs(dataset) else dataset
 
 
 def _setup_model(config: TrainConfig, model_config: PretrainedConfig, dist_info: DistInfo,
