@@ -2,11 +2,9 @@
 
     from minitrainer import TrainConfig, TorchrunArgs, run_training, ProcessDataConfig, process_data
 
-Inside a torchrun job, ``minitrainer.train.train(config)`` trains as one of its ranks. The layers, each
-importing only those before it: ``common`` < ``data`` < ``model`` < ``methods`` <
-``checkpoint`` < the run (this folder's modules) < ``tools`` < ``compat`` < ``integrations``
-(docs/code-layout.md). The names below are
-loaded on first use, so ``import minitrainer.data.sampler`` does not import the trainer.
+Inside a torchrun job, ``minitrainer.train.train(config)`` trains as one of its ranks. The package's folders
+and their order: docs/code-layout.md. The names below are loaded on first use, so ``import
+minitrainer.data.sampler`` does not import the trainer.
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@ from typing import ClassVar, Literal
 
 from minitrainer.common.cli import collect_errors, comma_list, config_field
 from minitrainer.common.log import PROGRESS_MODES
-from minitrainer.data.formats import INPUT_FORMATS
+from minitrainer.data.tokenizing_flags import tokenizing_field
 from minitrainer.data.mix import parse_data_spec
 from minitrainer.data.process_data import ProcessDataConfig, tokenizing_config
-from minitrainer.data.sources import TEXT_SAMPLE_BY
 from minitrainer.methods.base import FineTuningMethod
 from minitrainer.methods.lora import ALL_LINEAR, LoRA, LoraSettings
 from minitrainer.methods.osft import OSFT, UPCAST_DTYPES, OSFTSettings, num_frozen_directions
@@ -71,25 +70,16 @@ class TrainConfig:
                                                      "mix file")
     seed: int = config_field(42, help="seeds Python, NumPy, torch and the data order on every rank")
     num_data_workers: int = config_field(1, help="DataLoader worker processes per rank (0 = in-process)")
-    chat_template: str | None = config_field(None, help="raw data: jinja file that replaces the tokenizer's chat "
-                                                        "template (as process_data.py's)")
-    end_of_turn_token: str | None = config_field(None, help="raw data: the string that ends an assistant turn "
-                                                            "(as process_data.py's)")
-    mask_reasoning: bool = config_field(False, help="raw data: mask reasoning instead of learning it with the reply")
-    max_sample_num_tokens: int = config_field(2147483647, help="raw data: longer samples are rejected when "
-                                                               "tokenizing (and counted)")
-    split_long_text: bool = config_field(False, help="raw data: cut a text row longer than "
-                                                     "--max-sample-num-tokens into pieces instead of rejecting it")
-    input_format: str = config_field("auto", choices=list(INPUT_FORMATS),
-                                     help="raw data: row format; auto recognises each row's from its keys")
-    columns: str | None = config_field(None, help="raw data: rename input columns first, NAME=COLUMN,...")
-    data_split: str = config_field("train", help="raw data: the split read from a dataset or save_to_disk folder "
-                                                 "(process_data.py's --split)")
-    data_subset: str | None = config_field(None, help="raw data: the config (subset) of a dataset folder's README.md "
-                                                      "(process_data.py's --subset)")
-    text_sample_by: str = config_field("line", choices=list(TEXT_SAMPLE_BY),
-                                       help="raw data: a .txt file's rows: each line, paragraph or the whole file "
-                                            "(as process_data.py's)")
+    chat_template: str | None = tokenizing_field("chat_template", run=True)
+    end_of_turn_token: str | None = tokenizing_field("end_of_turn_token", run=True)
+    mask_reasoning: bool = tokenizing_field("mask_reasoning", run=True)
+    max_sample_num_tokens: int = tokenizing_field("max_sample_num_tokens", run=True)
+    split_long_text: bool = tokenizing_field("split_long_text", run=True)
+    input_format: str = tokenizing_field("input_format", run=True)
+    columns: str | None = tokenizing_field("columns", run=True)
+    data_split: str = tokenizing_field("data_split", run=True)
+    data_subset: str | None = tokenizing_field("data_subset", run=True)
+    text_sample_by: str = tokenizing_field("text_sample_by", run=True)
     allow_audit_failures: bool = config_field(
         False, help="raw data: train even when the label audit fails (process_data.py output: its own flag, "
                     "recorded in summary.json, decides)")

@@ -75,7 +75,8 @@ from minitrainer.common.log import logger, setup_logging
 from minitrainer.data.chat_masking import ChatEncoder, ChatRow, SampleError
 from minitrainer.data.formats import (ACCEPTED, INPUT_FORMATS, parse_columns, read_pair, read_row, suggest_columns,
                                       unread_system)
-from minitrainer.data.sources import TEXT_SAMPLE_BY, Chunk, Input, open_input
+from minitrainer.data.sources import Chunk, Input, open_input
+from minitrainer.data.tokenizing_flags import tokenizing_field, tokenizing_settings
 
 
 def _default_num_proc() -> int:
@@ -90,14 +91,11 @@ class ProcessDataConfig:
     output_dir: str | None = config_field(None, help="output folder: data.jsonl, summary.json, rejected.jsonl")
     output_file: str | None = config_field(None, help="single output JSONL (older form); the summary and "
                                                       "rejected files go beside it")
-    max_sample_num_tokens: int = config_field(2147483647, help="longer samples are rejected (and counted)")
-    split_long_text: bool = config_field(False, help="cut a text row longer than --max-sample-num-tokens into "
-                                                     "pieces (overlapping by one token) instead of rejecting it")
-    chat_template: str | None = config_field(None, help="jinja file that replaces the tokenizer's chat template")
-    end_of_turn_token: str | None = config_field(None, help="the string that ends an assistant turn (default: "
-                                                            "the special token the template writes after a reply)")
-    mask_reasoning: bool = config_field(False, help="mask reasoning (reasoning_content, <think> blocks) instead "
-                                                    "of learning it with the reply")
+    max_sample_num_tokens: int = tokenizing_field("max_sample_num_tokens")
+    split_long_text: bool = tokenizing_field("split_long_text")
+    chat_template: str | None = tokenizing_field("chat_template")
+    end_of_turn_token: str | None = tokenizing_field("end_of_turn_token")
+    mask_reasoning: bool = tokenizing_field("mask_reasoning")
     num_proc: int = config_field(default_factory=_default_num_proc, help="worker processes (default: CPUs)")
     string_for_printing_masks: str = config_field("<|mAsK|>", help="shown in place of masked label tokens "
                                                                     "in the printed examples")
@@ -107,17 +105,11 @@ class ProcessDataConfig:
     seed: int = config_field(42, help="seed for choosing the printed samples")
     chunk_size: int = config_field(256, help="lines per worker task (output is the same for any value)")
     logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR")
-    input_format: str = config_field("auto", choices=list(INPUT_FORMATS),
-                                     help="row format; auto recognises each row's from its keys")
-    columns: str | None = config_field(None, help="rename input columns first, NAME=COLUMN,... "
-                                                  "(e.g. prompt=question,completion=answer)")
-    split: str = config_field("train", help="split of a hub dataset id, a dataset folder (by file names or "
-                                            "README.md configs) or a save_to_disk folder")
-    subset: str | None = config_field(None, help="configuration (subset) of a hub dataset id or of a dataset "
-                                                 "folder's README.md")
-    text_sample_by: str = config_field("line", choices=list(TEXT_SAMPLE_BY),
-                                       help="a .txt file's rows, each learned whole and ended by EOS: each line (as "
-                                            "datasets reads text), each paragraph, or the whole file")
+    input_format: str = tokenizing_field("input_format")
+    columns: str | None = tokenizing_field("columns")
+    split: str = tokenizing_field("data_split")
+    subset: str | None = tokenizing_field("data_subset")
+    text_sample_by: str = tokenizing_field("text_sample_by")
     max_rejected_fraction: float = config_field(0.01, help="label audit: fail when more than this fraction of the "
                                                            "conversations cannot be masked by the template")
     allow_audit_failures: bool = config_field(False, help="label audit: write the dataset and exit 0 even when a "
@@ -578,21 +570,17 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
     return tokenizer, source, scan
 
 
-RAW_DATA_SETTINGS = ("chat_template", "end_of_turn_token", "mask_reasoning", "max_sample_num_tokens", "split_long_text",
-                     "input_format", "columns", "text_sample_by")
-"""The raw-data settings a run passes on under the same names (train.py's, inspect_data's)."""
-
-
 def tokenizing_config(settings: Any, input_file: str, *, output_dir: str, split: str | None = None,
                       **options: Any) -> ProcessDataConfig:
     """These settings for raw ``input_file``, tokenized as a run tokenizes it (``data/cache.py`` writes under
-    ``output_dir``): ``settings`` (a ``TrainConfig``, an ``InspectDataConfig``) gives ``model_name_or_path``,
-    ``data_split``, ``data_subset`` and ``RAW_DATA_SETTINGS``; ``split`` replaces ``data_split`` (a validation
-    source's); ``options`` sets other fields; the rest are process_data.py's defaults."""
+    ``output_dir``): ``settings`` (a ``TrainConfig``, an ``InspectDataConfig``) gives ``model_name_or_path`` and
+    the ``tokenizing_flags``; ``split`` replaces ``data_split`` (a validation source's); ``options`` sets other
+    fields; the rest are process_data.py's defaults."""
+    fields = tokenizing_settings(settings)
+    if split:
+        fields["split"] = split
     return ProcessDataConfig(input_file=input_file, model_name_or_path=settings.model_name_or_path,
-                             output_dir=output_dir, overwrite=True, split=split or settings.data_split,
-                             subset=settings.data_subset, **{name: getattr(settings, name) for name in RAW_DATA_SETTINGS},
-                             **options)
+                             output_dir=output_dir, overwrite=True, **fields, **options)
 
 def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     """Tokenize ``config.input_file`` and write the output files.

@@ -1,2 +1,2 @@
-"""Fine-tuning methods behind one interface (``base.FineTuningMethod``): LoRA, QLoRA, OSFT. Imports
-``common``, ``data`` and ``model``."""
+"""Fine-tuning methods behind one interface (``base.FineTuningMethod``): LoRA, QLoRA, OSFT. Its place among
+the layers: docs/code-layout.md."""

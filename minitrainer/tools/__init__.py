@@ -1,2 +1,2 @@
-"""Tools beside training: tiny models, the demo, plots of a run's metrics, data inspection. The top layer:
-imports anything of the package."""
+"""Tools beside training: tiny models, the demo, plots of a run's metrics, data inspection. Its place among the
+layers: docs/code-layout.md."""

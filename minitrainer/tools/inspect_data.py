@@ -41,8 +41,7 @@ import numpy as np
 
 from minitrainer.common.cli import collect_errors, config_field, parse_config
 from minitrainer.common.log import setup_logging
-from minitrainer.data.formats import INPUT_FORMATS
-from minitrainer.data.sources import TEXT_SAMPLE_BY
+from minitrainer.data.tokenizing_flags import tokenizing_field
 
 HISTOGRAM_WIDTH = 40
 
@@ -57,24 +56,21 @@ class InspectDataConfig:
     num_steps: int = config_field(5, help="optimizer steps to plan and show")
     seed: int = config_field(42, help="train.py --seed (the data order)")
     balance: str = config_field("tokens", choices=("tokens", "attention"), help="train.py --balance")
-    # Raw data: train.py's flags of the same names (process_data.tokenizing_config).
+    # Raw data: train.py's flags of the same names (data/tokenizing_flags.py).
     model_name_or_path: str | None = config_field(None, help="raw data: the tokenizer (train.py --model-name-or-path)")
     tokenized_data_dir: str | None = config_field(
         None, help="raw data: the cache of its tokens (default: in the temp folder); a run's "
                    "<--output-dir>/tokenized_data shares it with train.py")
-    chat_template: str | None = config_field(None, help="raw data: jinja file that replaces the tokenizer's chat "
-                                                        "template")
-    end_of_turn_token: str | None = config_field(None, help="raw data: the string that ends an assistant turn")
-    mask_reasoning: bool = config_field(False, help="raw data: mask reasoning instead of learning it with the reply")
-    max_sample_num_tokens: int = config_field(2147483647, help="raw data: longer samples are rejected when "
-                                                               "tokenizing (and counted)")
-    split_long_text: bool = config_field(False, help="raw data: cut a text row longer than "
-                                                     "--max-sample-num-tokens into pieces instead of rejecting it")
-    input_format: str = config_field("auto", choices=list(INPUT_FORMATS), help="raw data: the row format")
-    columns: str | None = config_field(None, help="raw data: rename input columns first, NAME=COLUMN,...")
-    data_split: str = config_field("train", help="raw data: the split read from a dataset folder or hub id")
-    data_subset: str | None = config_field(None, help="raw data: the config (subset) of a dataset folder or hub id")
-    text_sample_by: str = config_field("line", choices=list(TEXT_SAMPLE_BY), help="raw data: a .txt file's samples")
+    chat_template: str | None = tokenizing_field("chat_template", run=True)
+    end_of_turn_token: str | None = tokenizing_field("end_of_turn_token", run=True)
+    mask_reasoning: bool = tokenizing_field("mask_reasoning", run=True)
+    max_sample_num_tokens: int = tokenizing_field("max_sample_num_tokens", run=True)
+    split_long_text: bool = tokenizing_field("split_long_text", run=True)
+    input_format: str = tokenizing_field("input_format", run=True)
+    columns: str | None = tokenizing_field("columns", run=True)
+    data_split: str = tokenizing_field("data_split", run=True)
+    data_subset: str | None = tokenizing_field("data_subset", run=True)
+    text_sample_by: str = tokenizing_field("text_sample_by", run=True)
 
     def __post_init__(self) -> None:
         errors = [f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
