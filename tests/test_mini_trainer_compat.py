@@ -74,6 +74,15 @@ def test_the_adamw_fields_0_9_never_forwarded_are_honoured_and_the_api_defaults_
     assert (step.max_steps, step.num_epochs) == (9, None)
 
 
+def test_every_field_of_0_9_has_exactly_one_rule():
+    """Nothing is dropped unsaid: each ``TrainingArgs`` field is honoured, refused or read by another's rule."""
+    import dataclasses
+
+    from minitrainer.compat.mini_trainer import RULES
+
+    assert [f.name for f in dataclasses.fields(TrainingArgs)] == list(RULES)
+
+
 def test_what_cannot_be_honoured_is_refused_one_line_each():
     class InStep(TrainerCallback):
         def on_before_forward(self, context): ...

@@ -14,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from minitrainer.common.translations import (BF16, EXPORT_DTYPE, FINAL_EXPORT, FLOAT32_STATE, NO_FP16, NO_TF32,
+                                            NO_TOKEN_STOP, PACKED)
+
 TRL = "TRL"
 """SFTConfig, DPOConfig and a ``trl sft --config`` file's ScriptArguments and ModelConfig keys."""
 OLD_TRL = "older TRL"
@@ -43,11 +46,9 @@ def _f(whose: str | tuple[str, ...], ours: str | tuple[str, ...] = (), note: str
 TRAINING_ARGUMENTS = (TRL, HF)
 _BATCH = ("samples per optimizer step, whole job: per-device batch x accumulation x GPUs; minibatches are packed "
           "under --max-tokens-per-gpu")
-_PACKED = "every batch is packed, padding-free, with the exact per-token loss"
 _LOGGED = "every step is logged to training_metrics_<rank>.jsonl"
 _PAIR_LENGTH = "one limit on a whole pair (prompt and both replies); longer pairs are counted and dropped, not truncated"
 _ASSISTANT_ONLY = "always: chat rows learn the assistant turns only, text rows every token"
-_BF16 = "GPU runs compute in bfloat16 over float32 weights (CPU runs in float32)"
 _CHECKPOINT_STEPS = "in samples, not steps: steps x --batch-size"
 _TRACKERS = "a tracker is on when its setting is given"
 _HUB_UPLOAD = "exports are written to <output-dir>/hf_format; upload them yourself"
@@ -82,9 +83,9 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "resume_from_checkpoint": _f((*TRAINING_ARGUMENTS, AXOLOTL), "resume_from",
                                  "by default --resume continues from the newest full state in --output-dir"),
     "data_seed": _f(TRAINING_ARGUMENTS, "seed", "one seed for everything"),
-    "bf16": _f((*TRAINING_ARGUMENTS, AXOLOTL), note=_BF16),
-    "fp16": _f((*TRAINING_ARGUMENTS, AXOLOTL), note="float16 is not offered; " + _BF16),
-    "tf32": _f((*TRAINING_ARGUMENTS, AXOLOTL), note="GPU runs compute in bfloat16, where TF32 does not apply"),
+    "bf16": _f((*TRAINING_ARGUMENTS, AXOLOTL), note=BF16),
+    "fp16": _f((*TRAINING_ARGUMENTS, AXOLOTL), note=NO_FP16),
+    "tf32": _f((*TRAINING_ARGUMENTS, AXOLOTL), note=NO_TF32),
     "gradient_checkpointing": _f((*TRAINING_ARGUMENTS, AXOLOTL), "activation_checkpointing"),
     "gradient_checkpointing_kwargs": _f((*TRAINING_ARGUMENTS, AXOLOTL), "activation_checkpointing",
                                         "full, selective, none or auto"),
@@ -108,10 +109,10 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "neftune_noise_alpha": _f((*TRAINING_ARGUMENTS, AXOLOTL), note="NEFTune is not offered"),
     # ---- TRL's SFTConfig (and, tagged OLD_TRL, the names of TRL 0.19 on transformers 4 since renamed or dropped)
     "max_length": _f(TRL, "max_sample_num_tokens", "longer samples are dropped (and counted), not truncated"),
-    "packing": _f(TRL, note=_PACKED),
-    "packing_strategy": _f(TRL, note=_PACKED),
+    "packing": _f(TRL, note=PACKED),
+    "packing_strategy": _f(TRL, note=PACKED),
     "truncation_mode": _f(TRL, "max_sample_num_tokens", "longer samples are dropped (and counted), not truncated"),
-    "padding_free": _f(TRL, note=_PACKED),
+    "padding_free": _f(TRL, note=PACKED),
     "dataset_text_field": _f(TRL, "columns", "--columns text=FIELD"),
     "dataset_num_proc": _f((TRL, AXOLOTL), "num_proc"),
     "completion_only_loss": _f(TRL, note=_ASSISTANT_ONLY),
@@ -122,7 +123,7 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "max_seq_length": _f(OLD_TRL, "max_sample_num_tokens", "longer samples are dropped (and counted), not truncated"),
     "logging_dir": _f(OLD_TRL, "tensorboard_dir"),
     "overwrite_output_dir": _f(OLD_TRL, "resume", "a run continues in its --output-dir; --no-resume starts over"),
-    "torch_dtype": _f(OLD_TRL, note="weights and optimizer stay float32; " + _BF16),
+    "torch_dtype": _f(OLD_TRL, note=FLOAT32_STATE),
     "max_prompt_length": _f(OLD_TRL, "max_sample_num_tokens", _PAIR_LENGTH),
     "max_completion_length": _f(OLD_TRL, "max_sample_num_tokens", _PAIR_LENGTH),
     # ---- TRL's DPOConfig
@@ -147,7 +148,7 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "load_in_4bit": _f((TRL, AXOLOTL), "lora_quantize_data_type", "nf4"),
     "load_in_8bit": _f((TRL, AXOLOTL), "lora_quantize_data_type", "the frozen base is quantized to NF4 only"),
     "bnb_4bit_quant_type": _f(TRL, "lora_quantize_data_type", "nf4 only"),
-    "dtype": _f(TRL, note="weights and optimizer stay float32; " + _BF16),
+    "dtype": _f(TRL, note=FLOAT32_STATE),
     # ---- axolotl
     "base_model": _f(AXOLOTL, "model_name_or_path"),
     "datasets": _f(AXOLOTL, ("data_path", "input_file"), "several sources mix as a:0.7,b:0.3 or a mix file"),
@@ -156,8 +157,8 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "val_set_size": _f(AXOLOTL, "validation_split", "a fraction"),
     "test_datasets": _f(AXOLOTL, "validation_data_path"),
     "sequence_len": _f(AXOLOTL, "max_sample_num_tokens", "longer samples are dropped (and counted), not truncated"),
-    "sample_packing": _f(AXOLOTL, note=_PACKED),
-    "pad_to_sequence_len": _f(AXOLOTL, note=_PACKED),
+    "sample_packing": _f(AXOLOTL, note=PACKED),
+    "pad_to_sequence_len": _f(AXOLOTL, note=PACKED),
     "micro_batch_size": _f(AXOLOTL, "batch_size", _BATCH),
     "train_on_inputs": _f(AXOLOTL, note="we learn assistant turns only (text rows: every token)"),
     "adapter": _f(AXOLOTL, ("lora_rank", "lora_quantize_data_type"), "lora: --lora-rank R; qlora: also nf4"),
@@ -182,7 +183,7 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "peft_use_dora": _f(AXOLOTL, note="DoRA is not offered; plain LoRA or --lora-use-rslora"),
     "tokenizer_config": _f(AXOLOTL, "model_name_or_path", "the tokenizer is read from the model's folder or id"),
     "streaming": _f(AXOLOTL, note="raw data is always streamed and tokenized once"),
-    "group_by_length": _f((OLD_TRL, AXOLOTL), note=_PACKED),
+    "group_by_length": _f((OLD_TRL, AXOLOTL), note=PACKED),
     "rl": _f(AXOLOTL, "objective", "rl: dpo is --objective dpo; ipo is --dpo-loss ipo; kto, orpo, simpo are not offered"),
     # ---- mini_trainer 0.9's TrainingArgs
     "beta1": _f(MINI_TRAINER, "adam_betas", "the pair: --adam-betas B1 B2"),
@@ -190,10 +191,10 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "eps": _f(MINI_TRAINER, "adam_eps"),
     "max_epochs": _f(MINI_TRAINER, "num_epochs"),
     "training_mode": _f(MINI_TRAINER, ("num_epochs", "max_steps", "max_samples"), "whichever stop is given"),
-    "max_tokens": _f(MINI_TRAINER, note="a run stops after steps, samples or epochs, not tokens"),
-    "save_final_checkpoint": _f(MINI_TRAINER, note="the final export is always written"),
-    "save_dtype": _f(MINI_TRAINER, note="exports keep the checkpoint's own dtype"),
-    "train_dtype": _f(MINI_TRAINER, note="weights and optimizer stay float32; " + _BF16),
+    "max_tokens": _f(MINI_TRAINER, note=NO_TOKEN_STOP),
+    "save_final_checkpoint": _f(MINI_TRAINER, note=FINAL_EXPORT),
+    "save_dtype": _f(MINI_TRAINER, note=EXPORT_DTYPE),
+    "train_dtype": _f(MINI_TRAINER, note=FLOAT32_STATE),
     "wandb_run_name": _f(MINI_TRAINER, note="set WANDB_NAME"),
     "validation_frequency": _f(MINI_TRAINER, "validation_every_n_steps"),
     "min_samples_per_validation": _f(MINI_TRAINER, "validation_every_n_samples"),

@@ -21,6 +21,8 @@ from minitrainer import api
 from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
 from minitrainer.common.cli import errors_in_one_line
 from minitrainer.common.log import logger
+from minitrainer.common.translations import (EXPORT_DTYPE, FINAL_EXPORT, FLOAT32_STATE, IN_STEP, MIN_LR_ONLY,
+                                            NO_TOKEN_STOP, Rule, Translation, accepted_when, read_by_another, to)
 from minitrainer.report.watch import Lifecycle, RunEvent
 from minitrainer.train_config import TrainConfig
 
@@ -176,74 +178,125 @@ def run_training(torch_args: TorchrunArgs, train_args: TrainingArgs) -> api.RunR
     return result
 
 
+def _betas(value, params, out):
+    out.train["adam_betas"] = (params["beta1"], params["beta2"])
+
+
+def _osft(value, params, out):
+    if not value:
+        return None
+    patterns = params["osft_target_patterns"]
+    out.train.update(osft=True, osft_unfreeze_rank_ratio=params["osft_unfreeze_rank_ratio"],
+                     osft_target_patterns=",".join(patterns) if patterns else None)
+    return None
+
+
+def _osft_upcast(value, params, out):
+    if not params["osft"] or value is None:
+        return None
+    if value not in ("float32", "float64"):
+        return "float32 or float64: the decomposition is not computed in lower precision"
+    out.train["osft_upcast_dtype"] = value
+    return None
+
+
+def _training_mode(value, params, out):
+    mode = TrainingMode(value)
+    if mode is TrainingMode.EPOCH:
+        out.train["num_epochs"] = float(params["max_epochs"])
+    elif mode is TrainingMode.STEP:
+        out.train["max_steps"] = params["max_steps"]
+    elif mode is TrainingMode.TOKEN:
+        return f"{NO_TOKEN_STOP}: TrainingMode.STEP or EPOCH"
+    return None
+
+
+def _min_lr_rate(value, params, out):
+    if value and "min_lr_rate" in value:
+        out.train["min_lr_ratio"] = float(value["min_lr_rate"])
+
+
+RULES: dict[str, Rule] = {
+    "model_name_or_path": to("model_name_or_path"),
+    "data_path": to("data_path"),
+    "batch_size": to("batch_size"),
+    "max_tokens_per_gpu": to("max_tokens_per_gpu"),
+    "learning_rate": to("learning_rate"),
+    "output_dir": to("output_dir"),
+    "num_warmup_steps": to("num_warmup_steps"),
+    "lr_scheduler": to("lr_scheduler"),
+    "lr_scheduler_kwargs": accepted_when(lambda v: not v or set(v) <= {"min_lr_rate"}, MIN_LR_ONLY, _min_lr_rate),
+    "seed": to("seed"),
+    "beta1": _betas,  # never forwarded to 0.9's workers: honoured here
+    "beta2": _betas,
+    "eps": to("adam_eps"),
+    "weight_decay": to("weight_decay"),
+    "use_liger_kernels": to("use_liger_kernels"),
+    "osft": _osft,
+    "osft_unfreeze_rank_ratio": read_by_another,
+    "osft_target_patterns": read_by_another,
+    "osft_upcast_dtype": _osft_upcast,
+    "min_samples_per_checkpoint": to("min_samples_per_checkpoint", lambda v: v or FINAL_EXPORT_ONLY),
+    "training_mode": _training_mode,
+    "max_epochs": read_by_another,
+    "max_steps": read_by_another,
+    "max_tokens": read_by_another,  # read by TrainingMode.TOKEN alone, which is refused
+    "checkpoint_at_epoch": to("checkpoint_at_epoch"),
+    "save_final_checkpoint": accepted_when(bool, FINAL_EXPORT),
+    "save_dtype": accepted_when(lambda v: v is None, EXPORT_DTYPE),
+    "train_dtype": accepted_when(lambda v: v == "float32", FLOAT32_STATE),
+    "wandb_project": to("wandb_project"),
+    "wandb_run_name": read_by_another,  # as in 0.9, the run's name and team come from WANDB_NAME, WANDB_ENTITY
+    "wandb_entity": read_by_another,
+    "mlflow_tracking_uri": to("mlflow_tracking_uri"),
+    "mlflow_experiment_name": to("mlflow_experiment"),
+    "mlflow_run_name": to("mlflow_run_name"),
+    "validation_split": to("validation_split", lambda v: v or None),
+    "validation_data_path": to("validation_data_path"),
+    "validation_frequency": to("validation_every_n_steps"),
+    "validate_at_epoch": accepted_when(lambda v: not v, "validation runs every N steps or samples: "
+                                                        "validation_frequency or min_samples_per_validation "
+                                                        "(and always at the end)"),
+    "min_samples_per_validation": to("validation_every_n_samples"),
+    "validate_at_final": read_by_another,  # a run with validation always validates at its end
+    "pretraining_config": accepted_when(lambda v: v is None, "blocks are cut when tokenizing: process_data.py "
+                                                             "--split-long-text --max-sample-num-tokens BLOCK on "
+                                                             "the documents as text rows"),
+    "trust_remote_code": to("trust_remote_code"),
+    "save_best_val_loss": to("save_best_val_loss"),
+    "val_loss_improvement_threshold": to("val_loss_improvement_threshold"),
+    "on_demand_checkpointing": read_by_another,  # a SIGTERM or SIGUSR1 always saves the full state and stops
+    "resume_from_full_state_checkpoint": to("resume_from"),
+    "callbacks": read_by_another,  # to_our_config: the launching process's hooks
+}
+"""Each of 0.9's ``TrainingArgs`` fields, honoured as our setting or refused (``common/translations.py``); a field
+no rule names is a test failure (``tests/test_mini_trainer_compat.py``)."""
+
+
 def to_our_config(torch_args: TorchrunArgs, train_args: TrainingArgs) -> tuple[TrainConfig, api.TorchrunArgs,
                                                                                  _Callbacks]:
     """Our ``TrainConfig`` and ``TorchrunArgs`` for 0.9's, or ``Refused`` listing what cannot be honoured."""
-    a, refusals = train_args, []
-
-    def refuse(name: str, reason: str) -> None:
-        refusals.append(f"TrainingArgs({name}={getattr(a, name)!r}): {reason}")
-
-    ours: dict[str, Any] = dict(
-        model_name_or_path=a.model_name_or_path, data_path=a.data_path, batch_size=a.batch_size,
-        max_tokens_per_gpu=a.max_tokens_per_gpu, learning_rate=a.learning_rate, output_dir=a.output_dir,
-        num_warmup_steps=a.num_warmup_steps, lr_scheduler=a.lr_scheduler, seed=a.seed, adam_betas=(a.beta1, a.beta2),
-        adam_eps=a.eps, weight_decay=a.weight_decay, use_liger_kernels=a.use_liger_kernels,
-        min_samples_per_checkpoint=a.min_samples_per_checkpoint or FINAL_EXPORT_ONLY,
-        checkpoint_at_epoch=a.checkpoint_at_epoch, trust_remote_code=a.trust_remote_code,
-        wandb_project=a.wandb_project, mlflow_tracking_uri=a.mlflow_tracking_uri,
-        mlflow_experiment=a.mlflow_experiment_name, mlflow_run_name=a.mlflow_run_name,
-        validation_data_path=a.validation_data_path, validation_split=a.validation_split or None,
-        validation_every_n_steps=a.validation_frequency, validation_every_n_samples=a.min_samples_per_validation,
-        save_best_val_loss=a.save_best_val_loss, val_loss_improvement_threshold=a.val_loss_improvement_threshold,
-        resume_from=a.resume_from_full_state_checkpoint)
-    kwargs = dict(a.lr_scheduler_kwargs or {})
-    if "min_lr_rate" in kwargs:
-        ours["min_lr_ratio"] = float(kwargs.pop("min_lr_rate"))
-    if kwargs:
-        refuse("lr_scheduler_kwargs", "only min_lr_rate (our min_lr_ratio) is taken; the schedule's other shapes "
-                                      "are named by lr_scheduler")
-    if a.osft:
-        ours.update(osft=True, osft_unfreeze_rank_ratio=a.osft_unfreeze_rank_ratio,
-                    osft_target_patterns=",".join(a.osft_target_patterns) if a.osft_target_patterns else None)
-        if a.osft_upcast_dtype in ("float32", "float64"):
-            ours["osft_upcast_dtype"] = a.osft_upcast_dtype
-        elif a.osft_upcast_dtype is not None:
-            refuse("osft_upcast_dtype", "float32 or float64: the decomposition is not computed in lower precision")
-    mode = TrainingMode(a.training_mode)
-    if mode is TrainingMode.EPOCH:
-        ours["num_epochs"] = float(a.max_epochs)
-    elif mode is TrainingMode.STEP:
-        ours["max_steps"] = a.max_steps
-    elif mode is TrainingMode.TOKEN:
-        refuse("training_mode", "a run stops after steps, samples or epochs, not tokens: TrainingMode.STEP or EPOCH")
-    if not a.save_final_checkpoint:
-        refuse("save_final_checkpoint", "the final export is always written")
-    if a.save_dtype is not None:
-        refuse("save_dtype", "exports keep the checkpoint's own dtype")
-    if a.train_dtype != "float32":
-        refuse("train_dtype", "weights and optimizer stay float32; a GPU computes in bfloat16 over them")
-    if a.validate_at_epoch:
-        refuse("validate_at_epoch", "validation runs every N steps or samples: validation_frequency or "
-                                    "min_samples_per_validation (and always at the end)")
-    if a.pretraining_config is not None:
-        refuse("pretraining_config", "blocks are cut when tokenizing: process_data.py --split-long-text "
-                                     "--max-sample-num-tokens BLOCK on the documents as text rows")
-    callbacks = list(a.callbacks or [])
+    params = {f.name: getattr(train_args, f.name) for f in dataclasses.fields(train_args)}
+    out = Translation()
+    for name, value in params.items():
+        if (reason := RULES[name](value, params, out)) is not None:
+            out.refusals.append(f"TrainingArgs({name}={value!r}): {reason}")
+    callbacks = list(train_args.callbacks or [])
     for callback in callbacks:
         overridden = [hook for hook in IN_STEP_HOOKS if _overrides(callback, hook)]
         if overridden:
-            refusals.append(f"TrainingArgs(callbacks=[{type(callback).__name__}()]): {', '.join(overridden)} would "
-                            "have to run inside the step on the workers; on_step_end gets the step's metrics")
-    if refusals:  # the fields first: a refused one may leave the rest inconsistent (TOKEN mode: no stop)
-        raise Refused("\n".join(refusals))
+            out.refusals.append(f"TrainingArgs(callbacks=[{type(callback).__name__}()]): {', '.join(overridden)} "
+                                f"{IN_STEP}; on_step_end gets the step's metrics")
+    if out.refusals:  # the fields first: a refused one may leave the rest inconsistent (TOKEN mode: no stop)
+        raise Refused("\n".join(out.refusals))
     try:
-        config = TrainConfig(**ours)
+        config = TrainConfig(**out.train)
         torchrun = _our_torchrun(torch_args)
     except ValueError as err:
         raise Refused(errors_in_one_line(err)) from None
     # The node of global rank 0 writes the metrics the hooks read (on a shared filesystem, every node could).
-    return config, torchrun, _Callbacks(callbacks if torch_args.node_rank == 0 else [], config=config, train_args=a)
+    return config, torchrun, _Callbacks(callbacks if torch_args.node_rank == 0 else [], config=config,
+                                        train_args=train_args)
 
 
 def _our_torchrun(t: TorchrunArgs) -> api.TorchrunArgs:

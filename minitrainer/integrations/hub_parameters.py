@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
+from minitrainer.common.translations import (BF16, FINAL_EXPORT, MIN_LR_ONLY, NO_FP16, NO_TF32, PACKED, Rule,
+                                            Translation, accepted_when, refused, to)
 from minitrainer.train_config import TrainConfig
 
 ALGORITHMS = ("sft", "osft", "lora_sft")
@@ -43,40 +43,6 @@ TRACKER_VARIABLES = {"mlflow_tracking_uri": "MLFLOW_TRACKING_URI", "mlflow_exper
                      "wandb_entity": "WANDB_ENTITY", "wandb_run_name": "WANDB_RUN_NAME"}
 """The tracker parameters the hub's own backends take from these variables when a call leaves them out (how
 a platform turns tracking on for every job)."""
-
-
-@dataclass
-class Translation:
-    train: dict[str, Any] = field(default_factory=dict)
-    torchrun: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    launcher: dict[str, Any] = field(default_factory=dict)
-    refusals: list[str] = field(default_factory=list)
-
-
-Rule = Callable[[Any, dict, Translation], "str | None"]
-"""``(value, all parameters, translation) -> None``, having written the value where it goes, or the reason
-it is refused."""
-
-
-def to(name: str, convert: Callable[[Any], Any] = lambda value: value) -> Rule:
-    def rule(value, params, out):
-        out.train[name] = convert(value)
-    rule.target = name
-    return rule
-
-
-def accepted_when(ok: Callable[[Any], bool], reason: str, then: Rule | None = None) -> Rule:
-    def rule(value, params, out):
-        if not ok(value):
-            return reason
-        return then(value, params, out) if then is not None else None
-    rule.target = getattr(then, "target", None)
-    return rule
-
-
-def refused(reason: str) -> Rule:
-    return accepted_when(lambda value: False, reason)
 
 
 def _torchrun(name: str) -> Rule:
@@ -109,7 +75,7 @@ def _every_n_steps_in_samples(name: str) -> Rule:
     """A step count as samples: each optimizer step takes exactly ``effective_batch_size`` samples."""
     def rule(value, params, out):
         if value <= 0:
-            return f"must be positive (the final export is always written), got {value}"
+            return f"must be positive ({FINAL_EXPORT}), got {value}"
         out.train[name] = value * _batch_size(params)
     return rule
 
@@ -204,7 +170,7 @@ RULES: dict[str, Rule] = {
     "lr_scheduler": to("lr_scheduler"),
     "lr_scheduler_kwargs": accepted_when(
         lambda v: not v or set(v) <= {"min_lr_rate"},
-        "only min_lr_rate (our min_lr_ratio) is taken; name the schedule's shape with lr_scheduler",
+        MIN_LR_ONLY,
         lambda v, p, out: out.train.update({"min_lr_ratio": float(v["min_lr_rate"])} if v else {})),
     "warmup_steps": to("num_warmup_steps"),
     "num_epochs": to("num_epochs", float),
@@ -220,10 +186,10 @@ RULES: dict[str, Rule] = {
     "use_liger": to("use_liger_kernels"),
     "trust_remote_code": to("trust_remote_code"),
     "flash_attention": _flash_attention,
-    "sample_packing": accepted_when(bool, "every batch is packed, padding-free, with the exact per-token loss"),
-    "bf16": accepted_when(bool, "GPU runs compute in bfloat16 over float32 weights (CPU runs in float32)"),
-    "fp16": accepted_when(lambda v: not v, "float16 is not offered; GPU runs compute in bfloat16"),
-    "tf32": refused("GPU runs compute in bfloat16, where TF32 does not apply"),
+    "sample_packing": accepted_when(bool, PACKED),
+    "bf16": accepted_when(bool, BF16),
+    "fp16": accepted_when(lambda v: not v, NO_FP16),
+    "tf32": refused(NO_TF32),
     "enable_model_splitting": accepted_when(lambda v: not v, "FSDP2 already shards the model over every rank"),
     "finetune_vision_layers": accepted_when(lambda v: not v, "the language model is trained, the vision tower "
                                                              "kept as it is"),
@@ -252,8 +218,8 @@ RULES: dict[str, Rule] = {
     "checkpoint_at_epoch": to("checkpoint_at_epoch"),
     "save_total_limit": to("keep_last_n_checkpoints"),
     "accelerate_full_state_at_epoch": to("full_state"),
-    "save_final_checkpoint": accepted_when(bool, "the final export is always written"),
-    "save_model": accepted_when(bool, "the final export is always written"),
+    "save_final_checkpoint": accepted_when(bool, FINAL_EXPORT),
+    "save_model": accepted_when(bool, FINAL_EXPORT),
     "enable_jit_checkpoint": lambda v, p, out: None,  # a SIGTERM or SIGINT always saves the full state and stops
     "on_demand_checkpointing": lambda v, p, out: None,
     "checkpoint_storage": accepted_when(lambda v: v in ("", "pvc"), "checkpoints are written to ckpt_output_dir "

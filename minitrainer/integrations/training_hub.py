@@ -28,6 +28,7 @@ except ImportError as err:
 from minitrainer.api import RunResult, TorchrunArgs, run_training
 from minitrainer.common.cli import errors_in_one_line
 from minitrainer.common.log import logger
+from minitrainer.common.translations import IN_STEP
 from minitrainer.data.cache import is_tokenized
 from minitrainer.integrations.hub_parameters import TORCHRUN_KEYS, translate
 from minitrainer.report.watch import Lifecycle, RunEvent
@@ -127,7 +128,7 @@ def _callback_refusal(callback: Any) -> str | None:
     overridden = [hook for hook in IN_STEP_HOOKS
                   if getattr(type(callback), hook, None) is not getattr(TrainingHubCallback, hook)]
     if overridden:
-        return (f"{', '.join(overridden)} would have to run inside the step on the workers; use on_step_end, "
+        return (f"{', '.join(overridden)} {IN_STEP}; use on_step_end, "
                 "which gets the step's metrics")
     return None
 
