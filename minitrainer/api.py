@@ -183,7 +183,7 @@ def run_training(torchrun_args: TorchrunArgs, train_args: TrainConfig, *,
     Args:
         torchrun_args: node and process layout.
         train_args: the run's parameters, as the CLI would parse them.
-        on_event: called in this process with each ``run_watch.RunEvent`` (steps, validations, exports) while
+        on_event: called in this process with each ``report.watch.RunEvent`` (steps, validations, exports) while
             the run goes on; what it raises is logged in one line and the run goes on.
         env: variables added to the workers' environment (not this process's).
 

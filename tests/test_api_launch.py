@@ -1,4 +1,4 @@
-"""``run_training`` as a launcher: the run's events reach the caller in order and once (``run_watch``), a
+"""``run_training`` as a launcher: the run's events reach the caller in order and once (``report/watch.py``), a
 signal to the launching process becomes the run's preemption save, a rerun resumes, a failing listener
 costs one line; and the settings other trainers' APIs need (``--adam-eps``, ``--checkpoint-at-epoch``,
 ``--tokenized-data-dir``).

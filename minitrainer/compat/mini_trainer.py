@@ -319,7 +319,7 @@ def _overrides(callback: Any, hook: str) -> bool:
 
 
 class _Callbacks:
-    """0.9's launching-process hooks from the run's events (``run_watch.Lifecycle`` gives their order), each with
+    """0.9's launching-process hooks from the run's events (``report.watch.Lifecycle`` gives their order), each with
     a ``TrainingContext`` of the step's metrics line."""
 
     def __init__(self, callbacks: list, *, config: TrainConfig, train_args: TrainingArgs):

@@ -8,7 +8,7 @@
 
 Every parameter the hub passes is honoured or refused before anything starts (``hub_parameters``); the data
 is read as the user has it, by our own door inside the run; callbacks fire here, in the launching process,
-from the run's metrics and exports (``run_watch``), so no code is shipped to the workers. training_hub is an
+from the run's metrics and exports (``report/watch.py``), so no code is shipped to the workers. training_hub is an
 optional extra (``pip install minitrainer[training-hub]``): nothing else of ours imports it.
 """
 
@@ -134,7 +134,7 @@ def _callback_refusal(callback: Any) -> str | None:
 
 
 class HubCallbacks:
-    """The hub's hooks, fired in the launching process from a run's events (``run_watch.Lifecycle`` gives their
+    """The hub's hooks, fired in the launching process from a run's events (``report.watch.Lifecycle`` gives their
     order); each gets a ``TrainingHubContext`` of the step's metrics line. A hook that raises is logged in one
     line and training goes on."""
 

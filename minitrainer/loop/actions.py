@@ -117,7 +117,7 @@ def _folder_mb(path: Path) -> float:
 
 @contextlib.contextmanager
 def batches(run: Run) -> Iterator[Iterator[StepBatch]]:
-    """The run's batch stream (``setup_run.batch_loader``) without the batches a rewind skips; after a
+    """The run's batch stream (``setup.run.batch_loader``) without the batches a rewind skips; after a
     rewind (the run's position moved back) it restarts from the restored position."""
     def stream() -> Iterator[StepBatch]:
         while True:

@@ -16,8 +16,8 @@ line naming the step and its samples, exit status 1, no export of the diverged
 model), or ``rewind`` (as large pretraining runs do: load the newest full state
 from before the diverged batch, in the same process, and go on from there with that
 batch skipped; ``TrainState.skipped_batches`` holds the skipped ranges, so a resume
-skips them too). Pure functions; the loop's side is ``train_step.report_divergence``
-and ``run_actions.rewind``.
+skips them too). Pure functions; the loop's side is ``loop.step.report_divergence``
+and ``loop.actions.rewind``.
 """
 
 from __future__ import annotations

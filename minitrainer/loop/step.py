@@ -201,7 +201,7 @@ def report_divergence(run: Run, batch: StepBatch, result: StepResult, counts: St
     ``stop`` raises before this step's export or full state is written, so neither holds the diverged model.
 
     Returns:
-        Whether the run must rewind (``run_actions.rewind``): the batch is then in ``state.skipped_batches``.
+        Whether the run must rewind (``loop.actions.rewind``): the batch is then in ``state.skipped_batches``.
     """
     state, config = run.state, run.config
     if not result.applied:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelBuild:
-    """What ``setup_model_fsdp.setup_model`` has resolved when it calls a method's model hooks."""
+    """What ``setup.model.setup_model`` has resolved when it calls a method's model hooks."""
 
     model_name_or_path: str
     multimodal_export: MultimodalExport | None  # how an image-text-to-text checkpoint is exported; None: causal LM
@@ -92,7 +92,7 @@ class FineTuningMethod:
 
     acts_after_update = False
     """True when ``after_update`` does work: the host must then know whether the step ran, so the optimizer
-    cannot skip a non-finite step on the device alone (``train_step``)."""
+    cannot skip a non-finite step on the device alone (``loop/step.py``)."""
 
     def describe(self) -> str:
         """What the start-up line on trainable parameters adds (", LoRA rank 16, ..."); empty here."""

@@ -22,7 +22,7 @@ only when its FSDP shards split into whole double-quantization groups
 shard count); any other stays in full precision, frozen, and is counted in
 the startup log (a handful of small projections at most on real models).
 
-Loading follows ``setup_model_fsdp``: rank 0 quantizes each weight as it holds
+Loading follows ``setup/model.py``: rank 0 quantizes each weight as it holds
 the loaded model (the full-precision copy exists only there, one weight at a
 time in the compute dtype), then broadcasts the quantized bytes weight by
 weight; each rank keeps its own rows.
