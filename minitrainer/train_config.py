@@ -19,13 +19,21 @@ from minitrainer.methods.osft import OSFT, UPCAST_DTYPES, OSFTSettings, num_froz
 from minitrainer.methods.qlora import QLoRA
 from minitrainer.model.recomputation import POLICIES, as_policy
 from minitrainer.objectives.base import TrainingObjective
+from minitrainer.objectives.cpo import CPOObjective, CPOSettings
 from minitrainer.objectives.dpo import DPOObjective, DPOSettings
+from minitrainer.objectives.orpo import ORPOObjective, ORPOSettings
+from minitrainer.objectives.pairs import PAIR_OBJECTIVES
 
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
-DPO_FIELDS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "dpo_sft_weight", "reference_model")
-"""The fields that mean something only with --objective dpo."""
+OBJECTIVE_FIELDS = {
+    "dpo": ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "dpo_sft_weight", "reference_model"),
+    "cpo": ("cpo_beta", "cpo_loss", "cpo_alpha"),
+    "simpo": ("simpo_beta", "simpo_gamma", "simpo_sft_weight"),
+    "orpo": ("orpo_beta",),
+}
+"""The fields that mean something only with their --objective."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -129,9 +137,9 @@ class TrainConfig:
     max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
     num_epochs: float | None = config_field(None, help="stop after this many passes over the data")
 
-    objective: Literal["sft", "dpo"] = config_field(
-        "sft", section="Objective", help="sft: learn the assistant replies; dpo: preference tuning on "
-                                         "prompt/chosen/rejected pairs (docs/preference.md)")
+    objective: Literal["sft", "dpo", "cpo", "simpo", "orpo"] = config_field(
+        "sft", section="Objective", help="sft: learn the assistant replies; on preference pairs: dpo (with a "
+                                         "reference), cpo, simpo, orpo (docs/preference.md)")
     dpo_beta: float = config_field(0.1, help="DPO: beta, how far the policy may move from the reference "
                                              "(larger: closer)")
     dpo_loss: Literal["sigmoid", "ipo", "hinge"] = config_field(
@@ -144,6 +152,19 @@ class TrainConfig:
     reference_model: str | None = config_field(
         None, help="DPO: the reference model's folder or id (default: the model being trained, before its first "
                    "update; with LoRA its base)")
+    cpo_beta: float = config_field(0.1, help="CPO: beta, the scale of the log-probability difference")
+    cpo_loss: Literal["sigmoid", "hinge", "ipo"] = config_field(
+        "sigmoid", help="CPO loss: sigmoid (CPO), hinge, ipo (on length-normalised log-probabilities)")
+    cpo_alpha: float = config_field(
+        1.0, help="CPO: the weight of the chosen replies' per-token cross-entropy (TRL's cpo_alpha)")
+    simpo_beta: float = config_field(
+        2.0, help="SimPO: beta, the scale of the length-normalised log-probability difference")
+    simpo_gamma: float = config_field(0.5, help="SimPO: the target reward margin gamma")
+    simpo_sft_weight: float = config_field(
+        0.0, help="SimPO: add this weight times the chosen replies' per-token cross-entropy (CPO-SimPO; TRL's "
+                  "cpo_alpha with loss_type simpo)")
+    orpo_beta: float = config_field(
+        0.1, help="ORPO: the weight of the odds-ratio term beside the chosen sequences' cross-entropy (lambda)")
 
     output_dir: str = config_field(section="Output, checkpoints and resume", help="folder for metrics, training_params.json and checkpoints")
     min_samples_per_checkpoint: int = config_field(
@@ -355,6 +376,13 @@ class TrainConfig:
             return DPOObjective(DPOSettings(beta=self.dpo_beta, loss=self.dpo_loss,
                                             label_smoothing=self.dpo_label_smoothing,
                                             sft_weight=self.dpo_sft_weight, reference_model=self.reference_model))
+        if self.objective == "cpo":
+            return CPOObjective(CPOSettings(loss=self.cpo_loss, beta=self.cpo_beta, alpha=self.cpo_alpha))
+        if self.objective == "simpo":
+            return CPOObjective(CPOSettings(loss="simpo", beta=self.simpo_beta, alpha=self.simpo_sft_weight,
+                                            gamma=self.simpo_gamma))
+        if self.objective == "orpo":
+            return ORPOObjective(ORPOSettings(beta=self.orpo_beta))
         return TrainingObjective()
 
     def tokenizing_config(self, input_file: str, *, output_dir: str, split: str | None = None) -> ProcessDataConfig:
@@ -398,23 +426,33 @@ def _context_parallel_errors(config: TrainConfig) -> list[str]:
 
 
 def _objective_errors(config: TrainConfig) -> list[str]:
-    """The preference flags: in range, and only with --objective dpo."""
-    if config.objective != "dpo":
-        return [f"--{field.name.replace('_', '-')} needs --objective dpo" for field in dataclasses.fields(config)
-                if field.name in DPO_FIELDS and getattr(config, field.name) != field.default]
-    errors = []
-    if not (math.isfinite(config.dpo_beta) and config.dpo_beta > 0):
-        errors.append(f"--dpo-beta must be positive, got {config.dpo_beta}")
-    if not 0.0 <= config.dpo_label_smoothing < 0.5:
-        errors.append(f"--dpo-label-smoothing must be in [0, 0.5), got {config.dpo_label_smoothing}")
-    elif config.dpo_label_smoothing and config.dpo_loss != "sigmoid":
-        errors.append(f"--dpo-label-smoothing applies to --dpo-loss sigmoid, not {config.dpo_loss}")
-    if not (math.isfinite(config.dpo_sft_weight) and config.dpo_sft_weight >= 0):
-        errors.append(f"--dpo-sft-weight must be non-negative, got {config.dpo_sft_weight}")
+    """The preference flags: each objective's own only with it, and in range."""
+    errors = [f"--{field.name.replace('_', '-')} needs --objective {owner}" for owner, names in OBJECTIVE_FIELDS.items()
+              if config.objective != owner for field in dataclasses.fields(config)
+              if field.name in names and getattr(config, field.name) != field.default]
+    if config.objective not in PAIR_OBJECTIVES:
+        return errors
+    positive = {"dpo": ["dpo_beta"], "cpo": ["cpo_beta"], "simpo": ["simpo_beta"], "orpo": ["orpo_beta"]}
+    non_negative = {"dpo": ["dpo_sft_weight"], "cpo": ["cpo_alpha"], "simpo": ["simpo_sft_weight"]}
+    for name in positive[config.objective]:
+        value = getattr(config, name)
+        if not (math.isfinite(value) and value > 0):
+            errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in non_negative.get(config.objective, []):
+        value = getattr(config, name)
+        if not (math.isfinite(value) and value >= 0):
+            errors.append(f"--{name.replace('_', '-')} must be non-negative, got {value}")
+    if config.objective == "simpo" and not math.isfinite(config.simpo_gamma):
+        errors.append(f"--simpo-gamma must be finite, got {config.simpo_gamma}")
+    if config.objective == "dpo":
+        if not 0.0 <= config.dpo_label_smoothing < 0.5:
+            errors.append(f"--dpo-label-smoothing must be in [0, 0.5), got {config.dpo_label_smoothing}")
+        elif config.dpo_label_smoothing and config.dpo_loss != "sigmoid":
+            errors.append(f"--dpo-label-smoothing applies to --dpo-loss sigmoid, not {config.dpo_loss}")
     refused = [(config.context_parallel_size > 1, f"--context-parallel-size {config.context_parallel_size} (a "
                                                   "pair's sums would span ranks)"),
                (_is_mix(config.data_path), "a data mix (one preference file per run)")]
-    errors += [f"--objective dpo does not combine with {what} yet" for bad, what in refused if bad]
+    errors += [f"--objective {config.objective} does not combine with {what} yet" for bad, what in refused if bad]
     return errors
 
 

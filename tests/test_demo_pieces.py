@@ -118,6 +118,89 @@ def test_plot_cli_and_errors(api_run, tmp_path, monkeypatch, capsys):
         plot_metrics.plot_metrics(api_run)
 
 
+def _write_lines(run: Path, lines: list[dict]) -> Path:
+    run.mkdir()
+    (run / "training_metrics_0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run
+
+
+def _preference_lines() -> list[dict]:
+    """A DPO run's metrics lines (the fields objectives/pairs.py writes), validations after steps 2 and 4."""
+    lines = []
+    for step in range(1, 5):
+        lines.append({"step": step, "loss": 0.69 - 0.05 * step, "lr": 1e-3, "samples_seen": 16 * step,
+                      "num_samples": 16, "num_pairs": 16, "rewards/chosen": 0.1 * step,
+                      "rewards/rejected": -0.05 * step, "rewards/accuracies": 0.25 * step,
+                      "rewards/margins": 0.15 * step, "tokens_per_second": 100.0})
+        if step % 2 == 0:
+            lines.append({"step": step, "val_loss": 0.7 - 0.04 * step, "val_num_samples": 8, "samples_seen": 16 * step,
+                          "val_rewards/chosen": 0.08 * step, "val_rewards/rejected": -0.02 * step,
+                          "val_rewards/accuracies": 0.2 * step, "val_rewards/margins": 0.1 * step})
+    return lines
+
+
+def test_a_preference_run_plots_its_loss_over_pairs_and_its_reward_panels(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from minitrainer.tools.plot_metrics import figures, plot_metrics
+
+    run = _write_lines(tmp_path / "dpo", _preference_lines())
+    drawn = figures(run)
+    try:
+        assert list(drawn) == ["loss.png", "metrics_by_step.png", "metrics_by_samples.png", "rewards.png"]
+        loss_ax = drawn["loss.png"].axes[0]
+        assert loss_ax.get_ylabel() == "loss (mean over pairs)"
+        assert [line.get_label() for line in loss_ax.lines] == ["loss", "smoothed (EMA 0.6)", "validation loss"]
+        assert [ax.get_xlabel() for ax in loss_ax.child_axes] == ["pairs seen"]  # the top axis
+        assert drawn["metrics_by_step.png"].axes[0].get_title() == "loss (mean over pairs)"
+        assert drawn["metrics_by_samples.png"].axes[0].get_xlabel() == "pairs seen"
+        rewards, accuracy, margin = drawn["rewards.png"].axes
+        assert [ax.get_title() for ax in (rewards, accuracy, margin)] == [
+            "rewards of the chosen and rejected sides (mean over pairs)",
+            "reward accuracy (share of pairs with chosen > rejected)",
+            "reward margin (chosen - rejected, mean over pairs)"]
+        assert [line.get_label() for line in rewards.lines] == [
+            "rewards/chosen", "val_rewards/chosen", "rewards/rejected", "val_rewards/rejected"]
+        assert [line.get_label() for line in accuracy.lines] == ["rewards/accuracies", "val_rewards/accuracies"]
+        assert list(accuracy.lines[0].get_ydata()) == [0.25, 0.5, 0.75, 1.0]
+        val_steps, val_accuracies = accuracy.lines[1].get_data()
+        assert list(val_steps) == [2, 4] and list(val_accuracies) == pytest.approx([0.4, 0.8])
+        assert list(margin.lines[1].get_ydata()) == pytest.approx([0.2, 0.4])
+    finally:
+        for fig in drawn.values():
+            plt.close(fig)
+    paths = plot_metrics(run, out_dir=tmp_path / "plots")
+    assert [p.name for p in paths] == ["loss.png", "metrics_by_step.png", "metrics_by_samples.png", "rewards.png"]
+    assert all(p.read_bytes()[:8] == PNG_SIGNATURE for p in paths)
+
+
+def test_an_sft_run_plots_its_per_token_loss_and_no_reward_panels(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from minitrainer.tools.plot_metrics import figures
+
+    lines = [{"step": s, "loss": 3 - 0.1 * s, "lr": 1e-5, "samples_seen": 8 * s, "num_samples": 8}
+             for s in range(1, 4)]
+    drawn = figures(_write_lines(tmp_path / "sft", lines))
+    assert list(drawn) == ["loss.png", "metrics_by_step.png", "metrics_by_samples.png"]
+    assert drawn["loss.png"].axes[0].get_ylabel() == "loss (per-token mean)"
+    assert [ax.get_xlabel() for ax in drawn["loss.png"].axes[0].child_axes] == ["samples seen"]
+    assert drawn["metrics_by_step.png"].axes[0].get_title() == "loss (per-token mean)"
+    assert drawn["metrics_by_samples.png"].axes[0].get_xlabel() == "samples seen"
+    for fig in drawn.values():
+        plt.close(fig)
+
+
+def test_a_preference_run_without_reward_fields_still_plots(tmp_path):
+    """Nulls (a skipped step's non-finite values) and missing fields are n/a panels, never an error."""
+    from minitrainer.tools.plot_metrics import plot_metrics
+
+    lines = [{"step": s, "loss": None if s == 1 else 0.6, "num_pairs": 16, "samples_seen": 16 * s,
+              "rewards/accuracies": None} for s in (1, 2)]
+    paths = plot_metrics(_write_lines(tmp_path / "nulls", lines), out_dir=tmp_path / "plots")
+    assert [p.name for p in paths][-1] == "rewards.png"
+
+
 def test_smoothing_is_a_bias_corrected_ema():
     from minitrainer.tools.plot_metrics import smooth
 

@@ -275,6 +275,14 @@ def test_lora_trains_pairs_against_its_base_and_validates_on_held_out_pairs(dpo_
     assert steps[0]["loss"] == math.log(2)
     assert len(validations) == 2 and all(0 <= v["val_rewards/accuracies"] <= 1 for v in validations)
     assert all(math.isfinite(v["val_loss"]) and "val_rewards/margins" in v for v in validations)
+    # The console says pairs, with the rewards' accuracy and margin (report/progress.py, loop/validation.py).
+    for step, v in zip(steps, validations):
+        assert (f"step {step['step']}/2 ({step['step'] / 2:.0%}): loss {step['loss']:.4f}, "
+                f"acc {step['rewards/accuracies']:.2f}, margin {step['rewards/margins']:.3f}, ") in result.stderr
+        assert f"pairs {step['samples_seen']}, elapsed " in result.stderr
+        assert (f"step {v['step']}: validation loss {v['val_loss']:.4f} over {v['val_num_samples']} pairs, "
+                f"acc {v['val_rewards/accuracies']:.2f}, margin {v['val_rewards/margins']:.3f} (") in result.stderr
+    assert validations[0]["val_num_samples"] == 8 and "samples 16" not in result.stderr
 
 
 def test_another_reference_model_is_the_reference(dpo_runs, chatml_model):

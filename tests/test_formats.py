@@ -587,10 +587,9 @@ OTHER_SHAPES = {
                           ("prompt=problem,completion=generated_solution", "prompt_completion")]),
     # TRL's preference rows (prompt/chosen/rejected, chosen/rejected: trl_preference, Intel/orca_dpo_pairs) are
     # read as pairs now (tests/test_preference_data.py); a pair that does not convert is still refused with offers.
-    # allenai's Tulu 3 preference mixtures: a prompt string beside chosen conversations that hold it.
-    "tulu_preference": ({"prompt": "Capital of France?", "chosen": MESSAGES_ROWS[0]["messages"][1:],
-                         "rejected": [MESSAGES_ROWS[0]["messages"][1], {"role": "assistant", "content": "Lyon."}]},
-                        [("messages=chosen", "messages")]),
+    # Plain strings that share a few characters but no whole turn, and no prompt column: no pair, nothing to offer
+    # (Tulu 3's and UltraFeedback's layouts read as pairs now: tests/test_preference_layouts.py).
+    "shared_characters_preference": ({"chosen": "The sky is blue.", "rejected": "The sky is green."}, []),
     # OpenAI's preference fine-tuning rows: the prompt is nested under 'input', which --columns cannot name. The
     # refusal offered messages=preferred_output (a reply without its question) and messages=non_preferred_output.
     "openai_preference": ({"input": {"messages": [{"role": "user", "content": "Capital of France?"}], "tools": []},

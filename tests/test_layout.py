@@ -229,7 +229,11 @@ def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(met
 
 
 OBJECTIVE_NAMES = {"DPO": (r"(?:^|[^a-z])dpo|reference[_-]model",
-                           {"objectives/dpo.py", "objectives/reference.py", "objectives/base.py"})}
+                           {"objectives/dpo.py", "objectives/reference.py", "objectives/base.py",
+                            "objectives/pairs.py"}),
+                   "CPO and SimPO": (r"(?:^|[^a-z])(?:cpo|simpo)",
+                                     {"objectives/cpo.py", "objectives/pairs.py", "objectives/base.py"}),
+                   "ORPO": (r"(?:^|[^a-z])orpo", {"objectives/orpo.py", "objectives/pairs.py", "objectives/base.py"})}
 """Each training objective but SFT (the interface itself), as its code spells it (its name, its flags), and the
 modules that may name it: its own, the interface's one-line refusal of its data, and the config
 (``training_objective`` picks it); the run asks the objective (``preflight``, ``run_params``, ``prepare``)."""

@@ -14,7 +14,7 @@ import pytest
 
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.data.chat_masking import PAIR_OUTPUT_FIELDS
-from minitrainer.data.formats import detect_format, implicit_prompt
+from minitrainer.data.formats import detect_format, implicit_prompt, turn_prefix
 from minitrainer.data.process_data import ProcessDataConfig, process_data
 from tests.test_process_data import read_jsonl, write_jsonl
 
@@ -32,9 +32,13 @@ SHAPES = {
                                  "rejected": [HI, {"role": "assistant", "content": "Go."}]}],
     "string_explicit": [{"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Lyon."},
                         {"prompt": "2+2 =", "chosen": " 4", "rejected": " 5"}],
-    "string_implicit": [{"chosen": "The capital of France is Paris.", "rejected": "The capital of France is Lyon."},
-                        {"chosen": "2+2 = 4", "rejected": "2+2 = 5"}],
+    # Anthropic/hh-rlhf's whole strings: the prompt is the shared whole turns, up to the last "\n\nAssistant:"
+    "string_implicit": [{"chosen": "\n\nHuman: Capital of France?\n\nAssistant: Paris.",
+                         "rejected": "\n\nHuman: Capital of France?\n\nAssistant: Lyon."},
+                        {"chosen": "\n\nHuman: 2+2?\n\nAssistant: 4", "rejected": "\n\nHuman: 2+2?\n\nAssistant: 5"}],
 }
+STRING_SPLIT = [{"prompt": "\n\nHuman: Capital of France?\n\nAssistant:", "chosen": " Paris.", "rejected": " Lyon."},
+                {"prompt": "\n\nHuman: 2+2?\n\nAssistant:", "chosen": " 4", "rejected": " 5"}]
 FILE_KINDS = ("jsonl", "json", "parquet", "arrow", "csv")
 
 
@@ -124,15 +128,31 @@ def test_pairs_of_every_shape_in_every_file_kind(tmp_path, chatml, shape, kind):
 
 
 def test_implicit_pairs_are_their_explicit_split(tmp_path, chatml):
-    """An implicit pair gives what its explicit form (TRL's extract_prompt split) gives."""
-    for implicit, explicit in (("conversational_implicit", None), ("string_implicit", "string_explicit")):
-        rows = SHAPES[implicit]
-        split = [dict(zip(("prompt", "chosen", "rejected"), implicit_prompt(row["chosen"], row["rejected"])))
-                 for row in rows]
-        if explicit:
-            assert split == SHAPES[explicit]
-        assert tokenize(tmp_path, chatml, rows, name="implicit")[0] == \
+    """An implicit pair gives what its explicit form gives: TRL's extract_prompt split for conversations, the
+    shared whole turns for plain strings (here also TRL's split: the replies differ at their first character)."""
+    conversational = [dict(zip(("prompt", "chosen", "rejected"), implicit_prompt(row["chosen"], row["rejected"])))
+                      for row in SHAPES["conversational_implicit"]]
+    strings = [{"prompt": row["chosen"][:end], "chosen": row["chosen"][end:], "rejected": row["rejected"][end:]}
+               for row in SHAPES["string_implicit"] for end in (turn_prefix(row["chosen"], row["rejected"]),)]
+    assert strings == STRING_SPLIT == [dict(zip(("prompt", "chosen", "rejected"), implicit_prompt(
+        row["chosen"], row["rejected"]))) for row in SHAPES["string_implicit"]]
+    for implicit, split in (("conversational_implicit", conversational), ("string_implicit", strings)):
+        assert tokenize(tmp_path, chatml, SHAPES[implicit], name="implicit")[0] == \
             tokenize(tmp_path, chatml, split, name="explicit")[0]
+
+
+@pytest.mark.parametrize("chosen, rejected, prompt", [
+    ("\n\nHuman: Hi\n\nAssistant: I think so.", "\n\nHuman: Hi\n\nAssistant: I think not.",
+     "\n\nHuman: Hi\n\nAssistant:"),
+    ("\n\nHuman: A\n\nAssistant: B\n\nHuman: C\n\nAssistant: D",
+     "\n\nHuman: A\n\nAssistant: B\n\nHuman: C\n\nAssistant: E",
+     "\n\nHuman: A\n\nAssistant: B\n\nHuman: C\n\nAssistant:"),
+    ("### Human: Hi ### Assistant: Yes", "### Human: Hi ### Assistant: No", "### Human: Hi ### Assistant:"),
+    ("The capital of France is Paris.", "The capital of France is Lyon.", ""),  # shared characters, no turn
+])
+def test_a_plain_implicit_prompt_is_whole_turns(chosen, rejected, prompt):
+    """Never a few shared characters (TRL's "...Assistant: I think"): up to the last assistant header."""
+    assert chosen[:turn_prefix(chosen, rejected)] == prompt
 
 
 def test_columns_map_other_names(tmp_path, chatml):
@@ -147,7 +167,9 @@ def test_columns_map_other_names(tmp_path, chatml):
 def test_explicit_shape_wins_over_implicit():
     assert detect_format({"prompt": "p", "chosen": "a", "rejected": "b"}) == "preference"
     assert detect_format({"chosen": "a", "rejected": "b"}) == "preference_implicit"
-    assert detect_format({"messages": [], "chosen": "a", "rejected": "b"}) == "messages"
+    # chosen and rejected make a pair whatever else the row carries (UltraFeedback binarized's 'messages')
+    assert detect_format({"messages": [], "chosen": "a", "rejected": "b"}) == "preference_implicit"
+    assert detect_format({"messages": [], "rejected": "b"}) == "messages"
 
 
 @pytest.mark.parametrize("chosen, rejected, expected", [
@@ -226,11 +248,11 @@ def test_every_bad_pair_reason_is_counted(tmp_path, chatml):
                             "rejected": [LYON]},
         "no_loss_tokens": {"prompt": [USER], "chosen": [PARIS], "rejected": [{**LYON, "weight": 0}]},
         "not_a_pair": {"messages": [USER, PARIS]},
-        # Intel/orca_dpo_pairs' shape: the question in its own column, so the sides share no beginning.
-        "no_shared_prompt": {"question": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."},
+        # Plain sides that share no whole turn, and no prompt-like column beside them (orca's 'question' is one).
+        "no_shared_prompt": {"id": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."},
     }
     rows = [good, *bad.values(), {"prompt": "p", "chosen": "", "rejected": " x"},
-            {"chosen": "same text", "rejected": "same text"}]
+            {"chosen": "\n\nHuman: Hi\n\nAssistant: same", "rejected": "\n\nHuman: Hi\n\nAssistant: same"}]
     data, rejected, summary = tokenize(tmp_path, chatml, rows)
     assert len(data) == 1 and summary["num_pairs"] == 1
     reasons = [row["reason"] for row in rejected]
@@ -248,7 +270,7 @@ def test_too_long_counts_both_sides_never_one(tmp_path, chatml):
     data, _, _ = tokenize(tmp_path, chatml, rows, name="exact", max_sample_num_tokens=row["len"])
     assert data == [row]
     for flags in ({}, {"split_long_text": True}):  # --split-long-text does not apply to pairs
-        with pytest.raises(ValueError, match="no sample written"):
+        with pytest.raises(ValueError, match="no pair written"):
             tokenize(tmp_path, chatml, rows, name="short", max_sample_num_tokens=longest, **flags)
         rejected = read_jsonl(tmp_path / "out-short-jsonl" / "rejected.jsonl")
         assert [r["reason"] for r in rejected] == ["too_long"] and "a pair counts both sides" in rejected[0]["detail"]
@@ -280,7 +302,9 @@ TRL_ROWS = [
     {"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Lyon."},
     {"prompt": "The capital of France is ", "chosen": "Paris.", "rejected": "Lyon."},  # a token merging across
     {"prompt": "Q: 2+2? A:", "chosen": " 4</s>", "rejected": " 5"},  # </s>: the tokenizer's EOS, already there
-    {"chosen": "Count: 12345", "rejected": "Count: 12 and more"},
+    # hh-rlhf's whole strings; the prompt is the whole turn, which is TRL's split when the replies differ at once
+    {"chosen": "\n\nHuman: Count.\n\nAssistant: 12345",
+     "rejected": "\n\nHuman: Count.\n\nAssistant: Twelve and more"},
     {"prompt": [USER], "chosen": [PARIS], "rejected": [LYON]},
     {"chosen": [USER, PARIS], "rejected": [USER, LYON]},
 ]

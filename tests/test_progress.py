@@ -89,6 +89,39 @@ def test_lines_also_come_every_30_seconds_with_an_eta(caplog):
     assert format_duration(3725) == "1h02m"
 
 
+PAIR_METRICS = {"rewards/accuracies": 0.625, "rewards/margins": 0.03125}
+
+
+def test_a_preference_objectives_line_shows_its_metrics_and_counts_pairs(caplog):
+    """The objective's ``console_metrics`` after the loss, in its unit; SFT's line is unchanged (above)."""
+    from minitrainer.objectives.base import TrainingObjective
+    from minitrainer.objectives.dpo import DPOObjective
+
+    assert TrainingObjective.console_metrics == () and TrainingObjective.unit == "samples"
+    assert DPOObjective.console_metrics == tuple(PAIR_METRICS) and DPOObjective.unit == "pairs"
+    clock = _Clock()
+    progress = Progress("lines", total=10, initial=2, clock=clock)
+    clock.now += 10.0
+    with caplog.at_level(logging.INFO, logger="mini_trainer"):
+        progress.update(step=3, loss=0.68123, tokens_per_second=5120.0, samples=96, unit="pairs",
+                        metrics=PAIR_METRICS)
+    assert [r.getMessage() for r in caplog.records] == [
+        "step 3/10 (30%): loss 0.6812, acc 0.62, margin 0.031, 5120 tokens/s, pairs 96, elapsed 10s, eta 1m10s"]
+    # A field the record lacks (or null) is n/a, never a guess; an unnamed field shows as itself.
+    assert progress.line(step=4, loss=0.5, tokens_per_second=1.0, samples=128, unit="pairs",
+                         metrics={"rewards/accuracies": None, "odds_ratio": 1.234567}).startswith(
+        "step 4/10 (40%): loss 0.5000, acc n/a, odds_ratio 1.235, 1 tokens/s, pairs 128, ")
+
+
+def test_the_bar_of_a_preference_objective_shows_its_metrics_and_pairs(capsys):
+    progress = Progress("bar", total=2)
+    progress.update(step=1, loss=0.6931, tokens_per_second=100.0, samples=32, unit="pairs", metrics=PAIR_METRICS)
+    postfix = progress.bar.postfix
+    progress.close()
+    assert postfix == "loss=0.6931, acc=0.62, margin=0.031, tok_s=100, pairs=32"
+    assert "samples" not in capsys.readouterr().err
+
+
 def test_none_and_other_ranks_report_nothing(caplog, capsys):
     for progress in (Progress("none", total=10), Progress("lines", total=10, enabled=False),
                      Progress("bar", total=10, enabled=False)):
@@ -101,6 +134,7 @@ def test_none_and_other_ranks_report_nothing(caplog, capsys):
 def test_bar_is_tqdm_on_stderr(capsys):
     progress = Progress("bar", total=3)
     _steps(progress, _Clock(), range(1, 4), seconds_per_step=1.0)
+    assert progress.bar.postfix == "loss=2.5000, tok_s=1000, samples=24"
     progress.close()
     err = capsys.readouterr().err
     assert "train" in err and "3/3" in err and "loss=2.5000" in err

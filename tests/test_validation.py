@@ -148,6 +148,24 @@ def test_disk_plan_counts_retention_and_warns():
     assert checkpoint_policy.full_states_kept(5, 1) == 5
 
 
+def test_validation_line_counts_what_the_loss_is_a_mean_over():
+    """SFT's loss is per token: tokens; a preference objective's is per pair: pairs, with its reward metrics."""
+    from minitrainer.objectives.dpo import DPOObjective
+
+    assert validation.validation_line(step=50, val_loss=1.93, unit="samples", num_units=41,
+                                      num_loss_counted_tokens=48211, metrics={}, seconds=3.2) \
+        == "step 50: validation loss 1.9300 over 48211 tokens (3.20s)"
+    extra = {"val_rewards/accuracies": 0.8286, "val_rewards/margins": 1.23449, "val_rewards/chosen": 2.0}
+    metrics = {name: extra.get(f"val_{name}") for name in DPOObjective.console_metrics}
+    assert validation.validation_line(step=5, val_loss=0.53344, unit=DPOObjective.unit, num_units=8,
+                                      num_loss_counted_tokens=118, metrics=metrics, seconds=1.523) \
+        == "step 5: validation loss 0.5334 over 8 pairs, acc 0.83, margin 1.234 (1.52s)"
+    # No held-out pair: NaN loss and no fields, said as such.
+    assert validation.validation_line(step=5, val_loss=float("nan"), unit="pairs", num_units=0,
+                                      num_loss_counted_tokens=0, metrics=dict.fromkeys(metrics), seconds=0.0) \
+        == "step 5: validation loss nan over 0 pairs, acc n/a, margin n/a (0.00s)"
+
+
 def test_metrics_writer_writes_strict_json(tmp_path):
     writer = MetricsWriter(tmp_path / "training_metrics_0.jsonl")
     writer.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "skipped": True, "lr": 1e-5})
@@ -212,14 +230,16 @@ def test_separate_validation_file_and_strict_json(tmp_path, chatml_model, data_p
     vocab = model_vocab_size(chatml_model)
     val_path = write_tokenized_jsonl(tmp_path / "val.jsonl", num_samples=7, vocab_size=vocab, seed=8)
     out = tmp_path / "valfile"
-    assert_ok(torchrun(_args(chatml_model, data_path, out, "--learning-rate", "0", "--max-steps", "2",
-                       "--validation-data-path", str(val_path)), env={"MINI_TRAINER_TEST_NAN": "1:1"}))
+    result = torchrun(_args(chatml_model, data_path, out, "--learning-rate", "0", "--max-steps", "2",
+                            "--validation-data-path", str(val_path)), env={"MINI_TRAINER_TEST_NAN": "1:1"})
+    assert_ok(result)
     records = strict_metrics(out)
     assert records[0]["skipped"] is True and records[0]["loss"] is None
     [val] = [r for r in records if "val_loss" in r]
     assert val["step"] == 2
     ref_val, ref_tokens = _unpacked_loss(chatml_model, load_tokenized_dataset(str(val_path)), range(7))
     assert val["val_loss"] == pytest.approx(ref_val, rel=1e-5) and val["val_num_loss_counted_tokens"] == ref_tokens
+    assert f"step 2: validation loss {val['val_loss']:.4f} over {ref_tokens} tokens (" in result.stderr
 
 
 def test_resume_refuses_changed_params_then_applies_them_when_asked(tmp_path, chatml_model, data_path):

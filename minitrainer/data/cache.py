@@ -215,10 +215,13 @@ def tokenize_once(config) -> Path:
     folder = cache_folder(config.output_dir, config.input_file, key)
     if (folder / "summary.json").is_file():
         summary = json.loads((folder / "summary.json").read_text())
+        if summary.get("kind") == "preference":
+            what = f"{summary['num_pairs']} preference pairs"
+        else:
+            what = (f"{summary['num_written']} samples ({summary['num_chat']} chat, "
+                    f"{summary.get('num_prompt_completion', 0)} prompt/completion, {summary['num_pretrain']} pretrain)")
         logger.info("tokenized data: reusing %s (fingerprint %s of the input, tokenizer, template and options): "
-                    "%d samples (%d chat, %d prompt/completion, %d pretrain), %d tokens, from %s", folder, key[:16],
-                    summary["num_written"], summary["num_chat"], summary.get("num_prompt_completion", 0),
-                    summary["num_pretrain"], summary["num_tokens"], config.input_file)
+                    "%s, %d tokens, from %s", folder, key[:16], what, summary["num_tokens"], config.input_file)
         return folder
     if (why := why_not_reused(folder, parts)) is not None:
         logger.info("tokenized data: %s: tokenizing %s again into %s (this run does not read the earlier folder; "

@@ -24,20 +24,23 @@ it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has
                        optional)
     preference         prompt, chosen, rejected        a pair (``read_pair``): each side a prompt/completion
                                                        row of the prompt and that side
-    preference_implicit  chosen, rejected              a pair; the prompt is the sides' common prefix
-                                                       (TRL's ``extract_prompt``)
+    preference_implicit  chosen, rejected              a pair; the prompt is the sides' shared whole turns
+                                                       (``implicit_prompt``, ``turn_prefix``)
 
-A row with ``messages`` is read as today whatever else it carries, and an explicit preference row
-(``prompt`` too) is not also an implicit one. Otherwise exactly one of the other shapes must match:
-no match is ``missing_messages``, two (an alpaca row with a ``text`` column) is ``ambiguous_format``;
-``--input-format`` picks one. ``--columns`` renames columns first. Pairs and SFT rows never share a
-file: ``read_row`` refuses a pair (``preference_row``), ``read_pair`` any other row (``not_a_pair``).
+A row with ``chosen`` and ``rejected`` is a pair whatever else it carries (UltraFeedback binarized's
+``messages`` beside them is not read); else a row with ``messages`` is read so whatever else it carries,
+and an explicit preference row (``prompt`` too) is not also an implicit one. Otherwise exactly one of
+the other shapes must match: no match is ``missing_messages``, two (an alpaca row with a ``text``
+column) is ``ambiguous_format``; ``--input-format`` picks one. ``--columns`` renames columns first.
+Pairs and SFT rows never share a file: ``read_row`` refuses a pair (``preference_row``), ``read_pair``
+any other row (``not_a_pair``). ``_pair`` says where a pair's prompt comes from (docs/preference.md).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import os
+from typing import Any, NamedTuple
 
 from minitrainer.data.chat_masking import LEARNING_MARKS, ChatRow, SampleError, json_field, load_row
 from minitrainer.data.sources import BadRow
@@ -45,7 +48,8 @@ from minitrainer.data.sources import BadRow
 FORMATS = ("messages", "sharegpt", "prompt_completion", "text", "alpaca", "preference", "preference_implicit")
 PAIR_FORMATS = ("preference", "preference_implicit")  # rows read by read_pair, never by read_row
 INPUT_FORMATS = ("auto",) + FORMATS
-# The keys that make each format (all must be there); "messages" wins over every other shape.
+# The keys that make each format (all must be there); "chosen" and "rejected" win over every other shape, then
+# "messages" (detect_format).
 SHAPES = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
           "text": ("text",), "alpaca": ("instruction", "output"), "preference": ("prompt", "chosen", "rejected"),
           "preference_implicit": ("chosen", "rejected")}
@@ -81,11 +85,12 @@ def parse_columns(text: str | None) -> dict[str, str]:
 
 def detect_format(row: dict[str, Any]) -> str:
     """The row's format by its keys; ``SampleError`` for none or several (module docstring)."""
+    if "chosen" in row and "rejected" in row:
+        # A pair whatever else it carries: UltraFeedback binarized keeps its chosen conversation in 'messages' too.
+        return "preference" if "prompt" in row else "preference_implicit"
     if "messages" in row:
         return "messages"
     found = [name for name, keys in SHAPES.items() if all(key in row for key in keys)]
-    if "preference" in found:  # its keys include the implicit shape's: the explicit prompt wins
-        found.remove("preference_implicit")
     if len(found) == 1:
         return found[0]
     keys = ", ".join(map(repr, row)) or "none"
@@ -127,7 +132,9 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     row, fmt = _row_and_format(raw, input_format=input_format, columns=columns)
     if fmt in PAIR_FORMATS:
         err = SampleError("preference_row", "a chosen/rejected pair in a file of SFT rows (its first convertible "
-                                            "row is not a pair): give pairs a file of their own")
+                                            "row is not a pair; 'chosen' and 'rejected' make a row a pair whatever "
+                                            "else it holds): give pairs a file of their own"
+                          + ("; --input-format messages reads its 'messages' as SFT" if "messages" in row else ""))
         err.row_format = fmt
         raise err
     if from_table:
@@ -139,72 +146,123 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
         raise
 
 
+class Pair(NamedTuple):
+    """One preference row read (``read_pair``): its two sides and the columns it does not read."""
+
+    format: str  # "preference" (a prompt given) or "preference_implicit" (the sides' shared turns)
+    chosen: ChatRow
+    rejected: ChatRow
+    not_read: tuple[str, ...]  # the row's columns no side uses (ratings, ids, UltraFeedback's 'messages'), by name
+
+
 def read_pair(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | None = None,
-              from_table: bool = False) -> tuple[str, ChatRow, ChatRow]:
+              from_table: bool = False) -> Pair:
     """Convert one preference row (TRL's explicit ``prompt``/``chosen``/``rejected`` or implicit
-    ``chosen``/``rejected``, conversational or plain strings) into its two sides.
+    ``chosen``/``rejected``, conversational or plain strings, and the layouts of docs/preference.md)
+    into its two sides.
 
     Each side is the prompt/completion row of the prompt and that side (``_prompt_completion``), so
     what a side learns is exactly what SFT learns of that row. Arguments as ``read_row``'s.
 
     Returns:
-        ``(format, chosen_row, rejected_row)``.
+        The ``Pair``: its format, the chosen and the rejected side, the columns it does not read (by the
+        names the input gives them).
 
     Raises:
-        SampleError: not a preference row (``not_a_pair``), an empty side (``empty_side``), or a side
-            that is not a valid prompt/completion row.
+        SampleError: not a preference row (``not_a_pair``), no prompt found (``no_shared_prompt``), an empty
+            side (``empty_side``), or a side that is not a valid prompt/completion row.
     """
-    row, fmt = _row_and_format(raw, input_format=input_format, columns=columns)
+    loaded = _loaded(raw)
+    row, fmt = _row_and_format(loaded, input_format=input_format, columns=columns)
     if fmt not in PAIR_FORMATS:
-        err = SampleError("not_a_pair", f"a {fmt} row in a file of preference pairs (its first convertible row is "
-                                        "a pair): give SFT rows a file of their own")
+        decided = f"its {', '.join(map(repr, SHAPES[fmt]))}, no 'chosen' and 'rejected'"
+        err = SampleError("not_a_pair", f"a {fmt} row ({decided}) in a file of preference pairs (its first "
+                                        "convertible row is a pair): give SFT rows a file of their own")
         err.row_format = fmt
         raise err
     if from_table:
         # A CSV cell holds no list: a conversation there is JSON text (as _convert reads a 'messages' cell).
         row = _without_struct_nulls({key: _json_turns(value) if key in SHAPES["preference"] else value
                                      for key, value in row.items()})
+    source = {name: column for column, name in (columns or {}).items()}  # accepted name -> the input's column
     try:
-        return (fmt, *_pair(fmt, row))
+        # A prompt --columns names from another column is a question (Intel/orca_dpo_pairs' prompt=question).
+        named = source.get("prompt", "prompt") in loaded.keys() - {"prompt"}
+        found, chosen, rejected, read = _pair(fmt, row, prompt_named=named)
     except SampleError as err:
         err.row_format = fmt
         raise
+    return Pair(found, chosen, rejected, tuple(source.get(key, key) for key in row if key not in read))
 
 
-def _row_and_format(raw: Any, *, input_format: str, columns: dict[str, str] | None) -> tuple[dict[str, Any], str]:
-    """The row as an object, ``--columns``' renames applied, and its format; a line that is no object raises."""
+def _loaded(raw: Any) -> dict[str, Any]:
+    """The row as an object; a line that is no object raises."""
     if isinstance(raw, BadRow):
         raise SampleError(raw.reason, raw.detail)
     row = load_row(raw) if isinstance(raw, bytes) else raw
     if not isinstance(row, dict):
         raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _row_and_format(raw: Any, *, input_format: str, columns: dict[str, str] | None) -> tuple[dict[str, Any], str]:
+    """The row as an object, ``--columns``' renames applied, and its format."""
+    row = _loaded(raw)
     if columns:
         row = _renamed(row, columns)
     return row, row_format(row, input_format)
 
 
-def _pair(fmt: str, row: dict[str, Any]) -> tuple[ChatRow, ChatRow]:
+# Where a plain-string pair's prompt may stand when its sides share no whole turn (Intel/orca_dpo_pairs'
+# 'question'; a prompt string beside conversational sides is looked for first).
+QUESTION_COLUMNS = ("question", "instruction", "input")
+# The ends of an assistant's header in plain-string conversations: a shared beginning of two plain sides is
+# a prompt only up to the last of these (Anthropic/hh-rlhf's "\n\nHuman: ...\n\nAssistant:").
+TURN_ENDS = ("\nAssistant:", "\nASSISTANT:", "### Assistant:", "### Response:", "<|im_start|>assistant\n",
+             "<|assistant|>\n", "[/INST]")
+
+
+def _pair(fmt: str, row: dict[str, Any], *, prompt_named: bool) -> tuple[str, ChatRow, ChatRow, set[str]]:
+    """The pair's format as found, its sides and the columns read. Where the prompt comes from::
+
+        prompt column                   sides                      prompt
+        a list of messages              strings or lists           itself (TRL's explicit conversational)
+        a string                        strings                    itself, plain text (TRL's standard), or,
+                                                                   named by --columns prompt=COLUMN, a user turn
+        a string (UltraFeedback, Tulu)  lists                      the sides' shared leading messages (TRL's
+                                                                   maybe_extract_prompt); none shared: a user turn
+        none                            lists                      the shared leading messages
+        none (hh-rlhf)                  strings                    the shared beginning up to a whole turn's end
+                                                                   (TURN_ENDS), never a few shared characters
+        none, none of the above         (orca_dpo_pairs)           a QUESTION_COLUMNS string, as a user turn
+
+    A prompt that is a user turn goes through the chat template, after the ``system`` column's message, so
+    such a pair tokenizes as its explicit conversational form would.
+    """
     if isinstance(row.get("tools"), str):  # a table's JSON string, as _convert reads it
         row = {**row, "tools": json_field(row["tools"], "invalid_tools", "'tools'")}
     chosen, rejected = row["chosen"], row["rejected"]
-    if fmt == "preference":
-        prompt = row["prompt"]
-    else:
-        if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
-            raise SampleError("invalid_pair", f"'chosen' is a {type(chosen).__name__} and 'rejected' a "
-                                              f"{type(rejected).__name__}: both strings or both lists of messages")
-        prompt, chosen, rejected = implicit_prompt(chosen, rejected)
-        if not prompt or isinstance(prompt, str) and not prompt.strip():
-            # TRL would learn each whole side with no question before it; a dataset keeping its question in
-            # another column (Intel/orca_dpo_pairs' 'question') is what this almost always is.
-            raise SampleError("no_shared_prompt", "'chosen' and 'rejected' begin differently, so they share no "
-                                                  "prompt: name the prompt's column, e.g. --columns prompt=question")
-    rest = {key: value for key, value in row.items() if key not in SHAPES["preference"]}
+    prompt = row.get("prompt") if fmt == "preference" else None
+    read = {"chosen", "rejected"} | ({"prompt"} if fmt == "preference" else set())
+    found = "preference"
+    plain = isinstance(prompt, str) and isinstance(chosen, str)
+    if plain and prompt_named:
+        prompt = [{"role": "user", "content": prompt}]
+    elif not (plain or isinstance(prompt, list)):  # else TRL's explicit forms, as given
+        found, prompt, chosen, rejected, column = _implicit(row, prompt, chosen, rejected)
+        read.update([column] if column else [])
+    rest = {}
+    if isinstance(prompt, list):  # the template reads the tools and a system message, which plain text has not
+        rest = {key: row[key] for key in ("tools",) if key in row}
+        if "system" in row and not (prompt and isinstance(prompt[0], dict)
+                                    and prompt[0].get("role") in ("system", "developer")):
+            rest["system"] = row["system"]
+        read |= rest.keys()
     sides = []
     for name, side in (("chosen", chosen), ("rejected", rejected)):
         if not side or isinstance(side, str) and not side.strip():
             raise SampleError("empty_side", f"'{name}' is empty" + (" once the prompt the sides share is taken out"
-                                                                  if fmt == "preference_implicit" else ""))
+                                                                  if found == "preference_implicit" else ""))
         try:
             sides.append(_prompt_completion(prompt, side, dict(rest)))
         except SampleError as err:
@@ -212,7 +270,44 @@ def _pair(fmt: str, row: dict[str, Any]) -> tuple[ChatRow, ChatRow]:
                 raise SampleError("empty_side", f"'{name}': {err.detail}") from None
             err.detail = f"'{name}': {err.detail}"
             raise
-    return sides[0], sides[1]
+    return found, sides[0], sides[1], read
+
+
+def _implicit(row: dict[str, Any], prompt: Any, chosen: Any, rejected: Any) -> tuple[str, Any, Any, Any, str | None]:
+    """``(format, prompt, chosen, rejected, column)`` of a pair whose prompt is not given as TRL gives it:
+    the sides' shared whole turns, else the prompt string or a ``QUESTION_COLUMNS`` string (its name
+    returned as ``column``) as the user's turn; ``no_shared_prompt`` when there is none of these."""
+    if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
+        raise SampleError("invalid_pair", f"'chosen' is a {type(chosen).__name__} and 'rejected' a "
+                                          f"{type(rejected).__name__}: both strings or both lists of messages")
+    if isinstance(chosen, list):
+        shared, chosen_rest, rejected_rest = implicit_prompt(chosen, rejected)
+    else:
+        end = turn_prefix(chosen, rejected)
+        shared, chosen_rest, rejected_rest = chosen[:end], chosen[end:], rejected[end:]
+    if shared:
+        return "preference_implicit", shared, chosen_rest, rejected_rest, None
+    if isinstance(prompt, str):
+        return "preference", [{"role": "user", "content": prompt}], chosen, rejected, None
+    column = next((key for key in QUESTION_COLUMNS if isinstance(row.get(key), str) and row[key].strip()), None)
+    if column is not None:
+        return "preference", [{"role": "user", "content": row[column]}], chosen, rejected, column
+    # TRL would learn each whole side with no question before it (or after a few shared characters); a dataset
+    # keeping its question in another column (Intel/orca_dpo_pairs' 'question') is what this is.
+    what = "messages" if isinstance(chosen, list) else \
+        f"whole turn (a beginning ending in {' or '.join(map(repr, TURN_ENDS[:2]))})"
+    raise SampleError("no_shared_prompt", f"'chosen' and 'rejected' share no leading {what}, and the row has no "
+                                          f"prompt column ({', '.join(('prompt',) + QUESTION_COLUMNS)}): name the "
+                                          "prompt's column, e.g. --columns prompt=question")
+
+
+def turn_prefix(chosen: str, rejected: str) -> int:
+    """The length of the longest beginning two plain-string sides share that ends a turn: up to the end of
+    the last assistant header (``TURN_ENDS``) inside their common prefix, so the prompt is whole turns and
+    each reply starts after its header (hh-rlhf's ``"...\\n\\nAssistant:"``, the reply's space its own);
+    0 when there is none."""
+    shared = os.path.commonprefix([chosen, rejected])
+    return max((shared.rfind(end) + len(end) for end in TURN_ENDS if end in shared), default=0)
 
 
 def _json_turns(value: Any) -> Any:
@@ -229,7 +324,8 @@ def _json_turns(value: Any) -> Any:
 
 def implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
     """``(prompt, chosen, rejected)``: the longest common prefix of the sides (messages of lists,
-    characters of strings) taken out as the prompt. A port of TRL's ``extract_prompt``
+    characters of strings) taken out as the prompt; ``read_pair`` splits conversational pairs so and
+    plain strings at a whole turn (``turn_prefix``). A port of TRL's ``extract_prompt``
     (trl/data_utils.py:548, TRL 1.16), quirks kept so a pair splits as TRL splits it: a string prompt
     gives its trailing space back to the sides; when one side is a prefix of the other the loop ends
     without a break and the last shared item still goes to the sides; and a first difference at index

@@ -22,11 +22,12 @@ file (or ``.json`` array, ``.gz``, ``.zst``, ``.bz2``, ``.xz``), ``.parquet``, `
 folder, a folder (its ``--split``, as datasets splits a dataset repository) or glob of such files,
 or a hub dataset id (``data/sources.py``).
 
-Preference pairs (TRL's ``prompt``/``chosen``/``rejected``, or ``chosen``/``rejected``
-with the prompt their common prefix) make a preference file, decided by its first
-convertible row; each pair becomes one row of ``chosen_input_ids``, ``chosen_labels``,
-``rejected_input_ids``, ``rejected_labels``, ``len`` and ``num_loss_counted_tokens``
-(both sides'), each side learned as the prompt/completion row of its reply.
+Preference pairs (a row with ``chosen`` and ``rejected``, whatever else it holds: TRL's
+forms, UltraFeedback binarized, Tulu 3, hh-rlhf, Intel/orca_dpo_pairs; docs/preference.md)
+make a preference file, decided by its first convertible row; each pair becomes one row of
+``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``, ``rejected_labels``, ``len``
+and ``num_loss_counted_tokens`` (both sides'), each side learned as the prompt/completion row
+of its reply; the input's columns no pair reads are named once (``columns_not_read``).
 
 Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
 ``F.summary.json``, ``F.rejected.jsonl``):
@@ -186,6 +187,7 @@ class ChunkResult:
     num_prompt_completion: int = 0  # plain prompt/completion rows (no template, the prompt masked)
     num_prompt_completion_tokens: int = 0
     num_prompt_completion_loss_tokens: int = 0
+    not_read: Counter = dataclasses.field(default_factory=Counter)  # a pair file's columns no side uses: rows
 
 
 NUM_AUDIT_EXAMPLES = 3  # decoded examples kept per rejection reason and per broken rule
@@ -292,7 +294,7 @@ def _process_chunk(chunk: Chunk) -> ChunkResult:
 
 def convert_rows(chunk: Chunk, config: ProcessDataConfig, kind: str = "sft") -> list[tuple | SampleError]:
     """Each row of the chunk in the ``messages`` format, with the format it was read as, or why it cannot be;
-    for ``kind`` ``"preference"``, ``(format, chosen_row, rejected_row)`` (``formats.read_pair``)."""
+    for ``kind`` ``"preference"``, its ``formats.Pair``."""
     columns = parse_columns(config.columns)
     read = read_pair if kind == "preference" else read_row
     converted: list[tuple | SampleError] = []
@@ -373,15 +375,18 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
 
 def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig) -> ChunkResult:
     """``encode_chunk`` for a preference file: one output row per pair (``PairSample``). The audit
-    counts both sides' replies as chat rows; a plain-string pair counts as one plain prompt/completion row."""
+    counts each conversational pair once and both sides' replies; a plain-string pair counts as one plain
+    prompt/completion row. The columns a pair does not read are counted (``not_read``)."""
     data, rejected, row_bytes, lengths, num_loss = [], [], [], [], []
     reasons: Counter = Counter()
     formats: Counter = Counter()
     first_rejection = None
     num_plain = num_plain_tokens = num_plain_loss_tokens = 0
     audit, input_errors = ChunkAudit(), ChunkAudit()
+    not_read: Counter = Counter()
     converted = convert_rows(chunk, config, kind="preference")
-    encoded = iter(encoder.encode_pairs([item[1:] for item in converted if not isinstance(item, SampleError)]))
+    encoded = iter(encoder.encode_pairs([(item.chosen, item.rejected) for item in converted
+                                         if not isinstance(item, SampleError)]))
     named = chunk.file != config.input_file
     for offset, item in enumerate(converted):
         if isinstance(item, SampleError):
@@ -389,7 +394,8 @@ def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessData
             if item.row_format is not None:
                 formats[item.row_format] += 1
         else:
-            formats[item[0]] += 1
+            formats[item.format] += 1
+            not_read.update(item.not_read)
             result = next(encoded)
         if isinstance(result, SampleError):
             rejected.append(_reject(chunk, offset, result, named=named, reasons=reasons, audit=audit,
@@ -417,7 +423,7 @@ def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessData
     return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss, 0, reasons,
                        first_rejection, audit, input_errors, formats, num_prompt_completion=num_plain,
                        num_prompt_completion_tokens=num_plain_tokens,
-                       num_prompt_completion_loss_tokens=num_plain_loss_tokens)
+                       num_prompt_completion_loss_tokens=num_plain_loss_tokens, not_read=not_read)
 
 
 # ----------------------------------------------------------------------------
@@ -447,6 +453,9 @@ class _Scan:
     calls_tools: bool = False
     unread_system: Counter = dataclasses.field(default_factory=Counter)  # system-like columns nothing reads
     kind: str | None = None  # "preference" when the first convertible row is a pair, else "sft" (KINDS)
+    first_pair: str | None = None  # where the first pair stands ("in.parquet row 1"), and its unread 'messages'
+    pair_has_messages: bool = False
+    unknown_is_pair: bool = False  # the first unknown row is a pair that does not convert (no prompt found...)
 
     @property
     def probe_tools(self) -> list[dict] | None:
@@ -467,14 +476,17 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
                                                _pairs_of(chunk, config, converted)):
                 scan.num_rows += not (isinstance(raw, bytes) and not raw.strip())
                 if pair is not None and not isinstance(pair, SampleError):
-                    scan.kind = scan.kind or "preference"
-                    scan.formats[pair[0]] += 1
-                    for side in pair[1:]:
+                    if scan.kind is None:
+                        scan.kind, scan.first_pair = "preference", f"{chunk.file} {chunk.unit} {number}"
+                        scan.pair_has_messages = "messages" in pair.not_read
+                    scan.formats[pair.format] += 1
+                    for side in (pair.chosen, pair.rejected):
                         _scan_tools(scan, side)
                     continue
                 if isinstance(item, SampleError) and item.reason == "preference_row" and scan.kind != "sft":
                     # A pair that does not convert: while the kind is open, a shape to suggest --columns for.
                     if not scan.unknown:
+                        scan.unknown_is_pair = True
                         scan.unknown.append(f"{chunk.file} {chunk.unit} {number}: {pair.reason}: {pair.detail}")
                         scan.suggestions = suggest_columns(raw, input_format=config.input_format,
                                                            columns=config.columns, from_table=chunk.from_table)
@@ -536,7 +548,8 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
     if not scan.formats and scan.unknown:
         accepted = "" if ACCEPTED in scan.unknown[0] else f"; accepted: {ACCEPTED}"
         offers = "; ".join(f"--columns {text} reads it as {fmt}" for text, fmt in scan.suggestions)
-        raise ValueError(f"no row of an accepted format in the first {scan.num_rows} rows of {config.input_file} "
+        what = "no pair that converts" if scan.unknown_is_pair else "no row of an accepted format"
+        raise ValueError(f"{what} in the first {scan.num_rows} rows of {config.input_file} "
                          f"({scan.unknown[0]}){accepted}; --columns maps other column names"
                          + (f": {offers}" if offers else ""))
     if not config.overwrite:
@@ -620,8 +633,11 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     logger.info("row format %s in the first %d rows: %s", "detected" if config.input_format == "auto" else
                 f"--input-format {config.input_format}", scan.num_rows, _counts(scan.formats) or "none recognised")
     if kind == "preference":
-        logger.info("a preference file (its first convertible row is a chosen/rejected pair): one row per pair, "
-                    "--max-sample-num-tokens bounds both sides together%s",
+        logger.info("a preference file: its first convertible row (%s) has 'chosen' and 'rejected', which make a "
+                    "row a pair whatever else it holds%s; one row per pair, --max-sample-num-tokens bounds both "
+                    "sides together%s", scan.first_pair,
+                    " (its 'messages' column is not read; --input-format messages reads the file as SFT rows)"
+                    if scan.pair_has_messages else "",
                     "; --split-long-text does not apply to pairs" if config.split_long_text else "")
     for column, count in scan.unread_system.items():
         logger.warning("%d of the first %d rows have no system message and a %r column, which is copied to the "
@@ -662,7 +678,8 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     _log_summary(summary)
     _print_samples(config, tokenizer, paths.data, totals, kind)
     if not summary["num_written"]:
-        raise ValueError(f"no sample written from {totals.num_rows} row(s); rejected: "
+        raise ValueError(f"no {'pair' if kind == 'preference' else 'sample'} written from {totals.num_rows} row(s); "
+                         "rejected: "
                          + ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items())
                          + f" (see {paths.rejected})")
     _log_audit(summary["audit"], config)
@@ -732,6 +749,7 @@ class _Totals:
         self.num_split_rows = self.num_pieces = 0
         self.audit = ChunkAudit()
         self.input_errors = ChunkAudit()
+        self.not_read: Counter = Counter()
 
     def add(self, chunk: ChunkResult) -> None:
         self.lengths.extend(chunk.lengths)
@@ -749,6 +767,7 @@ class _Totals:
         self.num_pieces += chunk.num_pieces
         self.audit.merge(chunk.audit)
         self.input_errors.merge(chunk.input_errors)
+        self.not_read.update(chunk.not_read)
 
 
 def _stats(values: array.array) -> dict[str, float]:
@@ -783,6 +802,8 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed, 
         "rejected_by_reason": dict(sorted(totals.reasons.items())),
         "input": source.describe(),
         "rows_by_format": dict(totals.formats.most_common()),
+        # A pair file's output holds the pairs' tokens only: the input's columns no pair reads, by rows.
+        "columns_not_read": dict(sorted(totals.not_read.items())),
         "input_errors": {
             "num_rows": sum(errors.reasons.values()),
             "by_reason": dict(sorted(errors.reasons.items())),
@@ -808,7 +829,7 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed, 
             "masking": encoder.masking_method,
             "developer_messages_as": "system" if encoder.developer_as_system else "developer",
         },
-        "audit": _audit(config, totals),
+        "audit": _audit(config, totals, kind=kind),
         "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
         "config": dataclasses.asdict(config),
         "elapsed_s": round(elapsed, 3),
@@ -816,15 +837,18 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed, 
     }
 
 
-def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = None) -> dict[str, Any]:
+def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = None, *,
+           kind: str = "sft") -> dict[str, Any]:
     """The label audit: what is learned, per dataset, and which rule is broken.
 
     It judges the masking only, never the input: its rows are the conversations the chat template
-    was given (input errors, pretrain and plain prompt/completion rows aside). Rules: every reply's end-of-turn is learned
-    (else the model never learns to stop), and at most ``max_rejected_fraction`` of those rows is
-    rejected by the template or the masking (a finding: ``SampleError.audit``). ``num_lines`` is unused
-    (kept for callers of the older signature).
+    was given (input errors, pretrain and plain prompt/completion rows aside); in a preference file
+    (``kind``), the conversational pairs, each counted once, with both sides' replies and tokens. Rules: every
+    reply's end-of-turn is learned (else the model never learns to stop), and at most
+    ``max_rejected_fraction`` of those rows is rejected by the template or the masking (a finding:
+    ``SampleError.audit``). ``num_lines`` is unused (kept for callers of the older signature).
     """
+    unit = "pairs" if kind == "preference" else "conversations"
     audit = totals.audit
     num_rejected = sum(audit.reasons.values())
     num_chat_written = len(totals.lengths) - totals.num_pretrain - totals.num_prompt_completion
@@ -835,9 +859,10 @@ def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = N
         broken.append(f"{audit.num_replies - audit.num_replies_end_learned} of {audit.num_replies} replies have no "
                       "learned end-of-turn (see --end-of-turn-token)")
     if rejected_fraction > config.max_rejected_fraction:
-        broken.append(f"{num_rejected} of {num_chat_in} conversations could not be masked ({rejected_fraction:.1%} > "
+        broken.append(f"{num_rejected} of {num_chat_in} {unit} could not be masked ({rejected_fraction:.1%} > "
                       f"--max-rejected-fraction {config.max_rejected_fraction:g})")
     return {
+        "unit": unit,  # what the row counts below count: conversations, or the pairs of a preference file
         "num_chat_rows_in": num_chat_in,
         "num_chat_rows_written": num_chat_written,
         "learned_token_fraction": round(audit.num_chat_loss_tokens / audit.num_chat_tokens, 4)
@@ -863,19 +888,24 @@ def _audit(config: ProcessDataConfig, totals: _Totals, num_lines: int | None = N
 
 
 def _log_audit(audit: dict[str, Any], config: ProcessDataConfig) -> None:
+    pairs = audit.get("unit") == "pairs"
     if audit.get("num_prompt_completion_rows"):
-        logger.info("label audit: %.1f%% of the tokens of %d plain prompt/completion rows learned (the completions "
-                    "and EOS)", 100 * audit["prompt_completion_learned_token_fraction"],
-                    audit["num_prompt_completion_rows"])
+        logger.info("label audit: %.1f%% of the tokens of %d plain %s learned (the completions and EOS)",
+                    100 * audit["prompt_completion_learned_token_fraction"], audit["num_prompt_completion_rows"],
+                    "string pairs (both sides)" if pairs else "prompt/completion rows")
         if not audit["num_chat_rows_in"]:  # no conversation: "0.0% of chat tokens learned" would mislead
             _log_broken(audit, config)
             return
-    logger.info("label audit: %.1f%% of chat tokens learned; %d of %d replies end with a learned end-of-turn; "
-                "%d conversations with replies but zero learned tokens; %d of %d conversations could not be masked "
+    unit = "pairs" if pairs else "conversations"
+    logger.info("label audit: %.1f%% of %s learned; %d of %d replies %s end with a learned end-of-turn; "
+                "%d %s but zero learned tokens; %d of %d %s could not be masked "
                 "(%.2f%%, max %.2f%%)%s%s",
-                100 * audit["learned_token_fraction"], audit["num_replies_end_of_turn_learned"], audit["num_replies"],
-                audit["num_rows_zero_learned"], audit["num_rejected"], audit["num_chat_rows_in"],
-                100 * audit["rejected_fraction"], 100 * audit["max_rejected_fraction"],
+                100 * audit["learned_token_fraction"], "the sides' tokens" if pairs else "chat tokens",
+                audit["num_replies_end_of_turn_learned"], audit["num_replies"],
+                f"(both sides of {audit['num_chat_rows_written']} pairs)" if pairs else "",
+                audit["num_rows_zero_learned"], "pairs with a side that has replies" if pairs else
+                "conversations with replies", audit["num_rejected"],
+                audit["num_chat_rows_in"], unit, 100 * audit["rejected_fraction"], 100 * audit["max_rejected_fraction"],
                 f"; {audit['num_replies_marked_not_learned']} more replies shown but not learned, as their rows "
                 "mark them (weight 0, train / training / loss false)" if audit["num_replies_marked_not_learned"] else "",
                 "" if audit["rows_by_rule"].get("incremental", 0) == 0 else
@@ -898,19 +928,26 @@ def _log_examples(what: str, examples: dict[str, list[dict]]) -> None:
 
 
 def _log_summary(summary: dict[str, Any]) -> None:
-    if summary["kind"] == "preference":
-        logger.info("wrote %d preference pairs (%d conversational, %d plain prompt/completion)",
-                    summary["num_pairs"], summary["num_chat"], summary["num_prompt_completion"])
-    logger.info("wrote %d samples (%d chat, %d prompt/completion, %d pretrain, %d tokens, %d loss-counted) to %s in "
-                "%.1fs (%.0f rows/s)", summary["num_written"], summary["num_chat"], summary["num_prompt_completion"],
-                summary["num_pretrain"], summary["num_tokens"],
-                summary["num_loss_counted_tokens"], summary["outputs"]["data"], summary["elapsed_s"],
-                summary["lines_per_s"] or 0)
+    pairs = summary["kind"] == "preference"
+    if pairs:
+        logger.info("wrote %d preference pairs (%d conversational, %d plain strings; %d tokens, %d loss-counted, "
+                    "both sides) to %s in %.1fs (%.0f rows/s)", summary["num_pairs"], summary["num_chat"],
+                    summary["num_prompt_completion"], summary["num_tokens"], summary["num_loss_counted_tokens"],
+                    summary["outputs"]["data"], summary["elapsed_s"], summary["lines_per_s"] or 0)
+    else:
+        logger.info("wrote %d samples (%d chat, %d prompt/completion, %d pretrain, %d tokens, %d loss-counted) to %s "
+                    "in %.1fs (%.0f rows/s)", summary["num_written"], summary["num_chat"],
+                    summary["num_prompt_completion"], summary["num_pretrain"], summary["num_tokens"],
+                    summary["num_loss_counted_tokens"], summary["outputs"]["data"], summary["elapsed_s"],
+                    summary["lines_per_s"] or 0)
     logger.info("rows by format: %s", ", ".join(f"{fmt} {count}" for fmt, count in summary["rows_by_format"].items())
                 or "none recognised")
+    if summary.get("columns_not_read"):
+        logger.info("not read: %s (columns no pair uses; the output holds the pairs' tokens only)",
+                    ", ".join(summary["columns_not_read"]))
     if summary["len"]:
-        logger.info("len: p50 %.0f, p90 %.0f, p99 %.0f, max %d", summary["len"]["p50"], summary["len"]["p90"],
-                    summary["len"]["p99"], summary["len"]["max"])
+        logger.info("%s: p50 %.0f, p90 %.0f, p99 %.0f, max %d", "pair len (both sides)" if pairs else "len",
+                    summary["len"]["p50"], summary["len"]["p90"], summary["len"]["p99"], summary["len"]["max"])
     if summary["num_split_rows"]:
         logger.info("cut %d text rows longer than --max-sample-num-tokens into %d samples (--split-long-text)",
                     summary["num_split_rows"], summary["num_split_samples"])
@@ -946,7 +983,7 @@ def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals
                 f.seek(totals.row_offsets[index])
                 row = json.loads(f.readline())
                 for side in ("chosen_", "rejected_") if kind == "preference" else ("",):
-                    what = f"sample {index} {side[:-1]}".rstrip()
+                    what = f"pair {index} {side[:-1]}" if side else f"sample {index}"
                     logger.info("%s input:\n%s", what, tokenizer.decode(row[side + "input_ids"]))
                     logger.info("%s labels:\n%s", what, render_labels(
                         tokenizer, row[side + "input_ids"], row[side + "labels"], config.string_for_printing_masks))

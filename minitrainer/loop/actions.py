@@ -48,8 +48,10 @@ def validate(run: Run) -> str | None:
     if run.metrics is not None:
         run.metrics.write(record)
     run.tracker.log(record)
-    log_rank_0("step %d: validation loss %.4f over %d tokens (%.2fs)", state.step, val_loss, val_tokens,
-               record["val_time_s"])
+    log_rank_0("%s", validation.validation_line(
+        step=state.step, val_loss=val_loss, unit=run.objective.unit, num_units=run.val_plan.num_samples,
+        num_loss_counted_tokens=val_tokens, seconds=record["val_time_s"],
+        metrics={name: extra.get(f"val_{name}") for name in run.objective.console_metrics}))
     return validation.update_best(state, val_loss, config=run.config, save_best=lambda: validation.save_best_export(
         run.model, output_dir=run.config.output_dir, step=state.step, samples_seen=state.samples_seen,
         val_loss=val_loss, tokenizer=run.tokenizer, generation_config=run.generation_config, rank=dist_info.rank))

@@ -171,7 +171,8 @@ def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts,
         run.metrics.write(record)
     run.tracker.log(record)
     progress.update(step=state.step, loss=record["loss"], tokens_per_second=record["tokens_per_second"],
-                    samples=state.samples_seen)
+                    samples=state.samples_seen, unit=run.objective.unit,
+                    metrics={name: record.get(name) for name in run.objective.console_metrics})
     logger.debug("step %d: %s", state.step, record)
 
 

@@ -19,6 +19,9 @@ One all-reduce of (loss sum, token count) at the end (the pass is the objective'
 over the whole set, written as its own metrics line::
 
     {"step": 120, "val_loss": 1.93, "val_num_loss_counted_tokens": 48211, "val_time_s": 3.2, ...}
+
+and said on the console in the objective's terms (``validation_line``): over tokens for SFT's per-token mean,
+over pairs with the objective's ``console_metrics`` for a preference objective's mean over pairs.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from minitrainer.common.log import log_rank_0
+from minitrainer.report.progress import console_fields
 
 
 def validation_record(*, step: int, samples_seen: int, val_loss: float, num_loss_counted_tokens: int,
@@ -44,6 +48,22 @@ def validation_record(*, step: int, samples_seen: int, val_loss: float, num_loss
     return {"step": step, "val_loss": val_loss, "val_num_loss_counted_tokens": num_loss_counted_tokens,
             "val_num_samples": num_samples, "val_time_s": elapsed, "samples_seen": samples_seen,
             **(extra or {}), "timestamp": time.time()}
+
+
+def validation_line(*, step: int, val_loss: float, unit: str, num_units: int, num_loss_counted_tokens: int,
+                    metrics: dict[str, float | None], seconds: float) -> str:
+    """The console's line of one validation pass.
+
+    SFT's loss (``unit`` ``samples``) is the per-token mean, so the line counts tokens:
+    ``step 50: validation loss 1.9300 over 48211 tokens (3.20s)``. Any other objective's loss is the mean over
+    its units, so the line counts those and adds ``metrics`` (the objective's ``console_metrics``, read from
+    the pass's ``val_`` fields): ``step 5: validation loss 0.5334 over 35 pairs, acc 0.83, margin 1.234 (1.52s)``.
+    """
+    if unit == "samples":
+        over = f"{num_loss_counted_tokens} tokens"
+    else:
+        over = f"{num_units} {unit}" + "".join(f", {name} {value}" for name, value in console_fields(metrics))
+    return f"step {step}: validation loss {val_loss:.4f} over {over} ({seconds:.2f}s)"
 
 
 def should_validate(*, step: int, every_n_steps: int | None, samples_seen: int, previous_samples: int,

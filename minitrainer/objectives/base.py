@@ -4,7 +4,10 @@ and, as it stands, SFT: the exact per-token mean cross-entropy (the model's own 
 
 The other objectives are one module each, a subclass overriding the hooks it needs:
 
-    dpo.py    DPOObjective   preference pairs: sigmoid, IPO or hinge loss against reference log-probabilities
+    pairs.py  PairObjective  what the objectives on preference pairs share: one packed forward, per-side sums
+    dpo.py    DPOObjective   pairs: sigmoid, IPO or hinge loss against reference log-probabilities
+    cpo.py    CPOObjective   pairs, reference-free: CPO (sigmoid, hinge, IPO) and SimPO
+    orpo.py   ORPOObjective  pairs, reference-free: the chosen sequences' NLL plus an odds-ratio term
 
 ``TrainConfig.training_objective`` is the one place that picks an objective from the flags. Where each hook
 runs::
@@ -83,6 +86,9 @@ class TrainingObjective:
     unit = "samples"
     """What the sampler draws and ``--batch-size`` counts, as the start-up lines name it."""
 
+    console_metrics: tuple[str, ...] = ()
+    """Fields of ``record``'s metrics line that the console's progress line shows after the loss, in order."""
+
     sum_names: tuple[str, ...] = ()
     """What ``minibatch_loss`` sums besides the cross-entropy, in order: reduced over ranks with the step's
     other counts (``loop/step.reduce_step_counts``) and read by ``record``."""
@@ -99,7 +105,8 @@ class TrainingObjective:
     def data_error(self, dataset, path: str) -> str | None:
         """Why this objective cannot train on ``dataset`` (one line), or None."""
         if is_pairs(dataset):
-            return f"{path} holds preference pairs (chosen/rejected): train them with --objective dpo"
+            return (f"{path} holds preference pairs (chosen/rejected): train them with a preference objective "
+                    "(--objective dpo, cpo, simpo or orpo)")
         return None
 
     def model_error(self, model: nn.Module) -> str | None:

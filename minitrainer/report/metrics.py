@@ -38,7 +38,8 @@ def step_record(*, step: int, lr: float, grad_norm: float, counts: StepCounts, w
                 peak_memory_usage_gb: float, skipped: bool = False) -> dict:
     """The metrics line of one optimizer step (the original mini_trainer's keys, plus a few).
 
-    ``loss`` is the exact per-token mean over the whole optimizer batch. The
+    ``loss`` is the exact per-token mean over the whole optimizer batch (a preference objective's ``record``
+    replaces it with the mean over the batch's pairs, ``objectives/pairs.py``). The
     original's keys keep the original's meaning: ``avg_loss_backward`` is the
     loss backward saw per minibatch (``loss`` / ``grad_accum`` when the scaling is
     right), ``avg_time_per_minibatch`` times forward plus backward only (rank 0's

@@ -5,6 +5,12 @@ at the first step, every ``LINE_EVERY_SECONDS``, at each tenth of a known total 
 file, SLURM's output or a pipe, where redrawn bars glue into one line of thousands of characters.
 ``none``: nothing (the metrics jsonl still has every step). ``auto``: ``bar`` when stderr is a terminal,
 else ``lines``.
+
+Both show the objective's loss, the fields it names in ``console_metrics`` (``objectives/base.py``) and the
+units seen, in the objective's unit::
+
+    step 30/100 (30%): loss 2.1234, 5120 tokens/s, samples 3840, elapsed 1m05s, eta 2m31s
+    step 2/20 (10%): loss 0.5197, acc 0.78, margin 0.473, 3975 tokens/s, pairs 64, elapsed 8s, eta 1m13s
 """
 
 from __future__ import annotations
@@ -18,6 +24,19 @@ from tqdm import tqdm
 from minitrainer.common.log import PROGRESS_MODES, logger
 
 LINE_EVERY_SECONDS = 30.0
+
+CONSOLE_NAMES = {"rewards/accuracies": ("acc", ".2f"), "rewards/margins": ("margin", ".3f")}
+"""A metrics field's short name and format on the console; any other field shows as itself, to 4 digits."""
+
+
+def console_fields(metrics: dict[str, float | None]) -> list[tuple[str, str]]:
+    """``(short name, formatted value)`` of each field, in order; a value that is missing or null is ``n/a``
+    (a validation pass over no pairs)."""
+    fields = []
+    for name, value in metrics.items():
+        short, spec = CONSOLE_NAMES.get(name, (name, ".4g"))
+        fields.append((short, "n/a" if value is None else format(value, spec)))
+    return fields
 
 
 def resolve_progress(mode: str, stream: TextIO | None = None) -> str:
@@ -72,20 +91,34 @@ class Progress:
         self.bar = (tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
                     if self.mode == "bar" else None)
 
-    def update(self, *, step: int, loss: float, tokens_per_second: float, samples: int) -> None:
-        """Step ``step`` (1-based, counted over the whole run) finished with this loss and speed."""
+    def update(self, *, step: int, loss: float, tokens_per_second: float, samples: int, unit: str = "samples",
+               metrics: dict[str, float | None] | None = None) -> None:
+        """Step ``step`` (1-based, counted over the whole run) finished with this loss and speed.
+
+        Args:
+            samples: the units seen so far (the stream position), counted in ``unit``.
+            unit: the objective's unit: ``samples``, or ``pairs`` for a preference objective.
+            metrics: the objective's ``console_metrics`` fields of the step's metrics line, in order.
+        """
+        metrics = metrics or {}
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:.0f}", samples=samples)
+            self.bar.set_postfix({"loss": f"{loss:.4f}", **dict(console_fields(metrics)),
+                                  "tok_s": f"{tokens_per_second:.0f}", unit: samples})
         elif self.mode == "lines" and self._line_due(step):
             self.last_line = self.clock()
-            logger.info("%s", self.line(step=step, loss=loss, tokens_per_second=tokens_per_second, samples=samples))
+            logger.info("%s", self.line(step=step, loss=loss, tokens_per_second=tokens_per_second, samples=samples,
+                                        unit=unit, metrics=metrics))
 
-    def line(self, *, step: int, loss: float, tokens_per_second: float, samples: int) -> str:
-        """``step 30/100 (30%): loss 2.1234, 5120 tokens/s, samples 3840, elapsed 1m05s, eta 2m31s``."""
+    def line(self, *, step: int, loss: float, tokens_per_second: float, samples: int, unit: str = "samples",
+             metrics: dict[str, float | None] | None = None) -> str:
+        """``step 30/100 (30%): loss 2.1234, 5120 tokens/s, samples 3840, elapsed 1m05s, eta 2m31s``; a
+        preference objective's: ``step 3/10 (30%): loss 0.6812, acc 0.62, margin 0.031, 5120 tokens/s, pairs 96,
+        ...``."""
         elapsed = self.clock() - self.started
         where = f"step {step}" if self.total is None else f"step {step}/{self.total} ({step / self.total:.0%})"
-        text = f"{where}: loss {loss:.4f}, {tokens_per_second:.0f} tokens/s, samples {samples}, " \
+        shown = "".join(f", {name} {value}" for name, value in console_fields(metrics or {}))
+        text = f"{where}: loss {loss:.4f}{shown}, {tokens_per_second:.0f} tokens/s, {unit} {samples}, " \
                f"elapsed {format_duration(elapsed)}"
         done = step - self.initial
         if self.total is not None and done > 0:

@@ -13,8 +13,13 @@ Reads every ``training_metrics_*.jsonl`` in the output folder (rank 0 writes
                            memory, gradient-accumulation steps, tokens/s and
                            loss-counted tokens/s per GPU, and MFU over steps
   metrics_by_samples.png   the same panels over samples seen
+  rewards.png              a preference run's only (DPO, CPO, SimPO, ORPO: its lines have
+                           ``rewards/accuracies``): the chosen and rejected rewards, the
+                           reward accuracy and the reward margin per step, with the
+                           validation passes' as points
 
-Needs matplotlib, an optional dependency: ``pip install matplotlib``.
+A preference run's loss is the mean over each batch's pairs, and its samples are pairs: the
+titles and axes say so. Needs matplotlib, an optional dependency: ``pip install matplotlib``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,21 @@ PANELS = (
     ("loss_tokens_per_second_per_gpu", "loss-counted tokens / s per GPU"),
     ("mfu", "MFU (model FLOPs / peak bf16; null on CPU)"),
 )
+
+REWARD_PANELS = (
+    (("rewards/chosen", "rewards/rejected"), "rewards of the chosen and rejected sides (mean over pairs)"),
+    (("rewards/accuracies",), "reward accuracy (share of pairs with chosen > rejected)"),
+    (("rewards/margins",), "reward margin (chosen - rejected, mean over pairs)"),
+)
+"""The preference panels of ``rewards.png``: the fields each draws (TRL's names), its title."""
+
+PREFERENCE_FIELDS = ("rewards/accuracies", "num_pairs")
+"""A step line with any of these is a preference run's (``objectives/pairs.py``'s metrics)."""
+
+
+def is_preference_run(records: list[dict]) -> bool:
+    """Whether these step lines are a preference objective's: the loss is a mean over pairs."""
+    return any(field in record for record in records for field in PREFERENCE_FIELDS)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -78,7 +98,7 @@ def _samples(records: list[dict]) -> np.ndarray:
 
 
 def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, smoothing: float = 0.6) -> list[Path]:
-    """Render the PNGs for one run.
+    """Render the PNGs for one run (``figures``), each written and closed.
 
     Args:
         output_dir: the training ``--output-dir`` holding ``training_metrics_*.jsonl``.
@@ -91,6 +111,29 @@ def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, s
     Raises:
         ImportError: matplotlib is not installed.
         ValueError: no metrics file, or a file with no records.
+    """
+    drawn = figures(output_dir, smoothing=smoothing)
+    import matplotlib.pyplot as plt  # figures() imported it, or raised the ImportError that says how to install
+
+    out_dir = Path(out_dir) if out_dir is not None else Path(output_dir) / "plots"
+    written = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for filename, fig in drawn.items():
+            written.append(_save(fig, out_dir / filename))
+    finally:
+        for fig in drawn.values():
+            plt.close(fig)
+    return written
+
+
+def figures(output_dir: str | Path, *, smoothing: float = 0.6) -> dict:
+    """The run's figures by file name, not written: ``loss.png``, ``metrics_by_step.png``,
+    ``metrics_by_samples.png``, and for a preference run ``rewards.png`` (the caller closes them).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ValueError: no metrics file, a file with no records, or a bad ``smoothing``.
     """
     try:
         import matplotlib
@@ -116,12 +159,14 @@ def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, s
     runs = {name: records for name, records in runs.items() if records}
     if not runs:
         raise ValueError(f"{output_dir}: the metrics files are empty (no optimizer step finished yet)")
-    out_dir = Path(out_dir) if out_dir is not None else output_dir / "plots"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    preference = any(is_preference_run(records) for records in runs.values())
+    loss_label = "loss (mean over pairs)" if preference else "loss (per-token mean)"
+    seen_label = "pairs seen" if preference else "samples seen"
     label_ranks = len(runs) > 1
-    written = []
+    drawn = {}
 
     fig, ax = plt.subplots(figsize=(9, 5))
+    drawn["loss.png"] = fig
     for name, records in runs.items():
         steps, loss = _series(records, "step"), _series(records, "loss")
         suffix = f" (rank {name})" if label_ranks else ""
@@ -132,27 +177,25 @@ def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, s
             ax.plot(_series(val_runs[name], "step"), _series(val_runs[name], "val_loss"), color="tab:orange",
                     marker="o", linewidth=1.5, label="validation loss" + suffix)
     first = next(iter(runs.values()))
-    _samples_axis(ax, _series(first, "step"), _samples(first))
+    _samples_axis(ax, _series(first, "step"), _samples(first), label=seen_label)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (per-token mean)")
+    ax.set_ylabel(loss_label)
     ax.set_title(f"{'Training and validation' if any(val_runs.values()) else 'Training'} loss: "
                  f"{output_dir.resolve().name}")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    written.append(_save(fig, out_dir / "loss.png"))
-    plt.close(fig)
 
     for x_key, x_label, filename in (("step", "optimizer step", "metrics_by_step.png"),
-                                     ("samples", "samples seen", "metrics_by_samples.png")):
+                                     ("samples", seen_label, "metrics_by_samples.png")):
         fig, axes = plt.subplots(3, 3, figsize=(15, 11))
+        drawn[filename] = fig
         for ax, (key, title) in zip(axes.flat, PANELS):
             for name, records in runs.items():
                 x = _samples(records) if x_key == "samples" else _series(records, "step")
                 y = _series(records, key)
                 if np.isnan(y).all():
-                    ax.text(0.5, 0.5, "n/a (null or not in the metrics file)", ha="center", va="center",
-                            transform=ax.transAxes)
+                    _not_available(ax)
                     continue
                 label = f"rank {name}" if label_ranks else None
                 if key == "loss":
@@ -163,7 +206,7 @@ def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, s
                     ax.yaxis.get_major_locator().set_params(integer=True)
                 else:
                     ax.plot(x, y, marker="." if len(x) <= 50 else None, label=label)
-            ax.set_title(title)
+            ax.set_title(loss_label if key == "loss" else title)
             ax.set_xlabel(x_label)
             ax.grid(True, alpha=0.3)
             if label_ranks:
@@ -171,19 +214,59 @@ def plot_metrics(output_dir: str | Path, *, out_dir: str | Path | None = None, s
         axes.flat[1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         fig.suptitle(f"{output_dir.resolve().name}: metrics by {x_label}")
         fig.tight_layout()
-        written.append(_save(fig, out_dir / filename))
-        plt.close(fig)
-    return written
+
+    if preference:
+        drawn["rewards.png"] = _rewards_figure(runs, val_runs, label_ranks=label_ranks,
+                                               title=f"{output_dir.resolve().name}: preference rewards by step")
+    return drawn
 
 
-def _samples_axis(ax, steps: np.ndarray, samples: np.ndarray) -> None:
-    """Top x-axis in samples seen, when samples grow strictly with steps (they do within one run)."""
+def _rewards_figure(runs: dict, val_runs: dict, *, label_ranks: bool, title: str):
+    """One panel per ``REWARD_PANELS`` entry: each field per step, its validation points (``val_`` + field)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(REWARD_PANELS), figsize=(16, 4.8))
+    colors = ("tab:green", "tab:red")
+    for ax, (keys, panel_title) in zip(axes, REWARD_PANELS):
+        for name, records in runs.items():
+            suffix = f" (rank {name})" if label_ranks else ""
+            steps = _series(records, "step")
+            for key, color in zip(keys, colors if len(keys) > 1 else ("tab:blue",)):
+                y = _series(records, key)
+                if np.isnan(y).all():
+                    continue
+                ax.plot(steps, y, color=color, marker="." if len(steps) <= 50 else None, label=key + suffix)
+                val = [r for r in val_runs.get(name, []) if isinstance(r.get(f"val_{key}"), (int, float))]
+                if val:
+                    ax.plot(_series(val, "step"), _series(val, f"val_{key}"), color=color, marker="o",
+                            linestyle="--", linewidth=1, markerfacecolor="white", label=f"val_{key}" + suffix)
+        if not ax.lines:
+            _not_available(ax)
+        if keys == ("rewards/accuracies",):
+            ax.set_ylim(-0.05, 1.05)
+        ax.set_title(panel_title)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(" / ".join(keys))
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _not_available(ax) -> None:
+    ax.text(0.5, 0.5, "n/a (null or not in the metrics file)", ha="center", va="center", transform=ax.transAxes)
+
+
+def _samples_axis(ax, steps: np.ndarray, samples: np.ndarray, *, label: str) -> None:
+    """Top x-axis in samples (or pairs) seen, when they grow strictly with steps (they do within one run)."""
     if len(steps) < 2 or np.isnan(samples).any() or not (np.diff(samples) > 0).all() \
             or not (np.diff(steps) > 0).all():
         return
     top = ax.secondary_xaxis("top", functions=(lambda s: np.interp(s, steps, samples),
                                                lambda n: np.interp(n, samples, steps)))
-    top.set_xlabel("samples seen")
+    top.set_xlabel(label)
 
 
 def _save(fig, path: Path) -> Path:

@@ -1,16 +1,19 @@
-"""DPO on packed pairs (``train.py --objective dpo``) against TRL's ``DPOTrainer`` (padded), on the same pairs:
-speed, CPU time and memory, the reference log-prob precompute included on both sides.
+"""A preference objective on packed pairs (``train.py --objective dpo|simpo|orpo|cpo``) against TRL's own trainer
+(padded) on the same pairs: speed, CPU time and memory, DPO's reference log-prob precompute included on both sides.
 
-    .venv/bin/python -m bench.bench_dpo                           # 64 pairs, hidden 128, 2 layers
-    .venv/bin/python -m bench.bench_dpo --hidden-size 256 --num-layers 4    # ~4x the work (TRL alone: 490 CPU-s, 10 GiB)
-    .venv/bin/python -m bench.bench_dpo --num-pairs 128 --repeats 3 --sides trl
+    .venv/bin/python -m bench.bench_preference                    # DPO, 64 pairs, hidden 128, 2 layers
+    .venv/bin/python -m bench.bench_preference --objective simpo  # SimPO against CPOTrainer(loss_type="simpo")
+    .venv/bin/python -m bench.bench_preference --objective orpo   # ORPO against ORPOTrainer
+    .venv/bin/python -m bench.bench_preference --hidden-size 256 --num-layers 4    # ~4x the work (TRL DPO: 490 CPU-s, 10 GiB)
+    .venv/bin/python -m bench.bench_preference --num-pairs 128 --repeats 3 --sides trl
 
-TRL runs in its own venv (``fixtures/trl_venv.py``, built once) through ``fixtures/trl_dpo.py``: our tokenized pairs
-handed to ``DPOTrainer`` as prepared rows (prompt / chosen / rejected ids), read in the same order, fp32 on CPU,
-``precompute_ref_log_probs=True`` (the reference is the step-0 policy, as ours), ``padding_free`` off (TRL 1.16
-forces it off), one micro-batch of ``--batch-size`` pairs per step (TRL pads each micro-batch's 2B sequences to
-its longest). Ours packs the same pairs padding-free under ``--max-tokens-per-gpu``. Gradient checkpointing is the
-same on both sides (``--gradient-checkpointing``, off by default).
+TRL runs in its own venv (``fixtures/trl_venv.py``, built once) through ``fixtures/trl_dpo.py`` (``DPOTrainer``) or
+``fixtures/trl_preference.py`` (``CPOTrainer`` for cpo and simpo, ``ORPOTrainer``): our tokenized pairs handed to it
+as prepared rows, read in the same order, fp32 on CPU, one micro-batch of ``--batch-size`` pairs per step (TRL pads
+each micro-batch's 2B sequences to its longest; for DPO ``precompute_ref_log_probs=True``, the reference being the
+step-0 policy, as ours, and ``padding_free`` off, which TRL 1.16 forces). Ours packs the same pairs padding-free
+under ``--max-tokens-per-gpu``. Gradient checkpointing is the same on both sides (``--gradient-checkpointing``, off
+by default; DPO only).
 
 The pairs: a prompt of ``--prompt-min``..``--prompt-max`` tokens (uniform) shared by both sides, then a reply per
 side whose length is log-uniform over ``--reply-min``..``--reply-max`` tokens, random ids, the prompt masked
@@ -21,7 +24,8 @@ regenerated, deterministically, on every run; reference log-probs cached by eith
 Each side is timed from process start to exit (``run_timed``: wall, user + sys of the whole process tree, peak RSS
 of the tree sampled every 50 ms), ``--repeats`` times alternating the order; medians are reported as pairs/s,
 pairs per CPU-second and peak RSS, with TRL's own split (trainer construction incl. reference precompute, then
-training). Step 1's loss must be ln 2 on both sides (a wrong reference would show there). Not part of the suite.
+training). DPO's step-1 loss must be ln 2 on both sides (a wrong reference would show there); the reference-free
+objectives' step-1 losses must agree with each other to 1e-5. Not part of the suite.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ IGNORE_INDEX = -100
 
 
 @dataclass
-class DpoBenchConfig:
-    work_dir: str = config_field("/tmp/bench_dpo", help="model, pairs and run outputs (model and pairs reused)")
+class PreferenceBenchConfig:
+    objective: str = config_field("dpo", help="dpo, simpo, orpo or cpo (TRL: DPOTrainer, CPOTrainer, ORPOTrainer)")
+    work_dir: str = config_field("/tmp/bench_preference", help="model, pairs and run outputs (model and pairs "
+                                                               "reused)")
     num_pairs: int = config_field(64, help="preference pairs; a multiple of --batch-size (one epoch is trained)")
     batch_size: int = config_field(16, help="pairs per optimizer step, on both sides")
     max_tokens_per_gpu: int = config_field(8192, help="ours: token budget of a packed minibatch")
@@ -53,7 +59,8 @@ class DpoBenchConfig:
     reply_max: int = config_field(2000, help="longest reply per side, tokens (log-uniform)")
     hidden_size: int = config_field(128, help="model width")
     num_layers: int = config_field(2, help="decoder blocks")
-    beta: float = config_field(0.1, help="DPO beta")
+    beta: float = config_field(0.1, help="the objective's beta (--dpo-beta, --simpo-beta, ...; SimPO's default "
+                                         "2.0 is usual, 0.1 kept here for every objective)")
     learning_rate: float = config_field(1e-5, help="constant learning rate")
     gradient_checkpointing: bool = config_field(False, help="recompute activations, on both sides")
     attn_implementation: str = config_field(
@@ -68,9 +75,13 @@ class DpoBenchConfig:
             raise ValueError("--num-pairs must be a multiple of --batch-size, and --batch-size of --nproc")
         if not set(self.sides.split(",")) <= {"ours", "trl"}:
             raise ValueError("--sides takes ours, trl or both")
+        if self.objective not in ("dpo", "simpo", "orpo", "cpo"):
+            raise ValueError(f"--objective takes dpo, simpo, orpo or cpo, not {self.objective}")
+        if self.gradient_checkpointing and self.objective != "dpo":
+            raise ValueError("--gradient-checkpointing: the TRL CPO/ORPO harness runs without it; DPO only")
 
 
-def build_model(config: DpoBenchConfig, work: Path) -> Path:
+def build_model(config: PreferenceBenchConfig, work: Path) -> Path:
     """The random model (reused while its parameters are unchanged)."""
     model_dir = work / "model"
     wanted = {"hidden_size": config.hidden_size, "num_layers": config.num_layers}
@@ -86,7 +97,7 @@ def build_model(config: DpoBenchConfig, work: Path) -> Path:
     return model_dir
 
 
-def write_pairs(config: DpoBenchConfig, path: Path, vocab_size: int) -> dict:
+def write_pairs(config: PreferenceBenchConfig, path: Path, vocab_size: int) -> dict:
     """``num_pairs`` rows in our tokenized preference format at ``path``; their token counts."""
     import numpy as np
 
@@ -123,10 +134,11 @@ def padded_tokens(path: Path, order: list[int], batch_size: int, nproc: int) -> 
     return total
 
 
-def ours_command(config: DpoBenchConfig, model_dir: Path, data_dir: Path, out: Path) -> list[str]:
+def ours_command(config: PreferenceBenchConfig, model_dir: Path, data_dir: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "minitrainer.run", "--standalone", f"--nproc-per-node={config.nproc}",
             "--model-name-or-path", str(model_dir), "--data-path", str(data_dir), "--output-dir", str(out),
-            "--objective", "dpo", "--dpo-beta", str(config.beta), "--batch-size", str(config.batch_size),
+            "--objective", config.objective, f"--{config.objective}-beta", str(config.beta),
+            *(["--cpo-alpha", "0"] if config.objective == "cpo" else []), "--batch-size", str(config.batch_size),
             "--max-tokens-per-gpu", str(config.max_tokens_per_gpu), "--num-epochs", "1",
             "--lr-scheduler", "constant", "--num-warmup-steps", "0", "--adam-betas", "0.9", "0.95",
             "--learning-rate", str(config.learning_rate), "--max-grad-norm", "1.0", "--seed", str(config.seed),
@@ -154,9 +166,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from fixtures.e2e import model_vocab_size
     from fixtures.trl_dpo import read_trl_dpo_logs, trl_dpo_command
+    from fixtures.trl_preference import trl_preference_command
     from fixtures.trl_venv import TRL_VERSION
 
-    config = parse_config(DpoBenchConfig, argv, description="DPO: packed pairs (ours) vs TRL DPOTrainer (padded)")
+    config = parse_config(PreferenceBenchConfig, argv,
+                          description="a preference objective: packed pairs (ours) vs TRL's trainer (padded)")
     os.environ.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""})
     work = Path(config.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -174,12 +188,21 @@ def main(argv: list[str] | None = None) -> None:
     for round_index in range(config.repeats):
         for side in sides[:: 1 if round_index % 2 == 0 else -1]:
             out = work / f"out_{side}"
-            if side == "trl":
+            if side == "trl" and config.objective == "dpo":
                 command = trl_dpo_command(model_dir, data_dir / "data.jsonl", order, out_dir=out,
                                           world_size=config.nproc, per_device_batch_size=config.batch_size // config.nproc,
                                           max_steps=config.num_pairs // config.batch_size, beta=config.beta,
                                           loss_type=["sigmoid"], learning_rate=config.learning_rate, seed=config.seed,
                                           gradient_checkpointing=config.gradient_checkpointing)
+            elif side == "trl":
+                trainer = "orpo" if config.objective == "orpo" else "cpo"
+                loss_type = "simpo" if config.objective == "simpo" else "sigmoid"
+                command = trl_preference_command(trainer, model_dir, data_dir / "data.jsonl", order, out_dir=out,
+                                                 world_size=config.nproc,
+                                                 per_device_batch_size=config.batch_size // config.nproc,
+                                                 max_steps=config.num_pairs // config.batch_size, beta=config.beta,
+                                                 loss_type=loss_type, cpo_alpha=0.0, learning_rate=config.learning_rate,
+                                                 seed=config.seed)
             else:
                 shutil.rmtree(out, ignore_errors=True)
                 shutil.rmtree(data_dir / "reference_logps", ignore_errors=True)
@@ -209,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         results["speed_ours_vs_trl_wall"] = round(results["trl"]["wall_s"] / results["ours"]["wall_s"], 2)
         results["speed_ours_vs_trl_cpu"] = round(results["trl"]["cpu_s"] / results["ours"]["cpu_s"], 2)
         results["rss_ours_vs_trl"] = round(results["ours"]["peak_rss_tree_gib"] / results["trl"]["peak_rss_tree_gib"], 2)
-    (work / "bench_dpo_results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (work / f"bench_{config.objective}_results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     print("\n| side | wall s | pairs/s | CPU s | pairs/CPU-s | peak RSS GiB | step-1 loss |\n|---|---|---|---|---|---|---|")
     for side in sides:
@@ -220,10 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     if "speed_ours_vs_trl_wall" in results:
         print(f"| ours/TRL | x{results['speed_ours_vs_trl_wall']} | | x{results['speed_ours_vs_trl_cpu']} | | "
               f"x{results['rss_ours_vs_trl']} | |")
-    bad = [side for side in sides if results[side].get("step1_loss") is not None
-           and abs(results[side]["step1_loss"] - math.log(2)) > 1e-5]
-    if bad:
-        raise SystemExit(f"step 1's loss is not ln 2 on: {', '.join(bad)}")
+    if config.objective == "dpo":
+        bad = [side for side in sides if results[side].get("step1_loss") is not None
+               and abs(results[side]["step1_loss"] - math.log(2)) > 1e-5]
+        if bad:
+            raise SystemExit(f"step 1's loss is not ln 2 on: {', '.join(bad)}")
+    elif len(sides) == 2 and not math.isclose(results["ours"]["step1_loss"], results["trl"]["step1_loss"],
+                                              rel_tol=1e-5):
+        raise SystemExit(f"step 1's losses differ: ours {results['ours']['step1_loss']}, "
+                         f"TRL {results['trl']['step1_loss']}")
 
 
 if __name__ == "__main__":
