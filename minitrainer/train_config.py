@@ -432,16 +432,12 @@ def _objective_errors(config: TrainConfig) -> list[str]:
               if field.name in names and getattr(config, field.name) != field.default]
     if config.objective not in PAIR_OBJECTIVES:
         return errors
-    positive = {"dpo": ["dpo_beta"], "cpo": ["cpo_beta"], "simpo": ["simpo_beta"], "orpo": ["orpo_beta"]}
-    non_negative = {"dpo": ["dpo_sft_weight"], "cpo": ["cpo_alpha"], "simpo": ["simpo_sft_weight"]}
-    for name in positive[config.objective]:
-        value = getattr(config, name)
-        if not (math.isfinite(value) and value > 0):
-            errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in non_negative.get(config.objective, []):
-        value = getattr(config, name)
-        if not (math.isfinite(value) and value >= 0):
-            errors.append(f"--{name.replace('_', '-')} must be non-negative, got {value}")
+    beta = getattr(config, f"{config.objective}_beta")
+    if not (math.isfinite(beta) and beta > 0):
+        errors.append(f"--{config.objective}-beta must be positive, got {beta}")
+    weight = {"dpo": "dpo_sft_weight", "cpo": "cpo_alpha", "simpo": "simpo_sft_weight"}.get(config.objective)
+    if weight is not None and not (math.isfinite(getattr(config, weight)) and getattr(config, weight) >= 0):
+        errors.append(f"--{weight.replace('_', '-')} must be non-negative, got {getattr(config, weight)}")
     if config.objective == "simpo" and not math.isfinite(config.simpo_gamma):
         errors.append(f"--simpo-gamma must be finite, got {config.simpo_gamma}")
     if config.objective == "dpo":

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from minitrainer.objectives.pairs import PairObjective
+from minitrainer.objectives.pairs import PAIR_SUMS, PairObjective, pair_sums
 
 @dataclass(frozen=True)
 class CPOSettings:
@@ -55,8 +55,7 @@ class CPOObjective(PairObjective):
     """Contrastive preference optimisation (``name`` cpo) or SimPO (``name`` simpo): chosen over rejected,
     with no reference model."""
 
-    sum_names = ("pairs", "pair_loss", "chosen_ce", "chosen_tokens", "chosen_rewards", "rejected_rewards",
-                 "accurate", "chosen_logps", "rejected_logps")
+    sum_names = PAIR_SUMS
 
     def __init__(self, settings: CPOSettings) -> None:
         super().__init__()
@@ -73,13 +72,9 @@ class CPOObjective(PairObjective):
         sums_of_sides = logps.double()
         sides = sums_of_sides / side_loss_tokens.clamp(min=1) if self.settings.length_normalised else sums_of_sides
         losses = cpo_pair_losses(sides[:, 0], sides[:, 1], self.settings)
-        beta = self.settings.beta
-        sums = torch.stack([
-            logps.new_tensor(float(len(rows)), dtype=torch.float64), losses.sum(),
-            -sums_of_sides[:, 0].sum(), side_loss_tokens[:, 0].sum().double(), beta * sides[:, 0].sum(),
-            beta * sides[:, 1].sum(), (sides[:, 0] > sides[:, 1]).sum().double(), sides[:, 0].sum(),
-            sides[:, 1].sum()])
-        return losses, sums
+        sums = pair_sums(losses, chosen_ce=-sums_of_sides[:, 0].sum(), chosen_tokens=side_loss_tokens[:, 0].sum(),
+                         rewarded=sides, logps=sides, beta=self.settings.beta)
+        return losses, torch.stack(sums)
 
     def pair_metrics(self, sums: dict, *, prefix: str) -> dict:
         # TRL logs nll_loss as 0 when alpha is 0 (it skips computing it); the value is kept here, for it is free.

@@ -23,7 +23,7 @@ from torch import nn
 from minitrainer.model.paths import model_path_error
 from minitrainer.objectives import reference
 from minitrainer.objectives.base import RunContext
-from minitrainer.objectives.pairs import PairObjective
+from minitrainer.objectives.pairs import PAIR_SUMS, PairObjective, pair_sums
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 REFERENCE_FLAG = "--reference-model"
@@ -57,8 +57,7 @@ class DPOObjective(PairObjective):
     """Direct preference optimisation of chosen over rejected replies, against a reference model."""
 
     name = "dpo"
-    sum_names = ("pairs", "pair_loss", "chosen_ce", "chosen_tokens", "chosen_rewards", "rejected_rewards",
-                 "accurate", "chosen_logps", "rejected_logps")
+    sum_names = PAIR_SUMS
 
     def __init__(self, settings: DPOSettings) -> None:
         super().__init__()
@@ -86,13 +85,9 @@ class DPOObjective(PairObjective):
         side_loss_tokens = torch.as_tensor(table.side_loss_tokens[list(rows)], device=device)
         ratios = logps.double() - reference_logps.double()
         losses = pair_losses(ratios[:, 0], ratios[:, 1], side_loss_tokens, self.settings)
-        beta = self.settings.beta
-        sums = torch.stack([
-            logps.new_tensor(float(len(rows)), dtype=torch.float64), losses.sum(),
-            -logps[:, 0].double().sum(), side_loss_tokens[:, 0].sum().double(), beta * ratios[:, 0].sum(),
-            beta * ratios[:, 1].sum(), (ratios[:, 0] > ratios[:, 1]).sum().double(),
-            logps[:, 0].double().sum(), logps[:, 1].double().sum()])
-        return losses, sums
+        sums = pair_sums(losses, chosen_ce=-logps[:, 0].double().sum(), chosen_tokens=side_loss_tokens[:, 0].sum(),
+                         rewarded=ratios, logps=logps, beta=self.settings.beta)
+        return losses, torch.stack(sums)
 
     def pair_metrics(self, sums: dict, *, prefix: str) -> dict:
         return {f"{prefix}dpo_loss": sums["pair_loss"] / max(sums["pairs"], 1),

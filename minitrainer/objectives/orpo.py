@@ -32,7 +32,7 @@ from torch import nn
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.data.sampler import Minibatch
 from minitrainer.model.attention import model_inputs
-from minitrainer.objectives.pairs import PairObjective, sequence_inputs
+from minitrainer.objectives.pairs import PAIR_SUMS, PairObjective, pair_sums, sequence_inputs
 
 SEQUENCES_PER_PAIR = 3
 
@@ -77,8 +77,7 @@ class ORPOObjective(PairObjective):
 
     name = "orpo"
     nll_weight = 1.0
-    sum_names = ("pairs", "pair_loss", "chosen_ce", "chosen_tokens", "chosen_rewards", "rejected_rewards",
-                 "accurate", "chosen_logps", "rejected_logps", "log_odds_ratio", "log_odds_chosen")
+    sum_names = (*PAIR_SUMS, "log_odds_ratio", "log_odds_chosen")
 
     def __init__(self, settings: ORPOSettings) -> None:
         super().__init__()
@@ -111,13 +110,10 @@ class ORPOObjective(PairObjective):
         means = logps[:, :2] / side_loss_tokens.clamp(min=1)
         ratio, log_odds = odds_ratio_terms(means[:, 0], means[:, 1])
         losses = -self.settings.beta * ratio
-        beta = self.settings.beta
-        sums = torch.stack([
-            logps.new_tensor(float(len(rows))), losses.sum(), -(logps[:, 0] + logps[:, 2]).sum(),
-            logps.new_tensor(float(self.chosen_nll_tokens(table, list(rows)))), beta * means[:, 0].sum(),
-            beta * means[:, 1].sum(), (means[:, 0] > means[:, 1]).sum().double(), means[:, 0].sum(),
-            means[:, 1].sum(), ratio.sum(), log_odds.sum()])
-        return losses, sums
+        sums = pair_sums(losses, chosen_ce=-(logps[:, 0] + logps[:, 2]).sum(),
+                         chosen_tokens=self.chosen_nll_tokens(table, list(rows)), rewarded=means, logps=means,
+                         beta=self.settings.beta)
+        return losses, torch.stack([*sums, ratio.sum(), log_odds.sum()])
 
     def pair_metrics(self, sums: dict, *, prefix: str) -> dict:
         pairs = max(sums["pairs"], 1)

@@ -64,6 +64,23 @@ def sequence_inputs(minibatch: Minibatch, device: torch.device) -> dict:
     return {"sequence_ids": sequence_ids.to(device, non_blocking=True), "num_sequences": int(lengths.numel())}
 
 
+PAIR_SUMS = ("pairs", "pair_loss", "chosen_ce", "chosen_tokens", "chosen_rewards", "rejected_rewards", "accurate",
+             "chosen_logps", "rejected_logps")
+"""What every pair objective sums (``pair_sums``); a subclass's ``sum_names`` starts with these."""
+
+
+def pair_sums(losses: torch.Tensor, *, chosen_ce: torch.Tensor, chosen_tokens: float, rewarded: torch.Tensor,
+              logps: torch.Tensor, beta: float) -> list[torch.Tensor]:
+    """``PAIR_SUMS`` of one minibatch's pairs, float64: their losses ``[P]``, the chosen sides' summed NLL and its
+    token count, the ``[P, 2]`` terms rewards are beta times (accuracy counts chosen > rejected) and the ``[P, 2]``
+    log-probabilities the metrics report. Pure."""
+    rewarded, logps = rewarded.double(), logps.double()
+    return [losses.new_tensor(float(len(losses)), dtype=torch.float64), losses.double().sum(), chosen_ce.double(),
+            losses.new_tensor(float(chosen_tokens), dtype=torch.float64), beta * rewarded[:, 0].sum(),
+            beta * rewarded[:, 1].sum(), (rewarded[:, 0] > rewarded[:, 1]).sum().double(), logps[:, 0].sum(),
+            logps[:, 1].sum()]
+
+
 def disable_dropout(model: nn.Module) -> None:
     """TRL's ``disable_dropout``: a sampled mask would make the sides' log-probabilities noise."""
     for module in model.modules():
