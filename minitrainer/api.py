@@ -44,7 +44,7 @@ from minitrainer.common.exits import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from minitrainer.common.log import logger
 from minitrainer.data.process_data import ProcessDataConfig, process_data
 from minitrainer.run import pythonpath_with_package, read_run_status
-from minitrainer.report.watch import RunEvent, RunWatcher
+from minitrainer.report.watch import ListenerFailures, RunEvent, RunWatcher
 from minitrainer.train_config import TrainConfig
 
 __all__ = ["ProcessDataConfig", "RunEvent", "RunFailed", "RunResult", "TorchrunArgs", "TrainConfig", "config_from_file",
@@ -184,7 +184,8 @@ def run_training(torchrun_args: TorchrunArgs, train_args: TrainConfig, *,
         torchrun_args: node and process layout.
         train_args: the run's parameters, as the CLI would parse them.
         on_event: called in this process with each ``report.watch.RunEvent`` (steps, validations, exports) while
-            the run goes on; what it raises is logged in one line and the run goes on.
+            the run goes on; what it raises is logged in one line the first time, counted after, the count said
+            in one line when the run ends (finished or not), and the run goes on.
         env: variables added to the workers' environment (not this process's).
 
     Raises:
@@ -207,11 +208,15 @@ def _launch(command: list[str], train_args: TrainConfig, *, log_dir: Path,
     watcher = RunWatcher(train_args.output_dir, started=started)
     process = subprocess.Popen(command, env={**os.environ, **(env or {}), "PYTHONPATH": path},
                                start_new_session=True)
-    with _signals_passed_to(process):
-        while process.poll() is None:
-            time.sleep(POLL_SECONDS)
-            _deliver(watcher.poll(), on_event)
-        _deliver(watcher.poll(), on_event)
+    failures = ListenerFailures(per="event")
+    try:
+        with _signals_passed_to(process):
+            while process.poll() is None:
+                time.sleep(POLL_SECONDS)
+                _deliver(watcher.poll(), on_event, failures)
+            _deliver(watcher.poll(), on_event, failures)
+    finally:  # finished, failed, preempted or interrupted here: the listener's count is said once
+        failures.report()
     output_dir = Path(train_args.output_dir)
     if process.returncode != 0:
         status = read_run_status(output_dir, since=started)
@@ -238,13 +243,11 @@ def _first_error_line(log_dir: Path) -> str | None:
     return min(reports)[1] if reports else None
 
 
-def _deliver(events: list[RunEvent], on_event: Callable[[RunEvent], None] | None) -> None:
+def _deliver(events: list[RunEvent], on_event: Callable[[RunEvent], None] | None,
+             failures: ListenerFailures) -> None:
     for event in events if on_event is not None else ():
-        try:
-            on_event(event)
-        except Exception as err:  # noqa: BLE001 - a listener's failure is its own, never the run's
-            logger.warning("a listener of the run's %s events failed (%s: %s); training goes on", event.kind,
-                           type(err).__name__, err)
+        where = f"step {event.record.get('step', 0)}" + ("" if event.kind == "step" else f" ({event.kind})")
+        failures.call("the run's on_event listener", on_event, event, at=where)
 
 
 @contextlib.contextmanager

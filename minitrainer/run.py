@@ -155,19 +155,19 @@ def launch(torchrun_argv: list[str], train_argv: list[str], *, output_dir: str |
     except ChildFailedError as error:
         code, line = _failure_line(error)
     except SignalException as error:  # the agent has passed the signal on and waited for the ranks
-        code, line = EXIT_INTERRUPTED, f"interrupted ({signal.Signals(error.sigval).name}) before training " \
-                                       f"began; nothing to save"
+        code, line = EXIT_INTERRUPTED, f"interrupted ({signal.Signals(error.sigval).name})"
     except KeyboardInterrupt:  # before the agent's own handlers were up: no rank was started
-        code, line = EXIT_INTERRUPTED, "interrupted (SIGINT) before training began; nothing to save"
+        code, line = EXIT_INTERRUPTED, "interrupted (SIGINT)"
     except (ValueError, RuntimeError, AssertionError) as error:  # torchrun refused its flags or the rendezvous
         return EXIT_FAILED, f"torchrun: {error}"
     status = read_run_status(output_dir, since=started)
-    if status.get("exit_code") is not None:
+    if status.get("exit_code") is not None:  # rank 0's own line, where it stopped (a stop before step 1 included)
         code, line = status["exit_code"], status.get("message") or line
-    elif status.get("status") == "running":  # rank 0 began and was stopped before it could say how it ended
-        line = f"{line}; the run recorded no end: the same command resumes from its newest full state" \
-            if code != EXIT_INTERRUPTED else "stopped unsaved after training began: the same command resumes " \
-                                             "from the newest full state"
+    elif status.get("status") == "running":  # rank 0 held the folder and was ended before it could say how
+        line = f"{line}; the run recorded no end: the same command resumes from its newest full state, or " \
+               "starts again where it has none"
+    elif code == EXIT_INTERRUPTED:  # before rank 0 held the folder
+        line = f"{line} before training began; nothing to save"
     return code, line
 
 

@@ -31,6 +31,7 @@ mean cross-entropy over the whole batch. Python API: ``train(TrainConfig(...))``
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -38,9 +39,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from minitrainer.checkpoint import output_lock, resume_policy
 from minitrainer.common.cli import parse_config
 from minitrainer.common.distributed import DistInfo, cleanup, init_distributed, lost_ranks, stop_in_one_line
-from minitrainer.common.exits import EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, exit_process, write_run_status
-from minitrainer.common.log import exit_line, log_rank_0, logger, setup_logging
-from minitrainer.loop.preemption import PreemptionFlag
+from minitrainer.common.exits import (EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, exit_process, stopped_line,
+                                      write_run_status)
+from minitrainer.common.log import exit_line, log_rank_0, logger, note_exit_line, setup_logging
+from minitrainer.loop.preemption import PreemptionFlag, StopBeforeTraining, Stopped
 from minitrainer.report.progress import Progress, announce_progress, resolve_progress
 from minitrainer.loop.actions import batches, checkpoints_due, rewind, save, stop_preempted, validate, validation_due
 from minitrainer.optim.schedule import stop_reason
@@ -64,9 +66,11 @@ def train(config: TrainConfig) -> Path | None:
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else EXIT_FAILED
         raise
-    except KeyboardInterrupt:  # Ctrl-C before the loop (main says so)
+    except Stopped as stop:  # a signal before the first step: nothing to save
         code = EXIT_INTERRUPTED
-        raise
+        log_rank_0(stop.line, level=logging.WARNING)
+        note_exit_line(stop.line, override=True)
+        raise SystemExit(code) from None
     finally:
         # A run refused for the lock another run holds leaves that run's status alone.
         if dist_info.is_main and output_lock.release(config.output_dir):
@@ -76,7 +80,8 @@ def train(config: TrainConfig) -> Path | None:
 
 def _train(config: TrainConfig, dist_info: DistInfo) -> Path | None:
     """Set up; then for each batch: one optimizer step, its metrics line, maybe validate, save or stop."""
-    run = setup_run(config, dist_info)
+    with StopBeforeTraining():
+        run = setup_run(config, dist_info)
     done = stop_reason(config, run.state, len(run.dataset))
     if done:  # a resumed run that has nothing left to train
         log_rank_0(resume_policy.finished_message(
@@ -133,8 +138,9 @@ def cli() -> None:
         record(main)()
     except SystemExit as stop:  # a refusal, failure or preemption, already logged in one line; --help; usage
         exit_process(0 if stop.code is None else stop.code if isinstance(stop.code, int) else EXIT_FAILED)
-    except KeyboardInterrupt:  # Ctrl-C before the loop, where nothing is trained yet (the loop saves on it)
-        logger.warning("interrupted (SIGINT) before training began: stopping; nothing to save")
+    except KeyboardInterrupt:  # Ctrl-C before start-up handles it (StopBeforeTraining): nothing is trained yet
+        note_exit_line(stopped_line("SIGINT"))
+        logger.warning(exit_line())
         exit_process(EXIT_INTERRUPTED)
     exit_process()
 

@@ -1,7 +1,7 @@
 """``run_training`` as a launcher: the run's events reach the caller in order and once (``report/watch.py``), a
 signal to the launching process becomes the run's preemption save, a rerun resumes, a failing listener
-costs one line; and the settings other trainers' APIs need (``--adam-eps``, ``--checkpoint-at-epoch``,
-``--tokenized-data-dir``).
+costs two lines however often it fails (``ListenerFailures``); and the settings other trainers' APIs need
+(``--adam-eps``, ``--checkpoint-at-epoch``, ``--tokenized-data-dir``).
 
     .venv/bin/python -m pytest -q tests/test_api_launch.py
 
@@ -12,6 +12,7 @@ would be) starting torchrun with 2 gloo CPU ranks on the tiny chatml model and t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -23,8 +24,10 @@ import pytest
 import torch
 
 from fixtures.e2e import ROOT
+from minitrainer.api import _deliver
+from minitrainer.common.log import logger
 from minitrainer.optim.optimizers import build_optimizer
-from minitrainer.report.watch import Lifecycle, RunEvent, RunWatcher
+from minitrainer.report.watch import Lifecycle, ListenerFailures, RunEvent, RunWatcher
 
 DEMO_DATA = ROOT / "minitrainer" / "tools" / "demo_chat.jsonl"
 NUM_ROWS = sum(1 for _ in DEMO_DATA.open())
@@ -36,12 +39,14 @@ from minitrainer.api import RunFailed, TorchrunArgs, TrainConfig, run_training
 out, model, data, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 events = open(out + ".events.jsonl", "a")
 
+raises = extra.pop("listener_raises", False)
+
 def listen(event):
-    if extra.pop("listener_raises_once", False):
-        raise RuntimeError("a listener's own bug")
     events.write(json.dumps({"kind": event.kind, "step": event.record.get("step"),
                              "path": None if event.path is None else str(event.path)}) + "\\n")
     events.flush()
+    if raises:  # after recording: the test sees every event it was handed
+        raise RuntimeError("a listener's own bug")
 
 config = TrainConfig(output_dir=out, data_path=data, model_name_or_path=model, batch_size=16,
                      max_tokens_per_gpu=2048, min_samples_per_checkpoint=10**9, **extra.pop("config", {}))
@@ -75,18 +80,24 @@ def _metrics(tmp_path: Path) -> list[dict]:
 
 def test_every_step_validation_and_export_reaches_the_launcher_once_in_order(tmp_path, chatml_model):
     """Two epochs with an export at each epoch's end, a validation every 4 steps, AdamW's epsilon and the
-    tokenized cache where the caller put them; a listener that raises once is one line, not a failure."""
+    tokenized cache where the caller put them; a listener that raises on every event is said once, then
+    counted in one line at the end, and the run goes on."""
     config = {"num_epochs": 2.0, "checkpoint_at_epoch": True, "validation_split": 0.1,
               "validation_every_n_steps": 4, "adam_eps": 1e-6, "tokenized_data_dir": str(tmp_path / "tok")}
-    result = _launch(tmp_path, chatml_model, {"config": config, "listener_raises_once": True})
+    result = _launch(tmp_path, chatml_model, {"config": config, "listener_raises": True})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "a listener of the run's step events failed (RuntimeError: a listener's own bug); training goes on" \
-        in result.stdout + result.stderr
     metrics = _metrics(tmp_path)
     steps = [m["step"] for m in metrics if "val_loss" not in m]
     events = _events(tmp_path)
-    # The first step's event went to the listener that raised: every other line arrived, once, in order.
-    assert [e["step"] for e in events if e["kind"] == "step"] == steps[1:]
+    said = [line[line.index("the run's on_event listener"):] for line in (result.stdout + result.stderr).splitlines()
+            if "the run's on_event listener" in line]
+    assert said == [
+        f"the run's on_event listener failed at step {steps[0]} (RuntimeError: a listener's own bug); training goes "
+        "on (its further failures are counted, said at the end)",
+        f"the run's on_event listener failed on {len(events)} of {len(events)} events (first at step {steps[0]}: "
+        "RuntimeError: a listener's own bug)"]
+    # Every line arrived, once, in order, the listener's failures notwithstanding.
+    assert [e["step"] for e in events if e["kind"] == "step"] == steps
     assert [e["step"] for e in events if e["kind"] == "validation"] == [m["step"] for m in metrics if "val_loss" in m]
     train_rows = NUM_ROWS - round(NUM_ROWS * 0.1)
     samples = {m["step"]: m["samples_seen"] for m in metrics if "val_loss" not in m}
@@ -173,3 +184,67 @@ def test_lifecycle_hooks_come_in_the_order_trainers_callbacks_expect():
         ("on_epoch_end", "step", 2, 2), ("on_epoch_begin", "step", 3, 2), ("on_step_end", "step", 3, 3),
         ("on_save", "export", 3, 3), ("on_step_end", "step", 4, 4), ("on_log", "step", 4, 4),
         ("on_epoch_end", "step", 4, 4), ("on_train_end", "step", 4, 4)]
+
+
+def _warnings(caplog, run) -> list[str]:
+    """What ``run()`` logs at WARNING on the toolkit's logger (which stops propagating once set up)."""
+    attach = not logger.propagate
+    if attach:
+        logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            run()
+    finally:
+        if attach:
+            logger.removeHandler(caplog.handler)
+    return [record.getMessage() for record in caplog.records if record.name == logger.name]
+
+
+def test_a_failing_listener_is_said_once_then_counted_in_one_line_once(caplog):
+    failures = ListenerFailures(per="call")
+    seen = []
+
+    def broken(value):
+        seen.append(value)
+        if value % 2:
+            raise ValueError(f"boom {value}")
+
+    def run():
+        for value in range(1, 8):
+            failures.call("callback Broken.on_step_end", broken, value, at=f"step {value}")
+            failures.call("callback Fine.on_step_end", seen.append, -value)
+        failures.report()
+        failures.report()  # a second end (a failure path after a finish) says nothing more
+
+    assert _warnings(caplog, run) == [
+        "callback Broken.on_step_end failed at step 1 (ValueError: boom 1); training goes on (its further failures "
+        "are counted, said at the end)",
+        "callback Broken.on_step_end failed on 4 of 7 calls (first at step 1: ValueError: boom 1)"]
+    assert seen == [v for value in range(1, 8) for v in (value, -value)]  # every call was made
+
+
+def test_the_launchers_delivery_counts_a_failing_listener_over_a_real_metrics_file(tmp_path, caplog):
+    """``_deliver`` as ``run_training`` drives it: the real watcher on a metrics file written here."""
+    metrics = tmp_path / "training_metrics_0.jsonl"
+    watcher = RunWatcher(tmp_path, started=100.0)
+    failures = ListenerFailures(per="event")
+    delivered = []
+
+    def listener(event):
+        delivered.append(event)
+        raise KeyError("loss")
+
+    def run():
+        for step in range(1, 7):
+            with metrics.open("a") as f:
+                f.write(json.dumps({"step": step, "samples_seen": 8 * step, "timestamp": 100.0 + step}) + "\n")
+                if step % 3 == 0:
+                    f.write(json.dumps({"step": step, "val_loss": 1.0, "timestamp": 100.5 + step}) + "\n")
+            _deliver(watcher.poll(), listener, failures)
+        failures.report()
+
+    said = _warnings(caplog, run)
+    assert len(delivered) == 8
+    assert said == ["the run's on_event listener failed at step 1 (KeyError: 'loss'); training goes on (its further "
+                    "failures are counted, said at the end)",
+                    "the run's on_event listener failed on 8 of 8 events (first at step 1: KeyError: 'loss')"]

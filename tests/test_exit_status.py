@@ -302,3 +302,69 @@ def test_a_signal_while_waiting_in_a_collective_for_a_dead_peer_ends_the_rank_at
     assert survivor.returncode == 1, errors[-3000:]
     assert f"received SIGTERM after rank 1 (pid {victim.pid} on " in errors, errors[-3000:]
     assert took < 10, f"the survivor took {took:.1f} s"
+
+
+# ----------------------------------------------------------------------------
+# A stop signal before the first step (loop/preemption.StopBeforeTraining), real signals to this process
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@pytest.fixture
+def own_handlers():
+    """This process's handlers as they were, put back after the test (a stop leaves SIGTERM ignored)."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield previous
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _signalled(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    time.sleep(10)  # the handler raises at the next instruction; never reached
+
+
+def test_a_signal_before_the_first_step_stops_saying_where_and_its_repeat_ends_nothing(own_handlers):
+    from minitrainer.common.exits import stopping_phase
+    from minitrainer.loop.preemption import StopBeforeTraining, Stopped
+
+    began = time.monotonic()
+    with pytest.raises(Stopped) as stop, StopBeforeTraining(), stopping_phase("during the reference pass"):
+        _signalled(signal.SIGTERM)
+    assert time.monotonic() - began < 5
+    assert stop.value.line == ("stopped by SIGTERM during the reference pass, before the first step: nothing to save; "
+                               "the same command starts again")
+    # SLURM signals the ranks and torchrun, which forwards: the second delivery must not end the rank on its way out.
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_a_failure_after_the_signal_is_that_stop_and_no_signal_leaves_the_handlers_as_they_were(own_handlers):
+    from minitrainer.loop.preemption import StopBeforeTraining, Stopped
+
+    with StopBeforeTraining():
+        pass
+    assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == own_handlers
+    with pytest.raises(Stopped) as stop, StopBeforeTraining():
+        try:
+            _signalled(signal.SIGUSR1)
+        except Stopped:  # what a peer sees when this rank left the collective first
+            raise RuntimeError("Connection closed by peer") from None
+    assert stop.value.line.startswith("stopped by SIGUSR1 during start-up, before the first step")
+    assert isinstance(stop.value.__cause__, RuntimeError)
+
+
+def test_a_process_forked_before_the_first_step_still_dies_of_sigterm(own_handlers):
+    """Tokenizing forks a Pool, whose terminate() SIGTERMs its workers: the handler they inherit must not turn that
+    into an exception inside the child (an exit with a traceback, a worker that goes on)."""
+    import multiprocessing
+
+    from minitrainer.loop.preemption import StopBeforeTraining
+
+    with StopBeforeTraining():
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+        child.start()
+        child.terminate()
+        child.join(timeout=30)
+    assert child.exitcode == -signal.SIGTERM

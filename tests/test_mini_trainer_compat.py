@@ -113,12 +113,16 @@ class Count(TrainerCallback):
     def on_train_end(self, context):
         self.calls.append(["end", context.step])
 
+class Broken(TrainerCallback):
+    def on_log(self, context):
+        raise ValueError("the user's bug")
+
 run_training(
     torch_args=TorchrunArgs(nproc_per_node=2),
     train_args=TrainingArgs(model_name_or_path=sys.argv[1], data_path=sys.argv[2], batch_size=16,
                             max_tokens_per_gpu=2048, learning_rate=1e-4, output_dir="out", weight_decay=0.05,
                             beta2=0.98, training_mode=TrainingMode.STEP, max_steps=4, min_samples_per_checkpoint=32,
-                            callbacks=[Count()]))
+                            callbacks=[Broken(), Count()]))
 print("CALLS", json.dumps(Count.calls))
 """
 
@@ -134,5 +138,12 @@ def test_a_0_9_script_trains_after_changing_its_import_line(tmp_path, chatml_mod
     assert [c for c in calls if c[0] == "step"] == [["step", m["step"], m["loss"], m["samples_seen"]] for m in metrics]
     assert [c[2] for c in calls if c[0] == "save"] == ["out/hf_format/samples_32", "out/hf_format/samples_64"]
     assert calls[-1] == ["end", 4]
+    said = [line[line.index("callback Broken"):] for line in (result.stdout + result.stderr).splitlines()
+            if "callback Broken" in line]
+    assert said == [  # a hook failing on every step: once with its error, then its count, once
+        "callback Broken.on_log failed at step 1 (ValueError: the user's bug); training goes on (its further "
+        "failures are counted, said at the end)",
+        f"callback Broken.on_log failed on {len(metrics)} of {len(metrics)} calls (first at step 1: ValueError: the "
+        "user's bug)"]
     params = json.loads((tmp_path / "out" / "training_params.json").read_text())
     assert (params["weight_decay"], params["adam_betas"], params["lr_scheduler"]) == (0.05, [0.9, 0.98], "cosine")

@@ -331,6 +331,74 @@ def test_no_sample_written_exits_non_zero_with_counts(tiny_models, tmp_path):
     assert "empty_messages 2" in str(err.value) and "invalid_json 1" in str(err.value)
 
 
+SAME_PAIR = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "Same."}],
+             "rejected": [{"role": "assistant", "content": "Same."}]}
+GOOD_PAIR = {**SAME_PAIR, "rejected": [{"role": "assistant", "content": "Other."}]}
+
+
+@pytest.mark.parametrize("form", ["output_dir", "output_file"])
+def test_a_run_that_writes_no_row_leaves_no_dataset_and_the_same_command_reruns(tiny_models, tmp_path, form):
+    """Issue 68: a file of only bad pairs (both sides the same, a side empty) stops in one line naming the file,
+    the counts by reason and the first bad row, and leaves no data file or summary (train.py would read an empty
+    dataset): only the rejected rows' listing, which the same command replaces once the rows are fixed."""
+    side_empty = {**SAME_PAIR, "rejected": []}
+    input_file = write_jsonl(tmp_path / "pairs.jsonl", [SAME_PAIR, side_empty, SAME_PAIR])
+    out = tmp_path / "out"
+    data, listing = (out / "data.jsonl", out / "rejected.jsonl") if form == "output_dir" else \
+        (out / "pairs_tkns.jsonl", out / "pairs_tkns.rejected.jsonl")
+    argv = ["--input-file", str(input_file), f"--{form.replace('_', '-')}", str(out if form == "output_dir" else data),
+            "--model-name-or-path", str(tiny_models["chatml"]), "--num-proc", "1"]
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert str(err.value) == (
+        f"process_data.py: error: no pair written from the 3 row(s) of {input_file}; rejected: identical_sides 2, "
+        f"empty_side 1 (first: {input_file}:1: identical_sides: chosen and rejected are the same tokens with the "
+        f"same labels; each listed in {listing}); no {data.name} or summary was left: fix the rows and run again")
+    assert sorted(p.name for p in out.iterdir()) == [listing.name]
+    assert [row["reason"] for row in read_jsonl(listing)] == ["identical_sides", "empty_side", "identical_sides"]
+    if form == "output_dir":  # train.py --data-path on the folder: refused, never its listing read as raw rows
+        from minitrainer.data.cache import is_tokenized
+        from minitrainer.data.sampler import load_tokenized_dataset
+
+        assert is_tokenized(out)
+        with pytest.raises(ValueError) as refusal:
+            load_tokenized_dataset(str(out), cache_dir=str(tmp_path / "cache"))
+        assert str(refusal.value) == (
+            f"{out} holds only rejected.jsonl: the process_data.py run that wrote it kept no row (each is listed "
+            "there with its reason); fix those rows and tokenize again")
+
+    write_jsonl(input_file, [GOOD_PAIR, SAME_PAIR])
+    summary = main(argv)  # no --overwrite: the listing alone guards no dataset
+    assert summary["num_pairs"] == 1 and len(read_jsonl(data)) == 1
+    assert [row["reason"] for row in read_jsonl(listing)] == ["identical_sides"]
+
+
+def test_an_empty_data_file_an_older_run_left_is_refused_naming_why(tiny_models, tmp_path):
+    """What versions before issue 68 left after a run that wrote no row (an empty data.jsonl beside its summary and
+    listing) is still refused by the loader train.py reads --data-path with, in one line that says why."""
+    from minitrainer.data.cache import is_tokenized
+    from minitrainer.data.sampler import load_tokenized_dataset
+
+    out = tmp_path / "old_tkns"
+    out.mkdir()
+    (out / "data.jsonl").write_bytes(b"")
+    (out / "rejected.jsonl").write_text(json.dumps({"line": 1, "reason": "identical_sides", "detail": "..."}) + "\n")
+    (out / "summary.json").write_text(json.dumps({
+        "kind": "preference", "num_lines": 3, "num_written": 0, "rejected_by_reason": {"identical_sides": 3},
+        "outputs": {"data": str(out / "data.jsonl"), "rejected": str(out / "rejected.jsonl"),
+                    "summary": str(out / "summary.json")}}))
+    assert is_tokenized(out)  # train.py takes the folder as tokenized data and loads it
+    with pytest.raises(ValueError) as err:
+        load_tokenized_dataset(str(out), cache_dir=str(tmp_path / "cache"))
+    assert str(err.value) == (
+        f"{out}/data.jsonl: the file is empty (no rows): the process_data.py run that wrote it kept none of its 3 "
+        f"input row(s) (rejected: identical_sides 3; listed in {out}/rejected.jsonl, counted in {out}/summary.json); "
+        "fix those rows and tokenize again")
+    (out / "summary.json").unlink()  # an empty file of no run's: the plain line
+    with pytest.raises(ValueError, match=r"data\.jsonl: the file is empty \(no rows\)$"):
+        load_tokenized_dataset(str(out), cache_dir=str(tmp_path / "cache"))
+
+
 def test_every_turn_end_is_learned_with_injected_system_prompt(tokenizers, encoders):
     """qwen25 injects a system prompt; the original tool then masked non-final end tokens."""
     messages = CONVERSATIONS["multi_turn_system"][1:]

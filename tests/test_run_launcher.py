@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.e2e import ROOT, model_vocab_size, write_tokenized_jsonl
+from fixtures.e2e import ROOT, assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_jsonl, \
+    write_tokenized_pairs
 from tests.test_exit_status import _stepped, _status
 from tests.test_faults import _args
 
@@ -92,6 +93,38 @@ def test_ctrl_c_ends_in_the_preemption_line_and_75_then_the_rerun_finishes_with_
     assert code == 0, text[-4000:]
     assert _own_lines(text) == [] and "resumed from" in text, text[-4000:]
     assert _status(out)["status"] == "finished"
+
+
+def test_sigterm_during_the_reference_pass_says_so_with_130_and_the_same_command_starts_again(tmp_path,
+                                                                                             chatml_model):
+    """Before step 1 there is nothing to save: the line says where the run was and that the same command starts
+    again (not that it resumes from a full state there is none of), and run_status.json says the same."""
+    import math
+
+    data = write_tokenized_pairs(tmp_path / "pairs", num_pairs=32, vocab_size=model_vocab_size(chatml_model))
+    out = tmp_path / "out"
+    args = ["--model-name-or-path", str(chatml_model), "--data-path", str(data), "--output-dir", str(out),
+            "--objective", "dpo", "--batch-size", "16", "--max-tokens-per-gpu", "64", "--max-steps", "1",
+            "--num-data-workers", "0", "--min-samples-per-checkpoint", "1000"]
+    proc, _, stderr = _start(tmp_path, args, env={"MINI_TRAINER_TEST_PREPARE_SLEEP": "120"})
+    deadline = time.monotonic() + 240
+    while "MINI_TRAINER_TEST_PREPARE_SLEEP: sleeping" not in stderr.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()[-4000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    code = proc.wait(timeout=SECONDS_TO_EXIT)
+    text = stderr.read_text()
+    line = ("stopped by SIGTERM during the reference pass, before the first step: nothing to save; the same command "
+            "starts again")
+    assert code == 130, text[-4000:]
+    assert _own_lines(text) == [f"{PROG}: exit status 130: {line}"], text[-4000:]
+    assert _status(out)["status"] == "interrupted" and _status(out)["exit_code"] == 130, _status(out)
+    assert _status(out)["message"] == line
+    assert "Traceback" not in text and not [word for word in TORCHRUN_REPORT if word in text], text[-4000:]
+    assert not (out / "full_state").exists() and not list(tmp_path.rglob("reference_logps/*.npz"))
+
+    assert_ok(torchrun(args, warm=True))  # the same command: a whole run from the start
+    assert read_metrics(out)[0]["loss"] == math.log(2)
 
 
 def test_a_typo_in_the_training_flags_is_refused_once_with_2_before_any_rank(tmp_path, chatml_model, data_path,

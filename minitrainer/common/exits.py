@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from minitrainer.common.log import exit_line, logger
 
@@ -13,8 +15,31 @@ EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2       # argparse's status for bad flags
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped by a signal with the state saved; rerunning resumes
-EXIT_INTERRUPTED = 130  # the shell's status for SIGINT: Ctrl-C before the loop, where there is nothing to save
+EXIT_INTERRUPTED = 130  # the shell's status for SIGINT: a signal before the loop, where there is nothing to save
 """The exit statuses of ``train.py`` (docs/training.md, "Exit statuses")."""
+
+STARTUP_PHASE = "during start-up"
+_phase = [STARTUP_PHASE]
+
+
+@contextmanager
+def stopping_phase(label: str | None) -> Iterator[None]:
+    """What a stop before the first step says it interrupted while inside (``"during the reference pass"``);
+    None: the phase around it."""
+    if label is None:
+        yield
+        return
+    _phase.append(label)
+    try:
+        yield
+    finally:
+        _phase.pop()
+
+
+def stopped_line(signal_name: str) -> str:
+    """The line of a run stopped by a signal before its first step: where, and that nothing is lost."""
+    return (f"stopped by {signal_name} {_phase[-1]}, before the first step: nothing to save; the same command "
+            "starts again")
 
 
 def exit_process(code: int = 0) -> None:

@@ -15,6 +15,8 @@ through these environment variables (values are matched exactly):
 | ``MINI_TRAINER_TEST_NAN``              | ``STEP:RANK`` | that rank's loss (and logged cross-entropy) is NaN       |
 | ``MINI_TRAINER_TEST_SIGTERM``          | ``STEP:RANK`` | that rank SIGTERMs itself after the step's update        |
 | ``MINI_TRAINER_TEST_STEP_SLEEP``       | ``SECONDS``   | every update is followed by a sleep (time to signal)     |
+| ``MINI_TRAINER_TEST_PREPARE_SLEEP``    | ``SECONDS``   | the objective's preparation (DPO's reference pass) first |
+|                                        |               | sleeps that long (time to signal a run before step 1)    |
 | ``MINI_TRAINER_TEST_RAISE``            | ``STEP:RANK`` | that rank raises an unexpected error after the step's    |
 |                                        |               | update (a bug: its traceback must stay visible)          |
 | ``MINI_TRAINER_TEST_PROBE_FAIL``       | ``TOKENS:R``  | rank R (``*``: all) fails mid-backward in the auto-budget |
@@ -45,6 +47,7 @@ FAIL_EXPORT = "MINI_TRAINER_TEST_FAIL_EXPORT"
 NAN = "MINI_TRAINER_TEST_NAN"
 SIGTERM = "MINI_TRAINER_TEST_SIGTERM"
 STEP_SLEEP = "MINI_TRAINER_TEST_STEP_SLEEP"
+PREPARE_SLEEP = "MINI_TRAINER_TEST_PREPARE_SLEEP"
 RAISE = "MINI_TRAINER_TEST_RAISE"
 PROBE_FAIL = "MINI_TRAINER_TEST_PROBE_FAIL"
 DROP_LOGIT_SCALE = "MINI_TRAINER_TEST_DROP_LOGIT_SCALE"
@@ -62,6 +65,14 @@ def fail_export(folder: Path) -> None:
     """Raise the disk-full error a real export would, for the export ``FAIL_EXPORT`` names."""
     if os.environ.get(FAIL_EXPORT) == folder.name:
         raise OSError(errno.ENOSPC, f"No space left on device (fault injected by {FAIL_EXPORT})")
+
+
+def sleep_before_preparing() -> None:
+    """Sleep ``PREPARE_SLEEP`` seconds, when set, saying so first (the line a test waits for)."""
+    if PREPARE_SLEEP in os.environ:
+        logger.warning("%s: sleeping %s s before the objective's preparation", PREPARE_SLEEP,
+                       os.environ[PREPARE_SLEEP])
+        time.sleep(float(os.environ[PREPARE_SLEEP]))
 
 
 def drops_logit_scale() -> bool:

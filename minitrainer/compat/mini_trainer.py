@@ -20,10 +20,9 @@ from typing import Any, Literal
 from minitrainer import api
 from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
 from minitrainer.common.cli import errors_in_one_line
-from minitrainer.common.log import logger
 from minitrainer.common.translations import (EXPORT_DTYPE, FINAL_EXPORT, FLOAT32_STATE, IN_STEP, MIN_LR_ONLY,
                                             NO_TOKEN_STOP, Rule, Translation, accepted_when, read_by_another, to)
-from minitrainer.report.watch import Lifecycle, RunEvent
+from minitrainer.report.watch import Lifecycle, ListenerFailures, RunEvent
 from minitrainer.train_config import TrainConfig
 
 __all__ = ["PretrainingConfig", "Refused", "TorchrunArgs", "TrainerCallback", "TrainingArgs", "TrainingContext",
@@ -172,9 +171,11 @@ def run_training(torch_args: TorchrunArgs, train_args: TrainingArgs) -> api.RunR
                                            ("WANDB_ENTITY", train_args.wandb_entity)) if value}
     try:
         result = api.run_training(torchrun, config, on_event=listener, env=env)
+        listener.finish()
     except api.RunFailed as err:
         raise TrainingFailed(str(err)) from err
-    listener.finish()
+    finally:  # finished or not: how often each failing hook failed, once
+        listener.report()
     return result
 
 
@@ -320,7 +321,8 @@ def _overrides(callback: Any, hook: str) -> bool:
 
 class _Callbacks:
     """0.9's launching-process hooks from the run's events (``report.watch.Lifecycle`` gives their order), each with
-    a ``TrainingContext`` of the step's metrics line."""
+    a ``TrainingContext`` of the step's metrics line. A hook that raises is logged once, then counted
+    (``report.watch.ListenerFailures``): 0.9's callbacks are fire-and-forget."""
 
     def __init__(self, callbacks: list, *, config: TrainConfig, train_args: TrainingArgs):
         self.callbacks = callbacks
@@ -329,12 +331,16 @@ class _Callbacks:
                                      max_epochs=train_args.max_epochs, max_steps=train_args.max_steps,
                                      max_tokens=train_args.max_tokens)
         self._lifecycle = Lifecycle(self._fire)
+        self._failures = ListenerFailures(per="call")
 
     def __call__(self, event: RunEvent) -> None:
         self._lifecycle(event)
 
     def finish(self) -> None:
         self._lifecycle.finish()
+
+    def report(self) -> None:
+        self._failures.report()
 
     def _fire(self, hook: str, event: RunEvent, last_step: RunEvent | None) -> None:
         step = event if event.kind == "step" or last_step is None else last_step
@@ -348,8 +354,5 @@ class _Callbacks:
         if hook == "on_train_begin":  # before the run's first step
             context.step = max(context.step - 1, 0)
         for callback in self.callbacks:
-            try:
-                getattr(callback, hook)(context)
-            except Exception as err:  # noqa: BLE001 - 0.9's promise: callbacks are fire-and-forget
-                logger.warning("callback %s.%s failed at step %d (%s: %s); training goes on",
-                               type(callback).__name__, hook, context.step, type(err).__name__, err)
+            self._failures.call(f"callback {type(callback).__name__}.{hook}", getattr(callback, hook), context,
+                                at=f"step {context.step}")

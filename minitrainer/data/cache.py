@@ -39,7 +39,7 @@ from pathlib import Path
 
 from minitrainer.common.log import logger
 from minitrainer.data.mix import data_paths
-from minitrainer.data.sources import held_out_split, is_table, is_text, json_document, open_binary
+from minitrainer.data.sources import data_files, held_out_split, is_table, is_text, json_document, open_binary
 
 CACHE_FOLDER = "tokenized_data"
 _BLOCK = 1 << 22
@@ -56,7 +56,9 @@ def is_tokenized(path: str | Path) -> bool:
     path = Path(path)
     if path.is_dir():
         named = path / "data.jsonl"
-        candidates = [named] if named.is_file() else [p for p in path.glob("*.jsonl") if p.is_file()]
+        candidates = [named] if named.is_file() else data_files(path)
+        if not candidates and (path / "rejected.jsonl").is_file():
+            return True  # the tokenized reader's refusal says why there is no data (sampler.resolve_data_file)
         if len(candidates) != 1:
             return False
         path = candidates[0]

@@ -39,6 +39,10 @@ Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
   D/summary.json    counts by outcome, format and reason, length statistics,
                     tokenizer, arguments and the label audit; written last
 
+A run that writes no row stops with one line (the counts by reason, the first
+rejected row) and leaves no ``data.jsonl`` or ``summary.json``: only the
+rejected rows' listing, which a rerun replaces.
+
 Bad rows (bad JSON, an unknown shape, a missing field...) are input errors:
 counted, listed and skipped; they never stop the run (``--strict`` makes the
 first one fatal). The label audit (docs/data.md) judges the masking only: the
@@ -553,7 +557,9 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
                          f"({scan.unknown[0]}){accepted}; --columns maps other column names"
                          + (f": {offers}" if offers else ""))
     if not config.overwrite:
-        for path in paths.all():
+        # The rejected rows' listing alone is what a run that wrote no row left: no dataset to guard.
+        kept = paths.all() if paths.data.exists() or paths.summary.exists() else ()
+        for path in kept:
             if path.exists() and path.stat().st_size > 0:
                 raise ValueError(f"output {path} exists and is not empty; pass --overwrite to replace it")
     if config.output_dir is not None and Path(config.output_dir).exists() and not Path(config.output_dir).is_dir():
@@ -664,9 +670,16 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
                 rejected_f.write(chunk.rejected)
                 totals.add(chunk)
         summary = _summary(config, tokenizer, encoder, paths, totals, source, time.perf_counter() - start, kind)
-        tmp[paths.summary].write_text(json.dumps(summary, indent=2) + "\n")
-        for path in paths.all():
-            os.replace(tmp[path], path)
+        if summary["num_written"]:
+            tmp[paths.summary].write_text(json.dumps(summary, indent=2) + "\n")
+            for path in paths.all():
+                os.replace(tmp[path], path)
+        else:
+            # No row: no dataset is left, not even an empty one (train.py would read it as an empty dataset,
+            # an --overwrite'n one as the old data). The listing of the rejected rows stays: the refusal names it.
+            for path in (paths.data, paths.summary):
+                path.unlink(missing_ok=True)
+            os.replace(tmp[paths.rejected], paths.rejected)
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -675,13 +688,13 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
         for tmp_path in tmp.values():
             tmp_path.unlink(missing_ok=True)
 
+    if not summary["num_written"]:
+        raise ValueError(f"no {'pair' if kind == 'preference' else 'sample'} written from the {totals.num_rows} "
+                         f"row(s) of {config.input_file}; rejected: {_counts(totals.reasons)} (first: "
+                         f"{totals.first_rejection}; each listed in {paths.rejected}); no {paths.data.name} or "
+                         "summary was left: fix the rows and run again")
     _log_summary(summary)
     _print_samples(config, tokenizer, paths.data, totals, kind)
-    if not summary["num_written"]:
-        raise ValueError(f"no {'pair' if kind == 'preference' else 'sample'} written from {totals.num_rows} row(s); "
-                         "rejected: "
-                         + ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items())
-                         + f" (see {paths.rejected})")
     _log_audit(summary["audit"], config)
     if summary["audit"]["broken_rules"] and not config.allow_audit_failures:
         raise ValueError(f"label audit failed: {'; '.join(summary['audit']['broken_rules'])} (details in "
@@ -750,8 +763,11 @@ class _Totals:
         self.audit = ChunkAudit()
         self.input_errors = ChunkAudit()
         self.not_read: Counter = Counter()
+        self.first_rejection: str | None = None  # "file:line: reason: detail"
 
     def add(self, chunk: ChunkResult) -> None:
+        if self.first_rejection is None:
+            self.first_rejection = chunk.first_rejection
         self.lengths.extend(chunk.lengths)
         self.num_loss.extend(chunk.num_loss_counted_tokens)
         for size in chunk.row_bytes:

@@ -58,6 +58,7 @@ from minitrainer.common.log import logger
 from minitrainer.data.packing import plan_minibatches, sample_costs
 from minitrainer.data.preference import PreferenceDataset, is_preference_table
 from minitrainer.data.rows import is_pairs
+from minitrainer.data.sources import data_files
 
 BALANCE_CHOICES = ("tokens", "attention")
 DUMMY_TOKEN_ID = 0
@@ -71,16 +72,19 @@ any in-vocabulary id works since its label is IGNORE_INDEX."""
 
 def resolve_data_file(data_path: str | Path) -> Path:
     """The jsonl behind ``--data-path``: the file itself, or a folder's
-    ``data.jsonl``, or a folder's only ``*.jsonl``."""
+    ``data.jsonl``, or a folder's only ``*.jsonl`` (``data_files``)."""
     path = Path(data_path)
     if path.is_file():
         return path
     if path.is_dir():
         if (path / "data.jsonl").is_file():
             return path / "data.jsonl"
-        candidates = sorted(path.glob("*.jsonl"))
+        candidates = data_files(path)
         if len(candidates) == 1:
             return candidates[0]
+        if not candidates and (path / "rejected.jsonl").is_file():
+            raise ValueError(f"{path} holds only rejected.jsonl: the process_data.py run that wrote it kept no row "
+                             "(each is listed there with its reason); fix those rows and tokenize again")
         found = ", ".join(c.name for c in candidates) or "none"
         raise ValueError(f"{path}: expected data.jsonl or exactly one *.jsonl in the folder, found {found}")
     raise ValueError(f"{path}: no such file or folder")
@@ -186,7 +190,7 @@ def load_tokenized_dataset(data_path: str, *, cache_dir: str | None = None) -> T
 
     path = resolve_data_file(data_path)
     if not _has_content(path):
-        raise ValueError(f"{path}: the file is empty (no rows)")
+        raise ValueError(_empty_file_line(path))
     try:
         dataset = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
     except datasets.exceptions.DatasetGenerationError as err:
@@ -251,6 +255,24 @@ def _has_content(path: Path) -> bool:
             if chunk.strip():
                 return True
     return False
+
+
+def _empty_file_line(path: Path) -> str:
+    """Why ``path`` holds no rows, in one line: the ``process_data.py`` run that made it wrote none (before it
+    left no dataset then, it left an empty one, with the summary that says why beside it), or it is empty."""
+    line = f"{path}: the file is empty (no rows)"
+    stem = path.name.removesuffix(".jsonl")
+    summary_path = path.with_name("summary.json" if path.name == "data.jsonl" else f"{stem}.summary.json")
+    try:
+        summary = json.loads(summary_path.read_text())
+        if summary["num_written"]:
+            return line
+        rejected = ", ".join(f"{reason} {count}" for reason, count in summary["rejected_by_reason"].items())
+        num_lines, listing = int(summary["num_lines"]), summary["outputs"]["rejected"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return line
+    return (f"{line}: the process_data.py run that wrote it kept none of its {num_lines} input row(s) (rejected: "
+            f"{rejected or 'none'}; listed in {listing}, counted in {summary_path}); fix those rows and tokenize again")
 
 
 def _first_bad_json_line(path: Path) -> str | None:

@@ -811,3 +811,9 @@ def _hub_chunks(source: Input, chunk_size: int) -> Iterator[Chunk]:
         rows = [{name: batch[name][i] for name in columns} for i in range(size)]
         yield Chunk(source.spec, "row", list(range(number + 1, number + size + 1)), rows)
         number += size
+
+
+def data_files(folder: Path) -> list[Path]:
+    """A folder's ``*.jsonl`` that may be data: not ``rejected.jsonl``, process_data.py's listing of the rows it
+    could not use (all a run that kept none leaves behind)."""
+    return sorted(p for p in folder.glob("*.jsonl") if p.is_file() and not p.name.endswith("rejected.jsonl"))

@@ -27,11 +27,10 @@ except ImportError as err:
 
 from minitrainer.api import RunResult, TorchrunArgs, run_training
 from minitrainer.common.cli import errors_in_one_line
-from minitrainer.common.log import logger
 from minitrainer.common.translations import IN_STEP
 from minitrainer.data.cache import is_tokenized
 from minitrainer.integrations.hub_parameters import TORCHRUN_KEYS, translate
-from minitrainer.report.watch import Lifecycle, RunEvent
+from minitrainer.report.watch import Lifecycle, ListenerFailures, RunEvent
 from minitrainer.train_config import TrainConfig
 
 BACKEND_NAME = "minitrainer"
@@ -136,19 +135,24 @@ def _callback_refusal(callback: Any) -> str | None:
 class HubCallbacks:
     """The hub's hooks, fired in the launching process from a run's events (``report.watch.Lifecycle`` gives their
     order); each gets a ``TrainingHubContext`` of the step's metrics line. A hook that raises is logged in one
-    line and training goes on."""
+    line the first time and counted after (``report.watch.ListenerFailures``); training goes on."""
 
     def __init__(self, callbacks: list[TrainingHubCallback], *, output_dir: str, logging_steps: int = 1):
         self.callbacks, self.output_dir = callbacks, str(output_dir)
         self._lifecycle = Lifecycle(self._fire, logging_steps=logging_steps)
+        self._failures = ListenerFailures(per="call")
 
     def __call__(self, event: RunEvent) -> None:
         self._lifecycle(event)
 
     def close(self, *, finished: bool) -> None:
-        """After the run: a finished one ends its epoch and the training."""
-        if finished:
-            self._lifecycle.finish()
+        """After the run: a finished one ends its epoch and the training; then how often each failing hook
+        failed."""
+        try:
+            if finished:
+                self._lifecycle.finish()
+        finally:
+            self._failures.report()
 
     def _fire(self, hook: str, event: RunEvent, last_step: RunEvent | None) -> None:
         if hook == "on_evaluate":  # the newest step's context, the validation's figures
@@ -160,12 +164,9 @@ class HubCallbacks:
             context = dataclasses.replace(context, step=max(context.step - 1, 0))
         if hook == "on_save":
             context.metrics["checkpoint_path"] = str(event.path)
-        for callback in self.callbacks:
-            try:
-                getattr(callback, hook)(context)
-            except Exception as err:  # noqa: BLE001 - the hub's promise: a failing hook never stops training
-                logger.warning("training_hub callback %s.%s failed at step %d (%s: %s); training goes on",
-                               type(callback).__name__, hook, context.step, type(err).__name__, err)
+        for callback in self.callbacks:  # the hub's promise: a failing hook never stops training
+            self._failures.call(f"training_hub callback {type(callback).__name__}.{hook}", getattr(callback, hook),
+                                context, at=f"step {context.step}")
 
     def _context(self, record: dict) -> TrainingHubContext:
         return TrainingHubContext(step=int(record.get("step", 0)), epoch=int(record.get("epoch", 0)),

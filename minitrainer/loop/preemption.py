@@ -1,5 +1,6 @@
-"""The preemption flag: SIGTERM, SIGUSR1 (SLURM's warning before a kill), SIGINT (Ctrl-C) and the loss of
-the launcher ask the loop to save a full state after the step and stop."""
+"""Stop signals: in the loop, SIGTERM, SIGUSR1 (SLURM's warning before a kill), SIGINT (Ctrl-C) and the loss of
+the launcher ask for a full state after the step, then a stop (``PreemptionFlag``); before it, where there is
+nothing to save, the same signals stop start-up at once, saying where (``StopBeforeTraining``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-from minitrainer.common.exits import EXIT_FAILED, exit_process
+from minitrainer.common.exits import EXIT_FAILED, exit_process, stopped_line
 from minitrainer.common.log import logger
 
 
@@ -111,3 +112,61 @@ class PreemptionFlag:
         os.close(self._signals_out)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class Stopped(BaseException):
+    """A stop signal before the first step (``StopBeforeTraining``). A ``BaseException``, as KeyboardInterrupt is:
+    the ``except Exception`` of start-up code that reports or retries must not hold it."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+class StopBeforeTraining:
+    """SIGTERM, SIGUSR1 and SIGINT while the run sets up (loading, tokenizing, the reference pass): ``Stopped``,
+    whose line says in which phase (``exits.stopping_phase``) and that the same command starts again.
+
+    * A repeated SIGTERM or SIGUSR1 is the same request delivered twice (SLURM signals torchrun and the ranks, and
+      torchrun forwards): the stop goes on. After SIGINT, a second Ctrl-C (torchrun sends it on as SIGTERM)
+      ends the rank at once, as it does in the loop.
+    * A child forked meanwhile (a tokenizing worker, a loader worker before it ignores the signals) inherits the
+      handler: there it does what the signal does without us, so ``Pool.terminate`` still ends its workers.
+    * An exception raised after a signal arrived (a peer that stopped first broke a collective) is that stop.
+    * On the way out, SIGTERM and SIGUSR1 are ignored: the request delivered again must not end the rank before
+      it has recorded how it stopped (torchrun's SIGKILL still ends one that hangs).
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._line: str | None = None
+        self._pid = os.getpid()
+        self._previous = {}
+
+    def __enter__(self) -> StopBeforeTraining:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in PreemptionFlag.SIGNALS}
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if self._line is None:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            return
+        for sig in (signal.SIGTERM, signal.SIGUSR1) if self.received != "SIGINT" else (signal.SIGUSR1,):
+            signal.signal(sig, signal.SIG_IGN)
+        if not isinstance(error, Stopped):  # something held it (or failed after it): the stop stands
+            raise Stopped(self._line) from error
+
+    def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.received is not None:
+            return
+        self.received = signal.Signals(signum).name
+        self._line = stopped_line(self.received)
+        if signum == signal.SIGINT:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+        raise Stopped(self._line)

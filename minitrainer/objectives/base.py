@@ -85,6 +85,8 @@ class TrainingObjective:
 
     unit = "samples"
     """What the sampler draws and ``--batch-size`` counts, as the start-up lines name it."""
+    preparing: str | None = None
+    """Where ``prepare`` is, as a stop there names it (``"during the reference pass"``); None: start-up."""
 
     console_metrics: tuple[str, ...] = ()
     """Fields of ``record``'s metrics line that the console's progress line shows after the loss, in order."""

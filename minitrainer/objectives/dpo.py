@@ -57,6 +57,7 @@ class DPOObjective(PairObjective):
     """Direct preference optimisation of chosen over rejected replies, against a reference model."""
 
     name = "dpo"
+    preparing = "during the reference pass"
     sum_names = PAIR_SUMS
 
     def __init__(self, settings: DPOSettings) -> None:

@@ -6,9 +6,12 @@ computed in exactly the packed row its first step computes the policy's in: the 
 exactly 0 (on deterministic kernels), and the sigmoid loss exactly ln 2.
 
 The values are stored as ``reference_logps/<key>.npz`` beside the tokenized data (the run's output folder when
-that one is read-only). The key hashes what they depend on: the reference model's weights digest (the one
-resume compares), the fine-tuning method (QLoRA's NF4 base is another reference), dtype, attention backend,
-the data's content digests and the packing; so a rerun or resume reuses them and another model never does.
+that one is read-only), by ``common/stores.py``. What they depend on: the reference model's weights digest (the
+one resume compares), the fine-tuning method (QLoRA's NF4 base is another reference), dtype, attention backend,
+the data's content digests and the packing. The key hashes it, and the file holds it (``computed_from``); a
+rerun or resume reuses a file only when what it holds equals this run's, so another model never does, even
+under the same name. A file computed from something else or unreadable is one line and computed again; a
+store that cannot be written (a full disk) is one warning and the run goes on, with the values in memory.
 
 Which model is the reference: ``--reference-model PATH`` when given, loaded for the pass and freed; else the
 run's own model before its first update (this pass runs before a resume loads a checkpoint), which with LoRA or
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +33,12 @@ from torch import nn
 
 from minitrainer.common.distributed import reshard
 from minitrainer.common.log import log_rank_0
+from minitrainer.common.stores import read_store, write_store
 from minitrainer.data.sampler import cannot_write
 from minitrainer.objectives.base import RunContext
 
 STORE_DIR = "reference_logps"
+WHAT = "reference log-probabilities"
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ class ReferenceTable:
 
 def reference_tables(model: nn.Module, objective, context: RunContext, *, flag: str) -> tuple[ReferenceTable,
                                                                                           ReferenceTable]:
-    """The training and held-out tables: read from the store when its key matches, else computed and stored.
+    """The training and held-out tables: read from the store when it was computed from what this run's would
+    be, else computed and stored.
     ``objective``: the pairs' forward (``forward_pairs``, ``held_out_logps``) and its ``reference_model``
     (``flag`` names it in a refusal)."""
     source = objective.settings.reference_model
@@ -71,23 +76,27 @@ def reference_tables(model: nn.Module, objective, context: RunContext, *, flag: 
             "packing": context.packing,
         }
         path = _store_folder(Path(dataset.path).parent, Path(context.output_dir)) / f"{_key(parts)}.npz"
-    found = [_read(path) if dist_info.is_main else None]
+    num_held_out = len(val_dataset) if val_dataset is not None else 0
+    found = [_read(path, parts, num_train=len(dataset), num_held_out=num_held_out) if dist_info.is_main else None]
     dist.broadcast_object_list(found, src=0)
     if found[0] is not None:
         train, held_out = found[0]
         log_rank_0("reference log-probabilities: %s (computed before, for this model, data and packing)", path)
     else:
+        log_rank_0("reference log-probabilities of %d pairs: computing them with %s (a forward pass over epoch 0)",
+                   len(dataset), source or "the starting model")
         began = time.perf_counter()
         reference = context.models.load(source, flag=flag) if source else model
         train = epoch_pass(reference, context, objective=objective)
         held_out = (held_out_pass(reference, val_dataset, context.val_plan, dist_info=dist_info, attn=context.attn,
                                   objective=objective) if val_dataset is not None else np.zeros((0, 2), np.float32))
         del reference  # a --reference-model is freed here; the run's model stays referenced
-        if dist_info.is_main:
-            _write(path, train, held_out, parts)
-        log_rank_0("reference log-probabilities of %d pairs%s by %s in %.1fs, stored in %s", len(train),
+        # Rank 0 alone writes, and alone logs: it knows whether the write went through.
+        stored = dist_info.is_main and write_store(path, {"train": train, "held_out": held_out}, computed_from=parts,
+                                                   what=WHAT)
+        log_rank_0("reference log-probabilities of %d pairs%s by %s in %.1fs, %s", len(train),
                    f" (+{len(held_out)} held out)" if len(held_out) else "", source or "the starting model",
-                   time.perf_counter() - began, path)
+                   time.perf_counter() - began, f"stored in {path}" if stored else "kept in memory only")
     return (ReferenceTable(train, dataset.side_loss_tokens),
             ReferenceTable(held_out, val_dataset.side_loss_tokens if val_dataset is not None
                            else np.zeros((0, 2), np.int64)))
@@ -157,22 +166,9 @@ def _store_folder(data_folder: Path, output_dir: Path) -> Path:
     return output_dir / STORE_DIR
 
 
-def _read(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    if not path.is_file():
-        return None
-    try:
-        with np.load(path) as stored:
-            return stored["train"], stored["held_out"]
-    except (OSError, ValueError, KeyError) as err:  # a torn or foreign file: computed again
-        log_rank_0("reference log-probabilities: %s is unreadable (%s): computing them again", path, err)
-        return None
-
-
-def _write(path: Path, train: np.ndarray, held_out: np.ndarray, parts: dict) -> None:
-    """Whole or not at all: a temporary file, then a rename; the key's parts beside it, for a person."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as file:
-        np.savez(file, train=train, held_out=held_out)
-    os.replace(temporary, path)
-    path.with_suffix(".json").write_text(json.dumps(parts, indent=1, sort_keys=True) + "\n")
+def _read(path: Path, parts: dict, *, num_train: int, num_held_out: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The stored tables when ``path`` was computed from ``parts`` and fits the data; else None (one line said
+    why, ``common/stores.py``)."""
+    arrays = read_store(path, computed_from=parts, shapes={"train": (num_train, 2), "held_out": (num_held_out, 2)},
+                        what=WHAT)
+    return None if arrays is None else (arrays["train"], arrays["held_out"])

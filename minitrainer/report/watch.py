@@ -4,7 +4,8 @@
 rank 0's metrics lines (``training_metrics_0.jsonl``: one per step, one per validation) and each Hugging Face
 export as its folder appears (``hf_format/samples_N`` is renamed into place whole). Nothing crosses into the
 workers, so a listener that is slow or fails cannot touch training, and the events of a run are those its
-metrics file records, whatever launched it.
+metrics file records, whatever launched it. A listener that raises is said once and then counted
+(``ListenerFailures``): one that fails on every step must not bury the run's own lines.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from minitrainer.checkpoint.full_state import complete_checkpoints
-
+from minitrainer.common.log import logger
 
 
 @dataclass(frozen=True)
@@ -131,3 +132,49 @@ class Lifecycle:
         if self._last is not None:
             self._fire("on_epoch_end", self._last, self._last)
             self._fire("on_train_end", self._last, self._last)
+
+
+class ListenerFailures:
+    """Runs the caller's listeners (``on_event``, trainers' callback hooks) so that one failing never stops the
+    run and is said once: its first failure logs one warning with its error, later ones are only counted, and
+    ``report()`` (once, however the run ended) logs one line per listener that failed, with its count.
+
+    ``per`` names what a call is in those lines (``event``, ``call``).
+    """
+
+    def __init__(self, *, per: str = "call"):
+        self.per = per
+        self._calls: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
+        self._first: dict[str, str] = {}
+        self._reported = False
+
+    def call(self, name: str, fn: Callable[..., object], *args: object, at: str | None = None) -> None:
+        """``fn(*args)``; a failure is logged (the first, naming ``name`` and where, ``at``) or counted.
+
+        Args:
+            name: the listener as the user knows it (``training_hub callback Broken.on_step_end``).
+            fn: the listener.
+            args: what it is called with.
+            at: where the run was (``step 3``), said with its first failure.
+        """
+        self._calls[name] = self._calls.get(name, 0) + 1
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 - a listener's failure is its own, never the run's
+            self._failures[name] = self._failures.get(name, 0) + 1
+            if name in self._first:
+                return
+            where = f" at {at}" if at else ""
+            self._first[name] = f"first{where}: {type(err).__name__}: {err}"
+            logger.warning("%s failed%s (%s: %s); training goes on (its further failures are counted, said at "
+                           "the end)", name, where, type(err).__name__, err)
+
+    def report(self) -> None:
+        """One line per listener that failed: how often, of how many calls, and its first error. Once."""
+        if self._reported:
+            return
+        self._reported = True
+        for name, num_failed in self._failures.items():
+            logger.warning("%s failed on %d of %d %ss (%s)", name, num_failed, self._calls[name], self.per,
+                           self._first[name])

@@ -43,7 +43,7 @@ from minitrainer.checkpoint.train_state import TrainState
 from minitrainer.common import fault_injection
 from minitrainer.common.device import device_type
 from minitrainer.common.distributed import DistInfo, fail_together
-from minitrainer.common.exits import write_run_status
+from minitrainer.common.exits import stopping_phase, write_run_status
 from minitrainer.common.log import log_rank_0, logger
 from minitrainer.common.rng import seed_everything
 from minitrainer.data import sampler
@@ -178,15 +178,18 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         held_out.announce(val_plan, val_source, objective.unit)
     # Before the resume loads a checkpoint: the model is still the one the run started from (the reference).
     max_tokens_per_rank = context.tokens_per_data_rank(max_tokens_per_gpu)
-    objective.prepare(model, RunContext(
-        dist_info=dist_info, dataset=dataset, val_dataset=val_dataset, val_plan=val_plan,
-        batches=functools.partial(batch_stream, config, dist_info, context, dataset,
-                                  max_tokens_per_rank=max_tokens_per_rank, num_workers=0),
-        batch_size=config.batch_size,
-        packing={"batch_size": config.batch_size, "max_tokens_per_rank": max_tokens_per_rank,
-                 "ranks": context.num_data_ranks, "balance": config.balance, "seed": config.seed},
-        attn=resolved.attn_implementation, param_dtype=resolved.param_dtype, weights_digest=weights_digest,
-        method_fingerprint=method.fingerprint(), output_dir=config.output_dir, models=_OtherModels(config, dist_info)))
+    with stopping_phase(objective.preparing):
+        fault_injection.sleep_before_preparing()
+        objective.prepare(model, RunContext(
+            dist_info=dist_info, dataset=dataset, val_dataset=val_dataset, val_plan=val_plan,
+            batches=functools.partial(batch_stream, config, dist_info, context, dataset,
+                                      max_tokens_per_rank=max_tokens_per_rank, num_workers=0),
+            batch_size=config.batch_size,
+            packing={"batch_size": config.batch_size, "max_tokens_per_rank": max_tokens_per_rank,
+                     "ranks": context.num_data_ranks, "balance": config.balance, "seed": config.seed},
+            attn=resolved.attn_implementation, param_dtype=resolved.param_dtype, weights_digest=weights_digest,
+            method_fingerprint=method.fingerprint(), output_dir=config.output_dir,
+            models=_OtherModels(config, dist_info)))
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
@@ -472,7 +475,8 @@ def _tokenized_source(config: TrainConfig, source: str, *, held_out: bool) -> Pa
     cache_root = (Path(config.tokenized_data_dir) if config.tokenized_data_dir is not None
                   else Path(config.output_dir) / data_cache.CACHE_FOLDER)
     split = data_cache.validation_split(config, source) if held_out else config.data_split
-    return data_cache.tokenize_once(config.tokenizing_config(source, output_dir=str(cache_root), split=split))
+    with stopping_phase(f"while tokenizing {source}"):
+        return data_cache.tokenize_once(config.tokenizing_config(source, output_dir=str(cache_root), split=split))
 
 
 def _patient_broadcast(value):
