@@ -362,9 +362,17 @@ def test_a_process_forked_before_the_first_step_still_dies_of_sigterm(own_handle
 
     from minitrainer.loop.preemption import StopBeforeTraining
 
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
     with StopBeforeTraining():
-        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+        child = context.Process(target=_ready_then_sleep, args=(ready,))
         child.start()
+        assert ready.wait(timeout=60)  # signalled once it runs Python, as a Pool worker is when terminate() comes
         child.terminate()
-        child.join(timeout=30)
+        child.join(timeout=60)
     assert child.exitcode == -signal.SIGTERM
+
+
+def _ready_then_sleep(ready) -> None:
+    ready.set()
+    time.sleep(120)
