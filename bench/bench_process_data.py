@@ -56,7 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minitrainer.common.cli import collect_errors, config_field, parse_config
+from minitrainer.common.cli import config_field, parse_config
+from minitrainer.common.refusals import collect_errors
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.tools.tiny_model import build_tokenizer
 

@@ -54,7 +54,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from minitrainer.setup.autotune import longest_first_plan, probe_max_tokens_per_gpu
-from minitrainer.common.cli import collect_errors, comma_list, config_field, parse_config
+from minitrainer.common.cli import comma_list, config_field, parse_config
+from minitrainer.common.refusals import collect_errors
 from minitrainer.common.device import gpu_name, peak_memory_gb, reset_peak_memory, synchronize
 from minitrainer.common.distributed import DistInfo, cleanup, first_error, init_distributed
 from minitrainer.common.labels import IGNORE_INDEX

@@ -58,7 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from minitrainer.common.cli import collect_errors, comma_list, config_field, parse_config
+from minitrainer.common.cli import comma_list, config_field, parse_config
+from minitrainer.common.refusals import collect_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 

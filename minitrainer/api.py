@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from minitrainer.checkpoint.full_state import complete_checkpoints
-from minitrainer.common.cli import collect_errors, config_field
+from minitrainer.common.cli import config_field
+from minitrainer.common.refusals import collect_errors
 from minitrainer.common.config_files import config_from_file
 from minitrainer.common.exits import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from minitrainer.common.log import logger

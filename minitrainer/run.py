@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from minitrainer.common.cli import parse_config
+from minitrainer.common.commands import command
 from minitrainer.common.exits import EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_USAGE, RUN_STATUS_FILE
 from minitrainer.train_config import TrainConfig
 
@@ -180,7 +181,7 @@ def _help() -> str:
     return (f"usage: {PROG} [torchrun flags] [--] [train.py flags]\n\n{__doc__.strip()}\n\n"
             f"torchrun flags (python -m torch.distributed.run --help):\n"
             + textwrap.fill(", ".join(names), width=100, initial_indent="  ", subsequent_indent="  ")
-            + f"\ntrain.py flags: python -m {TRAIN_MODULE} --help")
+            + f"\ntrain.py flags: {command(TRAIN_MODULE)} --help")
 
 
 def main(argv: list[str] | None = None) -> int:

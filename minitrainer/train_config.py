@@ -8,7 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from minitrainer.common.cli import collect_errors, comma_list, config_field
+from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
+from minitrainer.common.cli import comma_list, config_field
+from minitrainer.common.refusals import collect_errors, problems_of
 from minitrainer.common.log import PROGRESS_MODES
 from minitrainer.data.tokenizing_flags import tokenizing_field
 from minitrainer.data.mix import parse_data_spec
@@ -35,6 +37,8 @@ OBJECTIVE_FIELDS = {
 }
 """The fields that mean something only with their --objective."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+SAVE_DTYPES = ("bfloat16", "float16", "float32", "auto")
+"""--save-dtype's values (its Literal's): torch's dtype names, and auto."""
 
 
 def _token_budget(text: str) -> int | str:
@@ -73,7 +77,7 @@ class TrainConfig:
     """What ``training_params.json`` records beside the fields: what the run resolved, not settings. A
     config file may hold them (a run's record replays it, on any machine) and they are skipped."""
 
-    data_path: str = config_field("test.jsonl", section="Data", help="tokenized jsonl or process_data.py folder, raw data "
+    data_path: str = config_field(section="Data", help="tokenized jsonl or process_data.py folder, raw data "
                                                      "(tokenized once), or a mix: `a:0.7,b:0.3` or a .yaml/.json "
                                                      "mix file")
     seed: int = config_field(42, help="seeds Python, NumPy, torch and the data order on every rank")
@@ -85,6 +89,7 @@ class TrainConfig:
     split_long_text: bool = tokenizing_field("split_long_text", run=True)
     input_format: str = tokenizing_field("input_format", run=True)
     columns: str | None = tokenizing_field("columns", run=True)
+    sharegpt_roles: str | None = tokenizing_field("sharegpt_roles", run=True)
     data_split: str = tokenizing_field("data_split", run=True)
     data_subset: str | None = tokenizing_field("data_subset", run=True)
     text_sample_by: str = tokenizing_field("text_sample_by", run=True)
@@ -97,8 +102,7 @@ class TrainConfig:
     allow_tokenizer_mismatch: bool = config_field(
         False, help="train on data tokenized with a tokenizer that differs from the model's (refused otherwise)")
 
-    model_name_or_path: str = config_field("Qwen/Qwen2.5-1.5B-Instruct",
-                                           section="Model", help="Hugging Face model id or local folder")
+    model_name_or_path: str = config_field(section="Model", help="Hugging Face model id or local folder")
     trust_remote_code: bool = config_field(
         False, help="run the modelling and tokenizer code a checkpoint ships (only for sources you trust)")
     attn_implementation: str = config_field(
@@ -168,7 +172,8 @@ class TrainConfig:
 
     output_dir: str = config_field(section="Output, checkpoints and resume", help="folder for metrics, training_params.json and checkpoints")
     min_samples_per_checkpoint: int = config_field(
-        help="samples between Hugging Face checkpoints (hf_format/samples_N); one is always written at the end")
+        0, help="samples between Hugging Face checkpoints (hf_format/samples_N; 0: none on the way); one is always "
+                "written at the end")
     checkpoint_at_epoch: bool = config_field(
         False, help="also write a Hugging Face export (and full state) after the step that completes each epoch")
     keep_last_n_checkpoints: int | None = config_field(
@@ -185,6 +190,9 @@ class TrainConfig:
     export_text_only: bool = config_field(
         False, help="image-text-to-text checkpoints: export the language model alone, as a causal LM "
                     "(default: the whole checkpoint in its own class)")
+    save_dtype: Literal["bfloat16", "float16", "float32", "auto"] = config_field(
+        "bfloat16", help="Hugging Face exports' weight dtype (--no-lora-merge-on-export: the adapter's); auto: "
+                         "the checkpoint's own, as stored")
     resume: bool = config_field(True, help="continue from the newest complete full-state checkpoint in "
                                            "--output-dir (--no-resume starts fresh)")
     resume_from: str | None = config_field(None, help="resume from this full_state/samples_N folder")
@@ -289,9 +297,11 @@ class TrainConfig:
         if self.max_tokens_per_gpu != "auto" and not (isinstance(self.max_tokens_per_gpu, int)
                                                        and self.max_tokens_per_gpu > 0):
             errors.append(f"--max-tokens-per-gpu must be a positive integer or 'auto', got {self.max_tokens_per_gpu!r}")
-        for name in ("min_samples_per_checkpoint", "batch_size"):
-            if getattr(self, name) <= 0:
-                errors.append(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.batch_size <= 0:
+            errors.append(f"--batch-size must be positive, got {self.batch_size}")
+        if self.min_samples_per_checkpoint < 0:
+            errors.append("--min-samples-per-checkpoint must be positive (or 0: only the final export), got "
+                          f"{self.min_samples_per_checkpoint}")
         for name in ("max_steps", "max_samples", "num_epochs"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -319,6 +329,8 @@ class TrainConfig:
             errors.append("--resume-from and --no-resume contradict each other")
         if self.keep_last_n_checkpoints is not None and self.keep_last_n_checkpoints < 1:
             errors.append("--keep-last-n-checkpoints must be at least 1")
+        if self.save_dtype not in SAVE_DTYPES:
+            errors.append(f"--save-dtype {self.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}")
         if self.max_bad_steps < 1:
             errors.append("--max-bad-steps must be at least 1")
         if self.divergence_loss_factor != 0 and not self.divergence_loss_factor > 1:
@@ -393,6 +405,11 @@ class TrainConfig:
                                  allow_audit_failures=self.allow_audit_failures, logging_level=self.logging_level)
 
     @property
+    def export_every(self) -> int:
+        """Samples between Hugging Face exports on the way (0 asks for none: a cadence never reached)."""
+        return self.min_samples_per_checkpoint or FINAL_EXPORT_ONLY
+
+    @property
     def has_stop_condition(self) -> bool:
         return any(v is not None for v in (self.max_steps, self.max_samples, self.num_epochs))
 
@@ -406,7 +423,7 @@ def _tokenizing_errors(config: TrainConfig) -> list[str]:
     try:
         config.tokenizing_config(config.data_path, output_dir=config.output_dir)
     except ValueError as err:
-        return [line.removeprefix("  - ") for line in str(err).splitlines()[1:]]
+        return problems_of(err)
     return []
 
 

@@ -50,7 +50,9 @@ def test_help_shows_the_dashed_flags_only(config_cls):
 
 def test_defaults_required_flags_and_stated_defaults_read_as_written():
     train_helps, data_helps = _flag_helps(TrainConfig), _flag_helps(ProcessDataConfig)
-    assert train_helps["--output-dir"].endswith("(required)")
+    assert all(train_helps[flag].endswith("(required)") for flag in ("--output-dir", "--model-name-or-path",
+                                                                       "--data-path"))
+    assert train_helps["--min-samples-per-checkpoint"].endswith("(default: 0)")
     assert train_helps["--batch-size"].endswith("(default: 1024)")
     assert train_helps["--adam-betas"].endswith("(default: 0.9 0.95)")
     assert train_helps["--resume"].endswith("(default: True)")

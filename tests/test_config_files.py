@@ -40,17 +40,17 @@ def _write(path: Path, text: str) -> str:
 
 
 def test_a_config_file_alone(tmp_path):
-    path = _write(tmp_path / "run.yaml", "output-dir: out\nmin_samples_per_checkpoint: 64\nlearning_rate: 6e-6\n"
+    path = _write(tmp_path / "run.yaml", "output-dir: out\nmodel_name_or_path: m\ndata-path: d\nmin_samples_per_checkpoint: 64\nlearning_rate: 6e-6\n"
                                          "adam_betas: [0.9, 0.99]\nmax_tokens_per_gpu: auto\nmax_steps: null\n"
                                          "use-liger-kernels: true\n")
     config = parse_config(TrainConfig, ["--config", path])
-    assert config == TrainConfig(output_dir="out", min_samples_per_checkpoint=64, learning_rate=6e-6,
+    assert config == TrainConfig(model_name_or_path="m", data_path="d", output_dir="out", min_samples_per_checkpoint=64, learning_rate=6e-6,
                                  adam_betas=(0.9, 0.99), max_tokens_per_gpu="auto", use_liger_kernels=True)
     assert isinstance(config.learning_rate, float)  # YAML 1.1 would read 6e-6 as a string
 
 
 def test_flags_override_the_file(tmp_path):
-    path = _write(tmp_path / "run.json", json.dumps({"output_dir": "out", "min_samples_per_checkpoint": 64,
+    path = _write(tmp_path / "run.json", json.dumps({"output_dir": "out", "model_name_or_path": "m", "data_path": "d", "min_samples_per_checkpoint": 64,
                                                      "learning_rate": 1e-5, "resume": False, "batch_size": 32}))
     config = parse_config(TrainConfig, ["--learning-rate", "3e-4", f"--config={path}", "--resume",
                                         "--max-tokens-per-gpu", "100"])
@@ -65,13 +65,13 @@ def test_process_data_reads_a_config_file(tmp_path):
 
 
 def test_the_python_api_reads_the_same_files(tmp_path):
-    path = _write(tmp_path / "run.yaml", "output_dir: out\nmin_samples_per_checkpoint: 8\nlora_rank: 4\n")
+    path = _write(tmp_path / "run.yaml", "output_dir: out\nmodel_name_or_path: m\ndata_path: d\nmin_samples_per_checkpoint: 8\nlora_rank: 4\n")
     config = config_from_file(TrainConfig, path)
-    assert config == TrainConfig(output_dir="out", min_samples_per_checkpoint=8, lora_rank=4)
+    assert config == TrainConfig(model_name_or_path="m", data_path="d", output_dir="out", min_samples_per_checkpoint=8, lora_rank=4)
     # A flag's own text for a field parsed from text: converted here as on the command line.
-    text = "output_dir: out\nmin_samples_per_checkpoint: 8\nmax_tokens_per_gpu: '4096'\n"
+    text = "output_dir: out\nmodel_name_or_path: m\ndata_path: d\nmax_tokens_per_gpu: '4096'\n"
     assert config_from_file(TrainConfig, _write(tmp_path / "run.yaml", text)).max_tokens_per_gpu == 4096
-    with pytest.raises(ValueError, match=r"run\.yaml: no min_samples_per_checkpoint \(required\)"):
+    with pytest.raises(ValueError, match=r"run\.yaml: no data_path, model_name_or_path \(required\)"):
         config_from_file(TrainConfig, _write(tmp_path / "run.yaml", "output_dir: out\n"))
 
 
@@ -94,6 +94,42 @@ def test_the_python_api_reads_the_same_files(tmp_path):
 def test_a_bad_key_or_value_is_refused_in_one_line(tmp_path, capsys, text, expected):
     path = _write(tmp_path / "run.yaml", text)
     assert expected in _refusal(capsys, TrainConfig, ["--config", path])
+
+
+def test_no_model_or_data_is_one_usage_line_and_no_cadence_is_the_final_export(tmp_path, capsys):
+    """The original's defaults went to the hub for a 3 GB model and looked for test.jsonl: now both are
+    required, on the command line, in a config file and in TrainConfig; the checkpoint cadence is optional."""
+    assert _refusal(capsys, TrainConfig, ["--output-dir", "o"]).endswith(
+        "error: the following arguments are required: --data-path, --model-name-or-path\n")
+    path = _write(tmp_path / "run.yaml", "output_dir: o\ndata_path: d\n")
+    assert _refusal(capsys, TrainConfig, ["--config", path]).endswith(
+        "error: the following arguments are required: --model-name-or-path\n")
+    with pytest.raises(TypeError, match="missing 2 required keyword-only arguments: 'data_path' and "
+                                        "'model_name_or_path'"):
+        TrainConfig(output_dir="o")
+    config = parse_config(TrainConfig, ["--config", path, "--model-name-or-path", "m"])
+    assert config.min_samples_per_checkpoint == 0 and config.export_every > 2**62, "only the final export"
+    assert parse_config(TrainConfig, ["--config", path, "--model-name-or-path", "m", "--min-samples-per-checkpoint",
+                                      "64"]).export_every == 64
+
+
+def test_several_problems_are_a_header_and_a_line_each(tmp_path, capsys):
+    """Thirteen unknown keys joined by "; " were one 2,000-character line: a header, then one line per problem,
+    each naming its file and line, with the same status and no traceback."""
+    keys = ["lerning_rate", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps"]
+    path = _write(tmp_path / "run.yaml", "".join(f"{key}: 1\n" for key in keys))
+    with pytest.raises(SystemExit) as stop:
+        parse_config(TrainConfig, ["--config", path, "--output-dir", "o", "--model-name-or-path", "m",
+                                   "--data-path", "d"])
+    lines = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and lines[0].endswith(f" error: --config {path}: 4 unknown settings:")
+    assert [line.split(": ", 1)[0] for line in lines[1:]] == [f"  - {path}:{n}" for n in range(1, 5)]
+    assert all(key in line for key, line in zip(keys, lines[1:]))
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--output-dir", "o", "--lerning-rate", "1", "--max_seq_length", "8"])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith(" error: 2 unknown flags:") and len(lines) == 3
+    assert "did you mean --learning-rate?" in lines[1] and "--max-sample-num-tokens" in lines[2]
 
 
 def test_json_refusals_name_the_line(tmp_path, capsys):
@@ -148,7 +184,8 @@ def test_usage_and_refusals_print_on_rank_0_only(rank, monkeypatch, capsys):
 
 def _example(path: Path) -> TrainConfig:
     # tiny_cpu.yaml takes its paths as flags (the quick start's folders); a flag overrides the others' output_dir.
-    return parse_config(TrainConfig, ["--config", str(path.relative_to(ROOT)), "--output-dir", "o"])
+    paths = [] if "model_name_or_path" in path.read_text() else ["--model-name-or-path", "m", "--data-path", "d"]
+    return parse_config(TrainConfig, ["--config", str(path.relative_to(ROOT)), "--output-dir", "o", *paths])
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

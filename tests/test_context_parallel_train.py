@@ -179,7 +179,7 @@ def test_killed_and_resumed_equals_the_uninterrupted_run_and_exports_match_one_r
 
 def test_a_sample_longer_than_the_group_is_refused_at_start_up(tmp_path):
     """Without context parallelism such a sample is dropped and counted; with it, the run refuses to start."""
-    config = TrainConfig(output_dir=str(tmp_path), min_samples_per_checkpoint=1, context_parallel_size=2,
+    config = TrainConfig(model_name_or_path="m", data_path="d", output_dir=str(tmp_path), min_samples_per_checkpoint=1, context_parallel_size=2,
                          max_tokens_per_gpu=32)
     rows = type("Rows", (), {"lengths": np.array([10, 64, 128, 40]), "__len__": lambda self: 4})()
     assert setup_run._budget_error(config, rows, "d.jsonl") == (
@@ -204,7 +204,7 @@ def test_what_context_parallelism_refuses_is_one_line(tmp_path):
                                         num_recurrent_mixers=mixers, router_loss=router)
         assert line.startswith("--context-parallel-size 2 does not support") and expected in line
         assert "\n" not in line
-    base = {"output_dir": str(tmp_path), "min_samples_per_checkpoint": 1, "context_parallel_size": 2}
+    base = {"output_dir": str(tmp_path), "model_name_or_path": "m", "data_path": "d", "context_parallel_size": 2}
     for extra, expected in (({"compile": True}, "--compile"),
                             ({"lora_rank": 4, "lora_quantize_data_type": "nf4"}, "QLoRA"),
                             ({"max_tokens_per_gpu": "auto"}, "--max-tokens-per-gpu auto"),

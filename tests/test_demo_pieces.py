@@ -234,7 +234,7 @@ def test_config_flags_round_trip_through_train_parser(which):
     from minitrainer.train import TrainConfig
     from minitrainer.common.cli import build_arg_parser, parse_config
 
-    config = TrainConfig(output_dir="o", min_samples_per_checkpoint=1) if which == "defaults" \
+    config = TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1) if which == "defaults" \
         else _non_default_config()
     argv = config_to_argv(config)
     assert parse_config(TrainConfig, argv) == config
@@ -248,7 +248,7 @@ def test_config_to_argv_spells_bools_tuples_and_none():
     from minitrainer.api import config_to_argv
     from minitrainer.train import TrainConfig
 
-    argv = config_to_argv(TrainConfig(output_dir="o", min_samples_per_checkpoint=1, adam_betas=(0.5, 0.6),
+    argv = config_to_argv(TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1, adam_betas=(0.5, 0.6),
                                       cpu_offload=False, use_liger_kernels=True))
     assert "--no-cpu-offload" in argv and "--use-liger-kernels" in argv
     i = argv.index("--adam-betas")
@@ -271,7 +271,7 @@ def test_torchrun_args_parse_with_torchruns_own_parser():
                                                                                        "job7")
     static = parser.parse_args([*TorchrunArgs(nnodes=2, node_rank=1, master_addr="10.0.0.1").to_argv(), "x.py"])
     assert (static.node_rank, static.master_addr, static.master_port) == (1, "10.0.0.1", 29500)
-    command = torchrun_command(TorchrunArgs(), TrainConfig(output_dir="o", min_samples_per_checkpoint=1))
+    command = torchrun_command(TorchrunArgs(), TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1))
     assert command[:3] == [sys.executable, "-m", "minitrainer.run"] and command[6] == "--"
 
 

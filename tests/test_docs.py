@@ -280,24 +280,24 @@ def test_spec_command_line_parses_with_spec_defaults():
         "--num-warmup-steps", "20", "--max-tokens-per-gpu", "128000", "--batch-size", "128",
         "--use-liger-kernels", "--seed", "8888", "--learning-rate", "6e-6", "--logging-level", "debug"])
     assert config.max_tokens_per_gpu == 128000 and config.use_liger_kernels and config.logging_level == "DEBUG"
-    defaults = TrainConfig(output_dir="o", min_samples_per_checkpoint=1)
+    defaults = TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1)
     assert (defaults.batch_size, defaults.max_tokens_per_gpu, defaults.learning_rate, defaults.num_warmup_steps,
             defaults.lr_scheduler, defaults.seed, defaults.fsdp_sharding_strategy) == (
         1024, 10000, 5e-6, 10, "constant_with_warmup", 42, "FULL_SHARD")
-    assert parse_config(TrainConfig, ["--output-dir", "o", "--min-samples-per-checkpoint", "1",
+    assert parse_config(TrainConfig, ["--output-dir", "o", "--model-name-or-path", "m", "--data-path", "d",
                                       "--max-tokens-per-gpu", "auto"]).max_tokens_per_gpu == "auto"
 
 
 def test_invalid_values_are_all_reported_at_once():
     with pytest.raises(ValueError) as err:
-        TrainConfig(output_dir="o", min_samples_per_checkpoint=0, batch_size=-1, logging_level="loud")
+        TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=-1, batch_size=-1, logging_level="loud")
     message = str(err.value)
     assert "--min-samples-per-checkpoint" in message and "--batch-size" in message and "LOUD" in message
 
 
 def test_compile_with_a_quantized_base_is_refused():
     with pytest.raises(ValueError, match="--compile with --lora-quantize-data-type nf4"):
-        TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=4, lora_quantize_data_type="nf4",
+        TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1, lora_rank=4, lora_quantize_data_type="nf4",
                     compile=True)
 
 

@@ -102,7 +102,7 @@ def test_a_pair_is_one_unit_packed_whole_on_one_rank_and_used_once_per_epoch(tmp
 
 
 def test_the_preference_flags_need_the_objective_and_sane_values():
-    base = {"output_dir": "out", "min_samples_per_checkpoint": 1}
+    base = {"output_dir": "out", "model_name_or_path": "m", "data_path": "d"}
     with pytest.raises(ValueError, match="--dpo-beta needs --objective dpo"):
         TrainConfig(**base, dpo_beta=0.5)
     with pytest.raises(ValueError, match="label-smoothing applies to --dpo-loss sigmoid"):
@@ -120,8 +120,8 @@ def test_each_objective_refuses_the_other_kind_of_data_in_one_line(tmp_path):
                                    cache_dir=str(tmp_path / "cache"))
     rows = load_tokenized_dataset(str(write_tokenized_jsonl(tmp_path / "sft" / "data.jsonl", num_samples=4,
                                                             vocab_size=50)), cache_dir=str(tmp_path / "cache"))
-    dpo = TrainConfig(output_dir="o", min_samples_per_checkpoint=1, objective="dpo").training_objective()
-    sft = TrainConfig(output_dir="o", min_samples_per_checkpoint=1).training_objective()
+    dpo = TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1, objective="dpo").training_objective()
+    sft = TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1).training_objective()
     assert "holds SFT rows" in dpo.data_error(rows, "sft")
     assert "--objective dpo" in sft.data_error(pairs, "pairs")
     assert dpo.data_error(pairs, "pairs") is None and sft.data_error(rows, "sft") is None

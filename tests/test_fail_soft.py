@@ -37,7 +37,7 @@ def test_plots_that_cannot_be_drawn_are_one_warning(tmp_path, caplog):
 @pytest.fixture
 def params_args(tmp_path):
     # Path values, as a Python caller writes them: json.dumps refused them and setup stopped.
-    config = TrainConfig(output_dir=tmp_path, data_path=tmp_path / "data.jsonl", min_samples_per_checkpoint=8)
+    config = TrainConfig(model_name_or_path="m", output_dir=tmp_path, data_path=tmp_path / "data.jsonl", min_samples_per_checkpoint=8)
     dist_info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     return config, dist_info, SimpleNamespace(attn_implementation="sdpa", context_parallel_inner=None,
                                               recomputation="full")

@@ -145,6 +145,50 @@ def test_sharegpt_and_gemma_role_names_in_messages_are_the_canonical_roles(tmp_p
     assert "unknown_role" not in summary["rejected_by_reason"]
 
 
+def test_sharegpts_other_assistant_names_and_mapped_names_give_the_tokens_of_gpt_and_human(tmp_path, real, caplog):
+    """ShareGPT_Vicuna_unfiltered's chatgpt, bing and bard turns were refused one row at a time; they are the
+    assistant's, and ``--sharegpt-roles`` reads other names: the tokens and labels of the same rows with gpt and
+    human, each name's turns counted in summary.json and the log."""
+    model, template = real
+    others = iter(["chatgpt", "bing", "bard"])  # SHAREGPT_ROWS' three gpt turns, one name each
+    renamed = [{**row, "conversations": [{**turn, "from": next(others)} if turn["from"] == "gpt" else turn
+                                         for turn in row["conversations"]]} for row in SHAREGPT_ROWS]
+    mapped = [{**row, "conversations": [{**turn, "from": {"human": "person", "gpt": "robot"}[turn["from"]]}
+                                        for turn in row["conversations"]]} for row in SHAREGPT_ROWS]
+    expected, _, plain = tokenize(tmp_path, "gpt", SHAREGPT_ROWS * 2, model, chat_template=template)
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            data, rejected, summary = tokenize(tmp_path, "others", renamed + mapped, model, chat_template=template,
+                                               sharegpt_roles="robot=assistant,person=user")
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert not rejected and tokens(data) == tokens(expected) and len(data) == 4
+    assert summary["rows_by_format"] == {"sharegpt": 4}
+    assert summary["sharegpt_roles_mapped"] == {"person": 3, "robot": 3, "chatgpt": 1, "bing": 1, "bard": 1}
+    assert plain["sharegpt_roles_mapped"] == {}
+    (line,) = [message for message in caplog.messages if "ShareGPT turns under other names" in message]
+    assert line.startswith("read 9 ShareGPT turns under other names: ") and "3 robot as assistant" in line
+    assert "3 person as user" in line and "1 bard as assistant" in line
+    with pytest.raises(SampleError, match="from 'person'; .*--sharegpt-roles NAME=ROLE reads other names") as err:
+        read_row(mapped[0])  # without the flag, a name of its own is still refused
+    assert err.value.reason == "unknown_role"
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("robot", "--sharegpt-roles 'robot': expected NAME=ROLE with ROLE one of system, user, assistant, tool"),
+    ("robot=assistant,person=bot",
+     "--sharegpt-roles 'person=bot': expected NAME=ROLE with ROLE one of system, user, assistant, tool"),
+    ("=user", "--sharegpt-roles '=user': expected NAME=ROLE with ROLE one of system, user, assistant, tool"),
+    ("gpt=user", "--sharegpt-roles 'gpt=user': 'gpt' is ShareGPT's own name for assistant; map only other names"),
+    ("robot=assistant,robot=user", "--sharegpt-roles 'robot=user': 'robot' is mapped twice"),
+])
+def test_a_bad_sharegpt_roles_item_is_refused_in_one_line_naming_it(value, problem):
+    with pytest.raises(ValueError) as err:
+        ProcessDataConfig(input_file="in.jsonl", model_name_or_path="m", output_dir="out", sharegpt_roles=value)
+    assert str(err.value).endswith(f"\n  - {problem}") and str(err.value).count("\n") == 1
+
+
 def test_capybaras_input_output_exchanges_are_user_and_assistant_turns(tmp_path, real):
     """LDJnr/Capybara (and Pure-Dove, Verified-Camel) hold a conversation as ``{input, output}`` exchanges."""
     model, template = real
@@ -485,6 +529,34 @@ def test_columns_and_a_forced_format():
         parse_columns("labels=x")
 
 
+# A row with every kind of token a cut can fall inside: escapes, literals, numbers, nested containers.
+CUT_ROW = ('{"messages": [{"role": "user", "content": "h\\u00e9llo \\"x\\""}, {"role": "assistant", "content": "ok", '
+           '"weight": 1}], "n": [true, false, null, -12, 1.5e-3, -0.5E+2], "o": {}}')
+CUT_OFF = "the JSON is cut off after {} characters (the file was truncated or a write was interrupted)"
+
+
+def test_a_json_line_cut_anywhere_is_said_to_be_cut_off():
+    """A truncated file's last line, or a write that was interrupted, was refused in json's words ("Invalid
+    control character at: line 1 column 58", "Unterminated string starting at", "Expecting ',' delimiter"),
+    the column of the cut given as a line 1 that is no line of the file."""
+    assert json.loads(CUT_ROW)
+    for end in range(1, len(CUT_ROW)):
+        for newline in (b"", b"\n", b"\r\n"):  # the file's last line, or one a later write followed
+            with pytest.raises(SampleError) as err:
+                read_row(CUT_ROW[:end].encode() + newline)
+            assert (err.value.reason, err.value.detail) == ("invalid_json", CUT_OFF.format(len(CUT_ROW[:end].rstrip())))
+
+
+@pytest.mark.parametrize("line", ['{"a": x}', '{"a": tx}', '{"a": 1}{"b": 2}', "{'a': 1}", '{"a": 1.}',
+                                  '{"a": "\\q"}', '{"a": "\\u12G4"}', '{"a": "x\ty"}', "nope"])
+def test_a_json_error_inside_the_line_keeps_jsons_message(line):
+    with pytest.raises(json.JSONDecodeError) as expected:
+        json.loads(line)
+    with pytest.raises(SampleError) as err:
+        read_row(line.encode() + b"\n")
+    assert (err.value.reason, err.value.detail) == ("invalid_json", str(expected.value))
+
+
 BAD_ROWS = [
     ('{"instruction": "a", ', "invalid_json"),
     ({"id": 1, "question": "x", "answer": "y"}, "missing_messages"),
@@ -515,7 +587,7 @@ BAD_ROWS = [
         {"begin_offset": 0, "end_offset": 0, "train": False}]}]}, "invalid_weight"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{'city': 'Paris'}"}}]}]}, "invalid_tool_calls"),
-    ({"conversations": [{"from": "bard", "value": "x"}]}, "unknown_role"),
+    ({"conversations": [{"from": "wizard", "value": "x"}]}, "unknown_role"),
     ({"functions": [TOOL], "tools": [{"type": "function", "function": TOOL}], "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, "invalid_tools"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "function_call": {"arguments": "{}"}}]},

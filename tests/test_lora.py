@@ -121,6 +121,47 @@ def test_conv1d_projections_are_adapted_and_merged_in_their_own_layout():
         torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize(("save_dtype", "merge"), [("float32", True), ("bfloat16", True), ("bfloat16", False)])
+def test_the_exports_weights_are_written_in_save_dtype(tmp_path, chatml_model, save_dtype, merge):
+    """In process on one rank: the merged weights are export_states' merge of the trained state rounded once to
+    --save-dtype (float32: bit for bit), the adapter beside them exact fp32; an adapter-only export's adapter is
+    in --save-dtype."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from minitrainer.checkpoint.hf_export import gather_full_state_dict, save_hf_checkpoint
+    from minitrainer.common.distributed import init_distributed
+    from minitrainer.methods.lora import LoRA, lora_scaling
+    from minitrainer.setup.model import setup_model
+
+    method = LoRA(dataclasses.replace(SETTINGS, merge_on_export=merge))
+    model, resolved = setup_model(model_name_or_path=str(chatml_model), dist_info=init_distributed(),
+                                  attn_implementation="auto", sharding_strategy="FULL_SHARD", cpu_offload=False,
+                                  activation_checkpointing=False, use_liger_kernels=False, local_world_size=1,
+                                  method=method, save_dtype=save_dtype)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # B starts at zero: trained adapters move every adapted weight
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                local = param.to_local()  # one rank: the whole weight
+                local.copy_(torch.randn(local.shape, generator=generator) * 0.1)
+    merged, adapter = export_states(gather_full_state_dict(model), scaling=lora_scaling(method.peft_config))
+    folder = save_hf_checkpoint(model, output_dir=tmp_path, num_samples=1, rank=0, generation_config=None,
+                                tokenizer=AutoTokenizer.from_pretrained(chatml_model), dtype=resolved.export_dtype)
+    dtype = getattr(torch, save_dtype)
+    if merge:
+        reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+        assert reloaded.dtype == dtype
+        for name, tensor in reloaded.state_dict().items():
+            assert torch.equal(tensor, merged[name].to(dtype)), name
+    written = load_file(folder / "adapter" / "adapter_model.safetensors" if merge else
+                        folder / "adapter_model.safetensors")
+    assert written.keys() == adapter.keys()
+    for name, tensor in adapter.items():
+        assert torch.equal(written[name], tensor.to(torch.float32 if merge else dtype)), name
+
+
 def test_packed_sharded_lora_steps_equal_unpacked_peft_reference(two_step_run, chatml_model, data_path):
     records = read_metrics(two_step_run)
     assert records[0]["grad_accum"] >= 2, "the budget should force gradient accumulation"
@@ -210,12 +251,12 @@ def test_full_state_holds_only_adapters_and_resume_is_exact(tmp_path, chatml_mod
 
 
 def test_bad_lora_settings_are_one_line_errors(tmp_path, chatml_model, data_path):
-    lora = TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=8, lora_target_modules="q_proj,v_proj",
+    lora = TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1, lora_rank=8, lora_target_modules="q_proj,v_proj",
                        lora_merge_on_export=False)
     assert parse_config(TrainConfig, config_to_argv(lora)) == lora  # the Python API carries LoRA settings
     with pytest.raises(ValueError, match="--lora-rank must be positive"):
-        TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=-2)
-    qlora = TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_rank=4, lora_quantize_data_type="nf4")
+        TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1, lora_rank=-2)
+    qlora = TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1, lora_rank=4, lora_quantize_data_type="nf4")
     assert qlora.lora.quantize_data_type == "nf4"  # QLoRA itself: tests/test_qlora.py
     assert parse_config(TrainConfig, config_to_argv(qlora)) == qlora
     model_config = AutoModelForCausalLM.from_pretrained(chatml_model).config

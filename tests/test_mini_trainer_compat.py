@@ -83,17 +83,26 @@ def test_every_field_of_0_9_has_exactly_one_rule():
     assert [f.name for f in dataclasses.fields(TrainingArgs)] == list(RULES)
 
 
+@pytest.mark.parametrize(("theirs", "ours"), [("float32", "float32"), ("float", "float32"), ("bfloat16", "bfloat16"),
+                                              ("float16", "float16"), ("half", "float16"), (None, "auto")])
+def test_save_dtype_is_our_save_dtype(theirs, ours):
+    """0.9's names (its ``get_model_save_dtype``'s) are ours; its None, the checkpoint's own dtype, is our auto."""
+    config, _, _ = to_our_config(TorchrunArgs(), TrainingArgs(**REQUIRED, save_dtype=theirs))
+    assert config.save_dtype == ours
+
+
 def test_what_cannot_be_honoured_is_refused_one_line_each():
     class InStep(TrainerCallback):
         def on_before_forward(self, context): ...
 
     with pytest.raises(Refused) as refused:
         to_our_config(TorchrunArgs(), TrainingArgs(**REQUIRED, training_mode="token", max_tokens=10**6,
-                                                   save_dtype="bfloat16", callbacks=[InStep()]))
+                                                   save_dtype="float64", callbacks=[InStep()]))
     assert str(refused.value).splitlines() == [
         "TrainingArgs(training_mode='token'): a run stops after steps, samples or epochs, not tokens: "
         "TrainingMode.STEP or EPOCH",
-        "TrainingArgs(save_dtype='bfloat16'): exports keep the checkpoint's own dtype",
+        "TrainingArgs(save_dtype='float64'): bfloat16, float16 or float32 (or None: the checkpoint's own dtype); "
+        "exports are not written in float64",
         "TrainingArgs(callbacks=[InStep()]): on_before_forward would have to run inside the step on the workers; "
         "on_step_end gets the step's metrics"]
     with pytest.raises(Refused, match="lr-scheduler cosine decays over a known number of steps"):

@@ -315,6 +315,41 @@ def test_export_is_a_plain_state_dict(chatml_model):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("save_dtype", ["float32", "bfloat16"])
+def test_hf_export_writes_the_reconstructed_w_in_save_dtype(tmp_path, chatml_model, save_dtype):
+    """In process on one rank, through the trainer's export: each W is osft_export_state's reconstruction of the
+    trained factors, rounded once to --save-dtype (float32: bit for bit), as config.json says."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minitrainer.checkpoint.hf_export import gather_full_state_dict, save_hf_checkpoint
+    from minitrainer.common.distributed import init_distributed
+    from minitrainer.methods.osft import OSFT, OSFTSettings
+    from minitrainer.setup.model import setup_model
+
+    model, resolved = setup_model(
+        model_name_or_path=str(chatml_model), dist_info=init_distributed(), attn_implementation="auto",
+        sharding_strategy="FULL_SHARD", cpu_offload=False, activation_checkpointing=False, use_liger_kernels=False,
+        local_world_size=1, save_dtype=save_dtype,
+        method=OSFT(OSFTSettings(unfreeze_rank_ratio=0.25, target_patterns=None, upcast_dtype=torch.float32)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # as training moves them: the trainable factors off their start
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                local = param.to_local()  # one rank: the whole tensor
+                local.add_(torch.randn(local.shape, generator=generator) * 1e-3)
+    expected = osft_export_state(gather_full_state_dict(model))
+    folder = save_hf_checkpoint(model, output_dir=tmp_path, num_samples=1, rank=0, generation_config=None,
+                                tokenizer=AutoTokenizer.from_pretrained(chatml_model), dtype=resolved.export_dtype)
+    dtype = getattr(torch, save_dtype)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == save_dtype
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    assert reloaded.dtype == dtype
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, expected[name].to(dtype)), name
+
+
 # --- start-up --------------------------------------------------------------------------------------------------
 
 

@@ -235,7 +235,7 @@ def test_c8_ratio_one_is_bit_identical_to_no_osft(tmp_path, chatml_model, data_p
 
 
 def _config(**fields) -> TrainConfig:
-    return TrainConfig(output_dir="/tmp/unused", min_samples_per_checkpoint=1, **fields)
+    return TrainConfig(model_name_or_path="m", data_path="d", output_dir="/tmp/unused", min_samples_per_checkpoint=1, **fields)
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from fixtures.e2e import ROOT, read_metrics
 from fixtures.hub_venv import HUB_VERSION
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-OPTIONAL_EXTRA_MODULES = {"minitrainer.integrations.training_hub": "pip install minitrainer[training-hub]"}
+OPTIONAL_EXTRA_MODULES = {"minitrainer.integrations.training_hub": "pip install 'training-hub>=0.11.2' \"torch=="}
 """Modules that import an optional extra at the top (they exist only for it): without it, the ImportError
 names the install command."""
 USER_MODULES = ("utils", "schedule", "sampler", "train", "process_data")
@@ -128,7 +129,8 @@ def test_the_extras_pin_what_the_tests_run_on():
 
 def test_every_module_imports_from_the_installed_wheel_in_a_users_folder(installed, user_folder):
     """From another working directory holding the user's own ``utils.py``, ``schedule.py``, ``sampler.py``:
-    every module of the package imports from the wheel's folder, and none of the user's is touched."""
+    every module of the package imports from the wheel's folder, and none of the user's is touched; hints name
+    the console scripts (a checkout's ``python -m`` paths do not run there)."""
     code = ("import importlib, pkgutil, sys, minitrainer\n"
             f"OPTIONAL = {OPTIONAL_EXTRA_MODULES!r}\n"
             "names = [m.name for m in pkgutil.walk_packages(minitrainer.__path__, 'minitrainer.')]\n"
@@ -139,6 +141,10 @@ def test_every_module_imports_from_the_installed_wheel_in_a_users_folder(install
             "        assert name in OPTIONAL and OPTIONAL[name] in str(err), (name, err)\n"
             "from minitrainer import (ProcessDataConfig, TorchrunArgs, TrainConfig, config_from_file, process_data,\n"
             "                         run_training)\n"
+            "from minitrainer.common.commands import command\n"
+            "from minitrainer.run import _help\n"
+            "assert command('minitrainer.tools.inspect_data') == 'minitrainer-inspect-data'\n"
+            "assert _help().endswith('train.py flags: minitrainer-train --help'), _help()[-200:]\n"
             "print(minitrainer.__file__, len(names))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=user_folder, env=_env(installed), capture_output=True,
                             text=True, timeout=300)
@@ -195,6 +201,14 @@ def test_the_console_scripts_and_the_api_train_from_a_users_folder(installed, us
     assert (out / "hf_format" / "samples_24" / "config.json").is_file()
 
 
+def test_hints_in_a_checkout_name_the_module_with_this_interpreter(monkeypatch):
+    from minitrainer.common.commands import command
+
+    monkeypatch.chdir(ROOT)
+    expected = Path(sys.executable).relative_to(ROOT) if Path(sys.executable).is_relative_to(ROOT) else sys.executable
+    assert command("minitrainer.tools.inspect_data") == f"{expected} -m minitrainer.tools.inspect_data"
+
+
 def test_the_root_scripts_keep_the_original_imports():
     """The original mini_trainer's imports, from the checkout's root (this import path regressed once)."""
     code = ("from sampler import batch_lengths_to_minibatches\n"
@@ -209,3 +223,42 @@ def test_the_root_scripts_keep_the_original_imports():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[[2]]"
+
+
+def _documented_extra_lines() -> list[list[str]]:
+    """The extras' install lines of docs/install.md as words, the ``keep_torch`` pin each carries."""
+    lines = [line.split("#", 1)[0] for line in (ROOT / "docs" / "install.md").read_text().splitlines()
+             if line.startswith(".venv/bin/pip install") and '"$keep_torch"' in line]
+    return [shlex.split(line) for line in lines]
+
+
+def _resolve(words: list[str], keep_torch: str, report: Path) -> list[str]:
+    """What pip would install for one documented line (``--dry-run`` in this venv, whose torch is the user's)."""
+    args = [word for word in words[1:] if word != "-e"]
+    args = [keep_torch if word == "$keep_torch" else word for word in args]
+    result = subprocess.run([sys.executable, "-m", "pip", *args, "--dry-run", "--quiet", "--no-build-isolation",
+                             "--report", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{shlex.join(words)}:\n{result.stderr[-3000:]}"
+    return [item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]]
+
+
+def test_every_extra_installs_beside_the_torch_a_user_installed(wheel, tmp_path):
+    """The documented extras lines, from the checkout and from a wheel: pip resolves each without replacing the
+    installed torch (unpinned, training-hub's torchvision pulled torch 2.15 and its CUDA libraries over a CPU
+    2.13); every extra has a line, and ``keep_torch`` is the torch this venv runs."""
+    import torch
+
+    keep = subprocess.run(["bash", "-c", 'eval "$1"; printf %s "$keep_torch"', "-",
+                           next(line for line in (ROOT / "docs" / "install.md").read_text().splitlines()
+                                if line.startswith("keep_torch="))], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert keep.stdout == f"torch=={torch.__version__}", keep.stderr
+    lines = _documented_extra_lines()
+    extras = {extra for words in lines for word in words if (m := re.fullmatch(r"\.\[([\w,-]+)\]", word))
+              for extra in m.group(1).split(",")}
+    assert extras == set(PYPROJECT["optional-dependencies"]), "an extra without its documented line"
+    for i, words in enumerate(lines):
+        installs = _resolve(words, keep.stdout, tmp_path / f"checkout{i}.json")
+        assert "torch" not in installs, f"{shlex.join(words)} would replace torch {torch.__version__}"
+    from_wheel = ["pip", "install", f"{wheel}[{','.join(sorted(extras))}]", "$keep_torch"]
+    assert "torch" not in _resolve(from_wheel, keep.stdout, tmp_path / "wheel.json")

@@ -748,6 +748,60 @@ def test_strict_stops_at_first_bad_line(tiny_models, tmp_path):
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
 
 
+def test_a_cut_off_json_line_is_said_so_with_its_file_and_line_and_counted(tiny_models, tmp_path, caplog):
+    """A file cut short (or a write interrupted) leaves a line json reports as "Invalid control character at:
+    line 1 column 58" or "Unterminated string starting at": it is said in plain words, listed and counted like
+    any bad row; an error inside a line keeps json's message."""
+    good = json.dumps(GOOD)
+    cut = good[:57]
+    input_file = tmp_path / "in.jsonl"
+    input_file.write_text("\n".join([good, cut, good, '{"id": x}', good[:30]]))  # the last line has no newline
+    cut_off = "the JSON is cut off after {} characters (the file was truncated or a write was interrupted)"
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            summary = process_data(ProcessDataConfig(input_file=str(input_file), output_dir=str(tmp_path / "out"),
+                                                     model_name_or_path=str(tiny_models["chatml"]), num_proc=1))
+    finally:
+        logger.removeHandler(caplog.handler)
+    rejected = read_jsonl(tmp_path / "out" / "rejected.jsonl")
+    assert [(r["line"], r["reason"], r["detail"]) for r in rejected] == [
+        (2, "invalid_json", cut_off.format(57)), (4, "invalid_json", "Expecting value: line 1 column 8 (char 7)"),
+        (5, "invalid_json", cut_off.format(30))]
+    assert summary["num_written"] == 2 and summary["input_errors"]["by_reason"] == {"invalid_json": 3}
+    assert f"input error example invalid_json, line 2: {cut_off.format(57)}" in caplog.text
+    with pytest.raises(SystemExit) as err:
+        main(["--input-file", str(input_file), "--output-dir", str(tmp_path / "strict"), "--model-name-or-path",
+              str(tiny_models["chatml"]), "--num-proc", "1", "--strict"])
+    assert str(err.value).endswith(f"{input_file}:2: invalid_json: {cut_off.format(57)}")
+
+
+def test_examples_name_their_file_when_the_input_has_several(tiny_models, tokenizers, tmp_path, caplog):
+    """A glob of shards, each with a row too long on its line 2: the examples said "line 2" six times over."""
+    max_len = len(tokenizers["chatml"].apply_chat_template(GOOD["messages"])["input_ids"])
+    long = {"id": "long", "messages": [GOOD["messages"][0], {"role": "assistant", "content": "Hi there! " * 10}]}
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    files = [str(write_jsonl(folder / f"{name}.jsonl", [GOOD, long, "nope"])) for name in ("a", "b")]
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            summary = process_data(ProcessDataConfig(
+                input_file=str(folder / "*.jsonl"), output_dir=str(tmp_path / "out"), num_proc=1,
+                model_name_or_path=str(tiny_models["chatml"]), max_sample_num_tokens=max_len))
+    finally:
+        logger.removeHandler(caplog.handler)
+    examples = summary["input_errors"]["examples"]
+    assert [(e["file"], e["line"]) for e in examples["too_long"]] == [(files[0], 2), (files[1], 2)]
+    assert [(e["file"], e["line"]) for e in examples["invalid_json"]] == [(files[0], 3), (files[1], 3)]
+    assert [(r["file"], r["line"], r["reason"]) for r in read_jsonl(tmp_path / "out" / "rejected.jsonl")] == [
+        (files[0], 2, "too_long"), (files[0], 3, "invalid_json"), (files[1], 2, "too_long"),
+        (files[1], 3, "invalid_json")]
+    for file in files:
+        assert f"input error example too_long, {file} line 2: " in caplog.text
+        assert f"input error example invalid_json, {file} line 3: " in caplog.text
+
+
 @pytest.mark.parametrize("problem", ["missing", "empty", "output_exists", "no_template", "two_outputs"])
 def test_whole_run_problems(tiny_models, tokenizers, tmp_path, problem):
     input_file = write_jsonl(tmp_path / "in.jsonl", [GOOD])

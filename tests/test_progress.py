@@ -47,7 +47,7 @@ def test_auto_is_a_bar_on_a_terminal_and_lines_elsewhere():
 
 
 def test_every_mode_is_a_flag_and_others_are_refused(capsys):
-    base = ["--output-dir", "o", "--min-samples-per-checkpoint", "8"]
+    base = ["--output-dir", "o", "--model-name-or-path", "m", "--data-path", "d"]
     assert parse_config(TrainConfig, base).progress == "auto"
     assert [parse_config(TrainConfig, [*base, "--progress", m]).progress for m in ("bar", "lines", "none")] \
         == ["bar", "lines", "none"]

@@ -146,7 +146,7 @@ def test_what_cannot_be_quantized_is_a_one_line_error(chatml_model):
     assert "fused 3-D parameters" in error and "--lora-quantize-data-type none" in error
     assert "\n" not in error
     with pytest.raises(ValueError, match="give --lora-rank"):
-        TrainConfig(output_dir="o", min_samples_per_checkpoint=1, lora_quantize_data_type="nf4")
+        TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1, lora_quantize_data_type="nf4")
 
 
 def test_cli_refuses_an_unquantizable_model_on_every_rank(tmp_path, chatml_model):
@@ -250,7 +250,7 @@ def test_the_python_api_passes_the_quantization_to_the_cli():
     from minitrainer.api import config_to_argv
     from minitrainer.common.cli import parse_config
 
-    config = TrainConfig(output_dir="out", min_samples_per_checkpoint=12, lora_rank=4,
+    config = TrainConfig(model_name_or_path="m", data_path="d", output_dir="out", min_samples_per_checkpoint=12, lora_rank=4,
                          lora_quantize_data_type="nf4")
     argv = config_to_argv(config)
     assert argv[argv.index("--lora-quantize-data-type") + 1] == "nf4"

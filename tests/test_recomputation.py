@@ -108,17 +108,17 @@ def test_auto_without_a_gpu_is_full(chatml_model, dist_info, caplog):
     (["--activation-checkpointing", "selective"], "selective"), (["--activation-checkpointing=auto"], "auto"),
     (["--activation-checkpointing", "none", "--seed", "3"], "none")])
 def test_the_flag_keeps_its_boolean_forms(argv, policy):
-    config = parse_config(TrainConfig, ["--output-dir", "out", "--min-samples-per-checkpoint", "4", *argv])
+    config = parse_config(TrainConfig, ["--output-dir", "out", "--model-name-or-path", "m", "--data-path", "d", *argv])
     assert config.activation_checkpointing == policy
 
 
 def test_config_files_and_the_api_keep_their_booleans(tmp_path):
     path = tmp_path / "training_params.json"
-    path.write_text('{"activation_checkpointing": true, "output_dir": "out", "min_samples_per_checkpoint": 4}')
+    path.write_text('{"activation_checkpointing": true, "output_dir": "out", "model_name_or_path": "m", "data_path": "d"}')
     assert parse_config(TrainConfig, ["--config", str(path)]).activation_checkpointing == "full"
-    path.write_text('{"activation_checkpointing": false, "output_dir": "out", "min_samples_per_checkpoint": 4}')
+    path.write_text('{"activation_checkpointing": false, "output_dir": "out", "model_name_or_path": "m", "data_path": "d"}')
     assert parse_config(TrainConfig, ["--config", str(path)]).activation_checkpointing == "none"
-    assert TrainConfig(output_dir="out", min_samples_per_checkpoint=4,
+    assert TrainConfig(model_name_or_path="m", data_path="d", output_dir="out", min_samples_per_checkpoint=4,
                        activation_checkpointing=False).activation_checkpointing == "none"
     with pytest.raises(ValueError, match="--activation-checkpointing 'half' is not one of"):
-        TrainConfig(output_dir="out", min_samples_per_checkpoint=4, activation_checkpointing="half")
+        TrainConfig(model_name_or_path="m", data_path="d", output_dir="out", min_samples_per_checkpoint=4, activation_checkpointing="half")

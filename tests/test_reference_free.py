@@ -26,7 +26,7 @@ from minitrainer.objectives.pairs import SideCounts
 from minitrainer.tools.tiny_model import build_tiny_model
 from minitrainer.train_config import TrainConfig
 
-BASE = {"output_dir": "out", "min_samples_per_checkpoint": 1}
+BASE = {"output_dir": "out", "model_name_or_path": "m", "data_path": "d"}
 
 
 # ----------------------------------------------------------------------------

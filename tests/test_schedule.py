@@ -19,7 +19,7 @@ import torch
 from fixtures.e2e import ROOT
 from minitrainer.common.cli import parse_config
 from minitrainer.run import split_argv
-from minitrainer.optim.schedule import build_scheduler, check_scheduler, schedule_warnings, total_steps
+from minitrainer.optim.schedule import build_scheduler, check_scheduler, schedule_warnings, stop_plan, total_steps
 from minitrainer.train_config import SCHEDULERS, TrainConfig
 
 
@@ -29,7 +29,7 @@ def _warnings(config: TrainConfig, steps: int | None) -> list[str]:
 
 
 def _config(**settings) -> TrainConfig:
-    return TrainConfig(output_dir="o", min_samples_per_checkpoint=1, **settings)
+    return TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1, **settings)
 
 
 @pytest.mark.parametrize(("scheduler", "warmup", "steps"), [
@@ -121,3 +121,16 @@ def test_every_schedule_is_transformers_own_to_the_last_bit(scheduler, warmup, s
             one.optimizer.step()
             one.step()
     assert ours.state_dict() == theirs.state_dict()
+
+
+def test_the_start_up_line_names_the_stop_that_ends_the_run():
+    """TRL lets max_steps win over epochs; here the first stop reached does, so the line says which one that is
+    and why the other is not reached (the issue's ``max_steps: 6`` with one epoch of 4 steps)."""
+    both = _config(max_steps=6, num_epochs=1, batch_size=16)
+    assert total_steps(both, 60) == 4
+    assert stop_plan(both, 60) == ("4 steps, ended by --num-epochs 1; the first stop reached ends the run, so "
+                                   "--max-steps 6 (step 6) is not reached")
+    assert stop_plan(_config(max_steps=3, max_samples=48, batch_size=16), 60) == \
+        "3 steps, ended by --max-steps 3 and --max-samples 48"
+    assert stop_plan(_config(max_samples=40, batch_size=16), 60) == "3 steps, ended by --max-samples 40"
+    assert stop_plan(_config(), 60) == "infinite sampling (no stop condition)"

@@ -23,7 +23,7 @@ from minitrainer.train_config import TrainConfig
 
 
 def _config(**trackers) -> TrainConfig:
-    return TrainConfig(output_dir="o", min_samples_per_checkpoint=1, **trackers)
+    return TrainConfig(model_name_or_path="m", data_path="d", output_dir="o", min_samples_per_checkpoint=1, **trackers)
 
 
 def _record(step: int = 3) -> dict:

@@ -45,7 +45,7 @@ def _args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
     return ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),
             "--batch-size", str(BATCH), "--max-tokens-per-gpu", str(BUDGET), "--seed", str(SEED),
             "--learning-rate", str(LR), "--num-warmup-steps", "0", "--lr-scheduler", "constant",
-            "--min-samples-per-checkpoint", "1000", "--num-data-workers", "0", *extra]
+            "--num-data-workers", "0", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +147,8 @@ def test_strategies_and_deferred_reduction_in_one_scenario(tmp_path, chatml_mode
             ("SHARD_GRAD_OP", "SHARD_GRAD_OP", False), ("HYBRID_SHARD", "HYBRID_SHARD", False),
             ("NO_SHARD", "NO_SHARD", False), ("HYBRID_SHARD_two_nodes", "HYBRID_SHARD", True)):
         out = tmp_path / name
-        args = _args(chatml_model, data_path, out, "--max-steps", "3", "--fsdp-sharding-strategy", strategy,
-                     "--min-samples-per-checkpoint", "100000")
+        # No --min-samples-per-checkpoint: its default, 0, writes the final export alone.
+        args = _args(chatml_model, data_path, out, "--max-steps", "3", "--fsdp-sharding-strategy", strategy)
         for result in (torchrun_two_nodes(args) if two_nodes else [torchrun(args, warm=True)]):
             assert_ok(result)
         records = read_metrics(out)
@@ -195,8 +195,8 @@ def test_decaying_scheduler_without_stop_condition_is_refused():
     from minitrainer.train import TrainConfig
 
     with pytest.raises(ValueError, match="--max-steps"):
-        TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler="cosine")
-    TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler="cosine", max_samples=100)
+        TrainConfig(model_name_or_path="m", data_path="d", output_dir="x", min_samples_per_checkpoint=1, lr_scheduler="cosine")
+    TrainConfig(model_name_or_path="m", data_path="d", output_dir="x", min_samples_per_checkpoint=1, lr_scheduler="cosine", max_samples=100)
 
 
 @pytest.mark.parametrize("flag,value", [("learning_rate", float("nan")), ("learning_rate", float("inf")),
@@ -207,7 +207,7 @@ def test_non_finite_or_negative_optimizer_numbers_are_refused_with_the_others(fl
     from minitrainer.train import TrainConfig
 
     with pytest.raises(ValueError) as err:
-        TrainConfig(output_dir="x", min_samples_per_checkpoint=0, **{flag: value})
+        TrainConfig(model_name_or_path="m", data_path="d", output_dir="x", min_samples_per_checkpoint=-1, **{flag: value})
     problems = str(err.value).splitlines()[1:]
     assert f"  - --{flag.replace('_', '-')} must be a finite number >= 0, got {value}" in problems
     assert any("--min-samples-per-checkpoint" in line for line in problems), "reported with the other problems"
@@ -229,7 +229,7 @@ def test_every_offered_scheduler_builds_and_reaches_its_floor(name):
     from minitrainer.optim.schedule import build_scheduler
     from minitrainer.train import TrainConfig
 
-    config = TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20,
+    config = TrainConfig(model_name_or_path="m", data_path="d", output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20,
                          num_warmup_steps=2, learning_rate=1.0, min_lr_ratio=0.25, decay_fraction=0.5)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.learning_rate)
     scheduler = build_scheduler(config, optimizer, 20)
@@ -243,7 +243,7 @@ def test_every_offered_scheduler_builds_and_reaches_its_floor(name):
     if name == "warmup_stable_decay":
         assert lrs[2:9] == [pytest.approx(1.0)] * 7, "warmup 2, then constant until the last 10 steps decay"
     with pytest.raises(ValueError, match="--min-lr-ratio"):
-        TrainConfig(output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20, min_lr_ratio=2)
+        TrainConfig(model_name_or_path="m", data_path="d", output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20, min_lr_ratio=2)
 
 
 def test_impossible_schedule_fails_before_the_model_loads(tmp_path, chatml_model, data_path):

@@ -238,7 +238,7 @@ def test_a_validation_folder_is_read_as_its_held_out_split(tmp_path):
         return str(tmp_path / name)
 
     def split(data: str, held_out: str, **flags) -> str:
-        config = TrainConfig(output_dir=str(tmp_path / "out"), min_samples_per_checkpoint=1, data_path=data,
+        config = TrainConfig(model_name_or_path="m", output_dir=str(tmp_path / "out"), min_samples_per_checkpoint=1, data_path=data,
                              validation_data_path=held_out, **flags)
         return validation_split(config, held_out)
 

@@ -17,7 +17,7 @@ import pytest
 
 from fixtures.e2e import ROOT
 from fixtures.hub_venv import run_in_hub_venv
-from minitrainer.integrations.hub_parameters import FINAL_EXPORT_ONLY, RULES, translate
+from minitrainer.integrations.hub_parameters import RULES, translate
 from minitrainer.train_config import TrainConfig
 
 DEMO_DATA = ROOT / "minitrainer" / "tools" / "demo_chat.jsonl"
@@ -49,7 +49,7 @@ def test_tracker_parameters_left_out_come_from_the_variables_the_hubs_backends_r
 def test_a_parameter_left_out_takes_the_default_of_the_algorithms_own_backend():
     osft = translate("osft", OSFT_REQUIRED).train
     assert (osft["lr_scheduler"], osft["num_warmup_steps"], osft["num_epochs"], osft["seed"]) == ("cosine", 0, 1.0, 42)
-    assert osft["min_samples_per_checkpoint"] == FINAL_EXPORT_ONLY
+    assert osft.get("min_samples_per_checkpoint", 0) == 0
     sft = translate("sft", {"model_path": "m", "data_path": "d", "ckpt_output_dir": "o"}).train
     assert sft["checkpoint_at_epoch"] is True and sft["lr_scheduler"] == "cosine"
     lora = translate("lora_sft", {"model_path": "m", "data_path": "d", "ckpt_output_dir": "o", "lora_r": 16,

@@ -1,12 +1,14 @@
 """Hugging Face exports: ``<output-dir>/hf_format/samples_<N>/``.
 
 Each export is a folder that ``AutoModelForCausalLM.from_pretrained`` and
-``AutoTokenizer.from_pretrained`` load as is: bf16 safetensors sharded at
+``AutoTokenizer.from_pretrained`` load as is: safetensors in ``--save-dtype``
+(``export_dtype``; bf16 by default) sharded at
 5 GB (``model-0000x-of-0000y.safetensors`` plus ``model.safetensors.index.json``
-when there is more than one shard), ``config.json``, ``generation_config.json``
-and the tokenizer files. An image-text-to-text checkpoint (``multimodal.py``) is
+when there is more than one shard), ``config.json`` (its ``dtype`` says which),
+``generation_config.json`` and the tokenizer files; integer and bool tensors keep
+their dtype. An image-text-to-text checkpoint (``multimodal.py``) is
 exported whole, in its own class and config, for ``AutoModelForImageTextToText``:
-the trained language model in bf16, the frozen towers and projectors exactly as
+the trained language model in that dtype, the frozen towers and projectors exactly as
 they were loaded (their stored dtype), and the processor files
 (``multimodal.PROCESSOR_FILES``) copied from the source; with
 ``--export-text-only``, the language model alone as the causal LM of its text
@@ -46,6 +48,15 @@ def hf_checkpoint_dir(output_dir: str | Path, num_samples: int) -> Path:
     return Path(output_dir) / "hf_format" / f"samples_{int(num_samples)}"
 
 
+def export_dtype(save_dtype: str, stored_dtype: torch.dtype | None) -> torch.dtype:
+    """``--save-dtype`` as the dtype the exports write: ``auto`` is ``stored_dtype``, the checkpoint's own (the
+    one ``from_pretrained(dtype="auto")`` reads); the other values are torch's own dtype names."""
+    if save_dtype != "auto":
+        return getattr(torch, save_dtype)
+    assert stored_dtype is not None, "--save-dtype auto needs the checkpoint's own dtype"
+    return stored_dtype
+
+
 def _tied_output_key(model: torch.nn.Module) -> str | None:
     """State-dict key of the LM head weight when it is tied to the input embedding."""
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -63,7 +74,7 @@ def _tied_output_key(model: torch.nn.Module) -> str | None:
 
 def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num_samples: int, tokenizer,
                        generation_config, rank: int, keep_last_n: int | None = None,
-                       max_shard_size: str = MAX_SHARD_SIZE) -> Path:
+                       max_shard_size: str = MAX_SHARD_SIZE, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Gather the full model (collective: every rank calls this) and write it from rank 0.
 
     Args:
@@ -75,6 +86,7 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
         rank: this process's rank; only rank 0 writes.
         keep_last_n: once the new export is complete, delete all but the newest N.
         max_shard_size: safetensors shard size (Hugging Face's 5 GB by default).
+        dtype: what the floating-point weights are written in (``export_dtype``; an adapter-only LoRA export's too).
 
     Returns:
         The final folder path.
@@ -89,7 +101,7 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
     if rank == 0:
         try:
             _write_export(wrapper, state, final, tokenizer=tokenizer, generation_config=generation_config,
-                          keep_last_n=keep_last_n, max_shard_size=max_shard_size)
+                          keep_last_n=keep_last_n, max_shard_size=max_shard_size, dtype=dtype)
         except (OSError, SafetensorError) as err:
             error = f"Hugging Face export {final} failed: {err}"
     # Rank 0's verdict instead of a bare barrier: the other ranks would otherwise wait in
@@ -102,7 +114,7 @@ def save_hf_checkpoint(wrapper: CausalLMWithLoss, *, output_dir: str | Path, num
 
 
 def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokenizer, generation_config,
-                  keep_last_n: int | None, max_shard_size: str) -> None:
+                  keep_last_n: int | None, max_shard_size: str, dtype: torch.dtype) -> None:
     """Rank 0's half of ``save_hf_checkpoint``: write ``final`` through a temporary folder (``tmp_folder``)."""
     fault_injection.fail_export(final)
     model = wrapper.model
@@ -112,11 +124,11 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
     multimodal = wrapper.multimodal_export
     # The original model's keys (a method's own layout undone: merged adapters, factors multiplied back);
     # a method's own files (a peft adapter) are written into tmp. None: no model weights to write.
-    state = wrapper.method.export_state(state, tmp, multimodal_export=multimodal)
+    state = wrapper.method.export_state(state, tmp, multimodal_export=multimodal, dtype=dtype)
     if state is not None:
         tied_key = _tied_output_key(model)
         state = {
-            name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
+            name: (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
             for name, tensor in state.items()
             if name != tied_key
         }
@@ -125,7 +137,7 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
             # Whole: the frozen towers beside the trained language model, bit for bit as loaded; or text-only.
             config = multimodal.config
             state = {name: tensor.contiguous() for name, tensor in multimodal.state(state).items()}
-        _save_model(state, config, generation_config, tmp, max_shard_size)
+        _save_model(state, config, generation_config, tmp, max_shard_size, dtype)
     tokenizer.save_pretrained(tmp)
     if multimodal is not None and multimodal.key_map is None:
         _copy_processor_files(model.config, tmp)
@@ -139,8 +151,8 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
 
 
 def _save_model(state: dict[str, torch.Tensor], model_config, generation_config, folder: Path,
-                max_shard_size: str) -> None:
-    """bf16 safetensors shards (with an index when sharded), config and generation config."""
+                max_shard_size: str, dtype: torch.dtype) -> None:
+    """safetensors shards (with an index when sharded), the config stating ``dtype``, and the generation config."""
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
@@ -151,7 +163,11 @@ def _save_model(state: dict[str, torch.Tensor], model_config, generation_config,
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     config = copy.deepcopy(model_config)
     config.use_cache = True  # training turned the KV cache off; inference wants it back
-    config.dtype = torch.bfloat16
+    # On the sub-configs too, as from_pretrained sets them: a composite config's text_config would
+    # otherwise name another dtype than its weights hold (the float32 the meta model was built in).
+    for sub_config in [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", {}))]:
+        if sub_config is not None:
+            sub_config.dtype = dtype
     config.save_pretrained(folder)
     if generation_config is not None:
         generation_config.save_pretrained(folder)

@@ -2,9 +2,9 @@
 
 Two kinds of checkpoint, with separate knobs:
 
-* Hugging Face exports (``hf_format/samples_N``, bf16, ~2 bytes per parameter):
-  every ``--min-samples-per-checkpoint`` samples and at the end, the newest
-  ``--keep-last-n-checkpoints`` kept (all by default).
+* Hugging Face exports (``hf_format/samples_N``, in ``--save-dtype``: ~2 bytes per parameter in
+  bf16, the default, or fp16, 4 in fp32): every ``--min-samples-per-checkpoint`` samples and at
+  the end, the newest ``--keep-last-n-checkpoints`` kept (all by default).
 * Full training states (``full_state/samples_N``, parameters plus two fp32 AdamW
   moments, 12 bytes per parameter with fp32 master weights): every
   ``--min-samples-per-full-state`` samples (default: with each export), at the end
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 DEFAULT_FULL_STATES_KEPT = 2
 FINAL_EXPORT_ONLY = 2**63 - 1
-"""``min_samples_per_checkpoint`` of a caller that asks for no checkpoints on the way (the Python APIs of other
-trainers): the final export alone, which is always written."""
-EXPORT_BYTES_PER_PARAM = 2  # bf16 safetensors
+"""The export cadence of ``--min-samples-per-checkpoint 0``, no export on the way: a count of samples never
+reached, so the final export, always written, is the only one."""
+EXPORT_BYTES_PER_PARAM = 2  # bf16 safetensors, --save-dtype's default
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32
 
 
@@ -38,8 +38,8 @@ def full_states_kept(keep_last_n_full_states: int | None, keep_last_n_checkpoint
     return DEFAULT_FULL_STATES_KEPT
 
 
-def export_bytes(num_params: int) -> int:
-    return num_params * EXPORT_BYTES_PER_PARAM
+def export_bytes(num_params: int, bytes_per_param: int = EXPORT_BYTES_PER_PARAM) -> int:
+    return num_params * bytes_per_param
 
 
 def full_state_bytes(num_params: int, param_bytes: int) -> int:
@@ -77,7 +77,7 @@ def _count(total_samples: int | None, every: int, kept: int | None) -> int | Non
 
 def plan_disk(*, num_params: int, param_bytes: int, total_samples: int | None, export_every: int,
               keep_exports: int | None, full_state_every: int, keep_full_states: int,
-              full_state: bool) -> DiskPlan:
+              full_state: bool, export_bytes_per_param: int = EXPORT_BYTES_PER_PARAM) -> DiskPlan:
     """How many checkpoints of each kind the run leaves, and their sizes.
 
     Args:
@@ -89,10 +89,12 @@ def plan_disk(*, num_params: int, param_bytes: int, total_samples: int | None, e
         full_state_every: the full-state cadence in samples.
         keep_full_states: full states kept.
         full_state: False with --no-full-state.
+        export_bytes_per_param: bytes per parameter of ``--save-dtype`` (2 for bf16, 4 for fp32).
     """
     return DiskPlan(num_exports=_count(total_samples, export_every, keep_exports),
                     num_full_states=_count(total_samples, full_state_every, keep_full_states) if full_state else 0,
-                    export_bytes=export_bytes(num_params), full_state_bytes=full_state_bytes(num_params, param_bytes))
+                    export_bytes=export_bytes(num_params, export_bytes_per_param),
+                    full_state_bytes=full_state_bytes(num_params, param_bytes))
 
 
 def disk_report(plan: DiskPlan, free_bytes: int, output_dir: str) -> tuple[str, str | None]:

@@ -14,6 +14,7 @@ from minitrainer.common.config_files import nearest_name, read_config_file, unwr
 from minitrainer.common.exits import EXIT_USAGE
 from minitrainer.common.foreign_names import foreign_name_refusal
 from minitrainer.common.log import note_exit_line
+from minitrainer.common.refusals import listed
 
 ConfigT = TypeVar("ConfigT")
 
@@ -131,7 +132,7 @@ def parse_config(config_cls: type[ConfigT], argv: list[str] | None = None, *, de
                if word.startswith("--") and word != "--" and word.split("=", 1)[0] not in parser._option_string_actions]
     if unknown:
         fields = [field.name for field in dataclasses.fields(config_cls) if field.init]
-        parser.error("; ".join(_unknown_flag(flag, known, fields) for flag in unknown))
+        parser.error(listed([_unknown_flag(flag, known, fields) for flag in unknown], f"{len(unknown)} unknown flags"))
     try:
         file_values = read_config_file(config_cls, path) if (path := _config_path(argv)) else {}
     except ValueError as err:
@@ -188,17 +189,3 @@ def _config_path(argv: list[str]) -> str | None:
 def comma_list(text: str) -> list[str]:
     """The names of a comma-separated flag value (``"a, b,"`` -> ``["a", "b"]``)."""
     return [name.strip() for name in text.split(",") if name.strip()]
-
-
-INVALID = "invalid configuration:\n  - "
-
-
-def collect_errors(errors: list[str]) -> None:
-    """Raise one ValueError listing every validation problem, if any."""
-    if errors:
-        raise ValueError(INVALID + "\n  - ".join(errors))
-
-
-def errors_in_one_line(error: ValueError) -> str:
-    """``collect_errors``' problems joined by "; ": for a refusal that names its own source first."""
-    return str(error).removeprefix(INVALID).replace("\n  - ", "; ")

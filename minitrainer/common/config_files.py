@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar
 
 from minitrainer.common.foreign_names import foreign_name_refusal
+from minitrainer.common.refusals import listed
 
 ConfigT = TypeVar("ConfigT")
 
@@ -167,7 +168,7 @@ def read_config_file(config_cls: type, path: str | Path) -> dict[str, Any]:
     unknown = [(f"{path}:{line}: " if line else f"{path}: ") + _unknown_key(str(key), list(fields))
                for key, _, line in pairs if str(key).replace("-", "_") not in (*fields, *recorded)]
     if unknown:
-        raise ValueError("; ".join(unknown))
+        raise ValueError(listed(unknown, f"--config {path}: {len(unknown)} unknown settings"))
     for key, value, line in pairs:
         where = f"{path}:{line}" if line else str(path)
         name = str(key).replace("-", "_")

@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from minitrainer.common.translations import (BF16, EXPORT_DTYPE, FINAL_EXPORT, FLOAT32_STATE, NO_FP16, NO_TF32,
-                                            NO_TOKEN_STOP, PACKED)
+from minitrainer.common.translations import BF16, FINAL_EXPORT, FLOAT32_STATE, NO_FP16, NO_TF32, NO_TOKEN_STOP, PACKED
 
 TRL = "TRL"
 """SFTConfig, DPOConfig and a ``trl sft --config`` file's ScriptArguments and ModelConfig keys."""
@@ -108,7 +107,9 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "hub_model_id": _f((*TRAINING_ARGUMENTS, AXOLOTL), note=_HUB_UPLOAD),
     "neftune_noise_alpha": _f((*TRAINING_ARGUMENTS, AXOLOTL), note="NEFTune is not offered"),
     # ---- TRL's SFTConfig (and, tagged OLD_TRL, the names of TRL 0.19 on transformers 4 since renamed or dropped)
-    "max_length": _f(TRL, "max_sample_num_tokens", "longer samples are dropped (and counted), not truncated"),
+    "max_length": _f(TRL, "max_sample_num_tokens",
+                     "longer samples are dropped (and counted), not truncated; --split-long-text cuts long "
+                     "text rows into pieces"),
     "packing": _f(TRL, note=PACKED),
     "packing_strategy": _f(TRL, note=PACKED),
     "truncation_mode": _f(TRL, "max_sample_num_tokens", "longer samples are dropped (and counted), not truncated"),
@@ -120,7 +121,9 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "chat_template_path": _f(TRL, "chat_template"),
     "model_init_kwargs": _f(TRL, ("attn_implementation", "trust_remote_code"),
                             "weights load in float32, the model's own settings kept"),
-    "max_seq_length": _f(OLD_TRL, "max_sample_num_tokens", "longer samples are dropped (and counted), not truncated"),
+    "max_seq_length": _f(OLD_TRL, "max_sample_num_tokens",
+                         "longer samples are dropped (and counted), not truncated; --split-long-text cuts long "
+                         "text rows into pieces"),
     "logging_dir": _f(OLD_TRL, "tensorboard_dir"),
     "overwrite_output_dir": _f(OLD_TRL, "resume", "a run continues in its --output-dir; --no-resume starts over"),
     "torch_dtype": _f(OLD_TRL, note=FLOAT32_STATE),
@@ -157,7 +160,9 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "dataset_processes": _f(AXOLOTL, "num_proc"),
     "val_set_size": _f(AXOLOTL, "validation_split", "a fraction"),
     "test_datasets": _f(AXOLOTL, "validation_data_path"),
-    "sequence_len": _f(AXOLOTL, "max_sample_num_tokens", "longer samples are dropped (and counted), not truncated"),
+    "sequence_len": _f(AXOLOTL, "max_sample_num_tokens",
+                       "longer samples are dropped (and counted), not truncated; --split-long-text cuts long "
+                       "text rows into pieces"),
     "sample_packing": _f(AXOLOTL, note=PACKED),
     "pad_to_sequence_len": _f(AXOLOTL, note=PACKED),
     "micro_batch_size": _f(AXOLOTL, "batch_size", _BATCH),
@@ -196,7 +201,6 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "training_mode": _f(MINI_TRAINER, ("num_epochs", "max_steps", "max_samples"), "whichever stop is given"),
     "max_tokens": _f(MINI_TRAINER, note=NO_TOKEN_STOP),
     "save_final_checkpoint": _f(MINI_TRAINER, note=FINAL_EXPORT),
-    "save_dtype": _f(MINI_TRAINER, note=EXPORT_DTYPE),
     "train_dtype": _f(MINI_TRAINER, note=FLOAT32_STATE),
     "wandb_run_name": _f(MINI_TRAINER, note="set WANDB_NAME"),
     "validation_frequency": _f(MINI_TRAINER, "validation_every_n_steps"),

@@ -18,7 +18,6 @@ FLOAT32_STATE = "weights and optimizer stay float32; " + BF16
 NO_FP16 = "float16 is not offered; " + BF16
 NO_TF32 = "GPU runs compute in bfloat16, where TF32 does not apply"
 FINAL_EXPORT = "the final export is always written"
-EXPORT_DTYPE = "exports keep the checkpoint's own dtype"
 NO_TOKEN_STOP = "a run stops after steps, samples or epochs, not tokens"
 PACKED = "every batch is packed, padding-free, with the exact per-token loss"
 MIN_LR_ONLY = "only min_lr_rate (our min_lr_ratio) is taken; name the schedule's shape with lr_scheduler"

@@ -18,10 +18,9 @@ from enum import Enum
 from typing import Any, Literal
 
 from minitrainer import api
-from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
-from minitrainer.common.cli import errors_in_one_line
-from minitrainer.common.translations import (EXPORT_DTYPE, FINAL_EXPORT, FLOAT32_STATE, IN_STEP, MIN_LR_ONLY,
-                                            NO_TOKEN_STOP, Rule, Translation, accepted_when, read_by_another, to)
+from minitrainer.common.refusals import problems_of
+from minitrainer.common.translations import (FINAL_EXPORT, FLOAT32_STATE, IN_STEP, MIN_LR_ONLY, NO_TOKEN_STOP, Rule,
+                                            Translation, accepted_when, read_by_another, to)
 from minitrainer.report.watch import Lifecycle, ListenerFailures, RunEvent
 from minitrainer.train_config import TrainConfig
 
@@ -201,6 +200,13 @@ def _osft_upcast(value, params, out):
     return None
 
 
+SAVE_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+               "float": "float32", None: "auto"}
+"""0.9's ``save_dtype`` names (those of its ``get_model_save_dtype`` we write) as our ``--save-dtype``; 0.9's None
+is the checkpoint's own dtype, our auto. A torch.dtype is refused, as in 0.9: its launcher passed it to the workers
+as text (``torch.float32``) that they refused."""
+
+
 def _training_mode(value, params, out):
     mode = TrainingMode(value)
     if mode is TrainingMode.EPOCH:
@@ -237,14 +243,16 @@ RULES: dict[str, Rule] = {
     "osft_unfreeze_rank_ratio": read_by_another,
     "osft_target_patterns": read_by_another,
     "osft_upcast_dtype": _osft_upcast,
-    "min_samples_per_checkpoint": to("min_samples_per_checkpoint", lambda v: v or FINAL_EXPORT_ONLY),
+    "min_samples_per_checkpoint": to("min_samples_per_checkpoint", lambda v: v or 0),
     "training_mode": _training_mode,
     "max_epochs": read_by_another,
     "max_steps": read_by_another,
     "max_tokens": read_by_another,  # read by TrainingMode.TOKEN alone, which is refused
     "checkpoint_at_epoch": to("checkpoint_at_epoch"),
     "save_final_checkpoint": accepted_when(bool, FINAL_EXPORT),
-    "save_dtype": accepted_when(lambda v: v is None, EXPORT_DTYPE),
+    "save_dtype": accepted_when(lambda v: v in SAVE_DTYPES, "bfloat16, float16 or float32 (or None: the checkpoint's "
+                                                            "own dtype); exports are not written in float64",
+                                to("save_dtype", SAVE_DTYPES.get)),
     "train_dtype": accepted_when(lambda v: v == "float32", FLOAT32_STATE),
     "wandb_project": to("wandb_project"),
     "wandb_run_name": read_by_another,  # as in 0.9, the run's name and team come from WANDB_NAME, WANDB_ENTITY
@@ -294,7 +302,7 @@ def to_our_config(torch_args: TorchrunArgs, train_args: TrainingArgs) -> tuple[T
         config = TrainConfig(**out.train)
         torchrun = _our_torchrun(torch_args)
     except ValueError as err:
-        raise Refused(errors_in_one_line(err)) from None
+        raise Refused("\n".join(problems_of(err))) from None
     # The node of global rank 0 writes the metrics the hooks read (on a shared filesystem, every node could).
     return config, torchrun, _Callbacks(callbacks if torch_args.node_rank == 0 else [], config=config,
                                         train_args=train_args)

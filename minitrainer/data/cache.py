@@ -152,7 +152,8 @@ def fingerprint_parts(config, source, tokenizer, chat_template: str | None) -> d
         _hash_file(code, Path(module.__file__))
     options = {name: getattr(config, name) for name in ("max_sample_num_tokens", "split_long_text",
                                                         "end_of_turn_token", "mask_reasoning", "input_format",
-                                                        "columns", "split", "subset", "text_sample_by")}
+                                                        "columns", "sharegpt_roles", "split", "subset",
+                                                        "text_sample_by")}
     return {"input": content.hexdigest(), "tokenizer": encoding.hexdigest(), "code": code.hexdigest(),
             "options": json.loads(json.dumps(options, default=str)),
             "versions": [transformers.__version__, tokenizers.__version__]}

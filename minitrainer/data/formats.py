@@ -1,15 +1,18 @@
 """Input row formats: find a row's format from its keys and convert it to the ``messages`` format.
 
 Pure functions, a row dict in, a ``ChatRow`` out (``chat_masking`` then validates and encodes
-it); ``process_data.py`` runs them in its workers. The formats (docs/data.md has an example of each):
+it; ``read_row`` also counts, in a ``Counter`` its caller keeps, the ShareGPT turns read under a mapped
+name); ``process_data.py`` runs them in its workers. A JSON line that ran out of text is refused as
+cut off (``_cut_off``), not in json's words. The formats (docs/data.md has an example of each):
 
     format             a row has                       becomes
     messages           messages                        itself (other fields copied, as always); roles
                                                        human -> user, gpt / model -> assistant,
                                                        observation -> tool (as ShareGPT's)
                                                        OpenAI's legacy functions / function_call -> tools
-    sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt / model -> assistant,
-                                                       function_call -> an assistant tool call,
+    sharegpt           conversations [{from, value}]   messages; system, human -> user, gpt / model / chatgpt /
+                                                       bing / bard -> assistant (--sharegpt-roles maps more
+                                                       names), function_call -> an assistant tool call,
                                                        observation / tool -> tool; a turn's learning marks
                                                        (weight, train, training, loss) kept;
                                                        an {input, output} turn (Capybara) -> user, assistant
@@ -40,6 +43,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections import Counter
 from typing import Any, NamedTuple
 
 from minitrainer.data.chat_masking import LEARNING_MARKS, ChatRow, SampleError, json_field, load_row
@@ -67,6 +72,11 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 # human / gpt / observation, and model (Gemma's assistant). function_call, a whole tool call, stays ShareGPT's.
 MESSAGE_ROLE_ALIASES = {role: canonical for role, canonical in SHAREGPT_ROLES.items()
                         if role != canonical and role != "function_call"}
+# Other names ShareGPT files in the wild give the assistant (ShareGPT_Vicuna_unfiltered's chatgpt, bing, bard),
+# kept apart from SHAREGPT_ROLES so the summary can say how many turns were read under a name that is not the
+# format's own (sharegpt_roles_mapped); --sharegpt-roles adds to them (parse_sharegpt_roles).
+SHAREGPT_MAPPED_ROLES = {"chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+SHAREGPT_TARGETS = tuple(dict.fromkeys(role for name, role in SHAREGPT_ROLES.items() if name != "function_call"))
 
 
 def parse_columns(text: str | None) -> dict[str, str]:
@@ -80,6 +90,28 @@ def parse_columns(text: str | None) -> dict[str, str]:
         if not sep or not column or name not in COLUMNS:
             raise ValueError(f"--columns {pair!r}: expected NAME=COLUMN with NAME one of {', '.join(COLUMNS)}")
         mapping[column] = name
+    return mapping
+
+
+def parse_sharegpt_roles(text: str | None) -> dict[str, str]:
+    """``"robot=assistant,person=user"`` -> ``SHAREGPT_MAPPED_ROLES`` with ``{"robot": "assistant", "person":
+    "user"}`` added (a turn's ``from`` -> its role). ``ValueError`` names the first bad item."""
+    mapping = dict(SHAREGPT_MAPPED_ROLES)
+    given: set[str] = set()
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, role = (part.strip() for part in item.partition("="))
+        if not sep or not name or role not in SHAREGPT_TARGETS:
+            raise ValueError(f"--sharegpt-roles {item!r}: expected NAME=ROLE with ROLE one of "
+                             f"{', '.join(SHAREGPT_TARGETS)}")
+        if name in SHAREGPT_ROLES:
+            raise ValueError(f"--sharegpt-roles {item!r}: {name!r} is ShareGPT's own name for "
+                             f"{SHAREGPT_ROLES[name]}; map only other names")
+        if name in given:
+            raise ValueError(f"--sharegpt-roles {item!r}: {name!r} is mapped twice")
+        given.add(name)
+        mapping[name] = role
     return mapping
 
 
@@ -113,7 +145,8 @@ def row_format(row: dict[str, Any], input_format: str = "auto") -> str:
 
 
 def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | None = None,
-             from_table: bool = False) -> tuple[str, ChatRow]:
+             from_table: bool = False, roles: dict[str, str] | None = None,
+             mapped: Counter | None = None) -> tuple[str, ChatRow]:
     """Convert one input row.
 
     Args:
@@ -122,6 +155,10 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
         input_format: ``"auto"`` (detect per row) or one of ``FORMATS``.
         columns: input column -> accepted name (``parse_columns``), applied first.
         from_table: ``raw`` is an Arrow table's row (``_without_struct_nulls``).
+        roles: ShareGPT ``from`` names read as roles beyond the format's own (``parse_sharegpt_roles``;
+            default ``SHAREGPT_MAPPED_ROLES``).
+        mapped: where a converted row's ShareGPT turns read under such a name are counted, by name (the
+            one count a caller keeps across rows; a refused row adds nothing).
 
     Returns:
         ``(format, chat_row)``.
@@ -140,10 +177,13 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
     if from_table:
         row = _without_struct_nulls(row)
     try:
-        return fmt, _convert(fmt, row)
+        chat_row, names = _convert(fmt, row, SHAREGPT_MAPPED_ROLES if roles is None else roles)
     except SampleError as err:
         err.row_format = fmt
         raise
+    if mapped is not None:
+        mapped.update(names)
+    return fmt, chat_row
 
 
 class Pair(NamedTuple):
@@ -199,10 +239,44 @@ def _loaded(raw: Any) -> dict[str, Any]:
     """The row as an object; a line that is no object raises."""
     if isinstance(raw, BadRow):
         raise SampleError(raw.reason, raw.detail)
-    row = load_row(raw) if isinstance(raw, bytes) else raw
+    try:
+        row = load_row(raw) if isinstance(raw, bytes) else raw
+    except SampleError as err:
+        if err.reason == "invalid_json":
+            err.detail = _cut_off(raw) or err.detail
+        raise
     if not isinstance(row, dict):
         raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
     return row
+
+
+# The beginnings of a token that a cut-off line may end in: json reports the error where the token starts,
+# not at the end of the text.
+_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+_NUMBER_TAILS = (".", "e", "E", "e-", "e+", "E-", "E+")
+_ESCAPE_START = re.compile(r"\\|u[0-9a-fA-F]{0,4}")
+
+
+def _cut_off(line: bytes) -> str | None:
+    """A JSON line that ran out of text, said so: ``"the JSON is cut off after 57 characters (...)"``; None
+    when it parses or its error lies elsewhere (json's own message then says where).
+
+    Cut off means json's error stands where the text ends (a missing delimiter, value or closing bracket;
+    the newline inside a string that never closes), in a string that never closes, or at a token the end
+    cut short (``tru``, ``1.``, ``\\u00``)."""
+    try:
+        json.loads(line)
+    except json.JSONDecodeError as err:
+        rest = err.doc[err.pos:].rstrip()
+        if (rest and not err.msg.startswith("Unterminated string") and rest not in _NUMBER_TAILS
+                and not any(word.startswith(rest) for word in _LITERALS)
+                and not ("escape" in err.msg and _ESCAPE_START.fullmatch(rest))):
+            return None
+        return (f"the JSON is cut off after {len(err.doc.rstrip())} characters (the file was truncated or a "
+                "write was interrupted)")
+    except (ValueError, RecursionError):  # not UTF-8, nested too deep: load_row's message says so
+        pass
+    return None
 
 
 def _row_and_format(raw: Any, *, input_format: str, columns: dict[str, str] | None) -> tuple[dict[str, Any], str]:
@@ -353,7 +427,8 @@ _ANSWER_NAMES = ("response", "answer", "output", "completion", "generated_soluti
                  "assistant")
 _TEXT_NAMES = ("content", "document", "body", "article", "passage")
 _SYSTEM_NAMES = ("system", "system_prompt", "system_message")
-_REPLY_ROLES = ("assistant", "gpt", "model", "function_call")
+_REPLY_ROLES = ("assistant", "gpt", "model", "function_call",
+                *(name for name, role in SHAREGPT_MAPPED_ROLES.items() if role == "assistant"))
 
 
 def suggest_columns(raw: Any, *, input_format: str = "auto", columns: str | None = None,
@@ -479,7 +554,8 @@ def _no_nulls(value: Any) -> Any:
     return value
 
 
-def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
+def _convert(fmt: str, row: dict[str, Any], roles: dict[str, str]) -> tuple[ChatRow, Counter]:
+    """The row in the ``messages`` format, and its ShareGPT turns read under a ``roles`` name, by name."""
     if isinstance(row.get("tools"), str):
         # Tables keep tool schemas as one JSON string (LLaMA-Factory, hub parquet files): as a column of
         # structs, each schema would gain every other tool's parameters as nulls.
@@ -490,15 +566,16 @@ def _convert(fmt: str, row: dict[str, Any]) -> ChatRow:
         row = {**row, turns: json_field(row[turns], "messages_not_a_list", f"'{turns}' is a string and")}
     if fmt == "messages":
         row = _canonical_roles(row)
-        return ChatRow(_openai_functions(row) if _uses_functions(row) else row)
+        return ChatRow(_openai_functions(row) if _uses_functions(row) else row), Counter()
     rest = {key: value for key, value in row.items() if key not in SHAPES[fmt]}
     if fmt == "text":
-        return ChatRow({"messages": [{"role": "pretrain", "content": _decoded(row["text"])}], **rest})
+        return ChatRow({"messages": [{"role": "pretrain", "content": _decoded(row["text"])}], **rest}), Counter()
     if fmt == "alpaca":
-        return ChatRow(_alpaca(row, rest))
+        return ChatRow(_alpaca(row, rest)), Counter()
     if fmt == "sharegpt":
-        return ChatRow(_sharegpt(row, rest))
-    return _prompt_completion(row["prompt"], row["completion"], rest)
+        fields, names = _sharegpt(row, rest, roles)
+        return ChatRow(fields), names
+    return _prompt_completion(row["prompt"], row["completion"], rest), Counter()
 
 
 def _canonical_roles(row: dict[str, Any]) -> dict[str, Any]:
@@ -597,13 +674,14 @@ def _history(value: Any) -> list[list[str]]:
     return value
 
 
-def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+def _sharegpt(row: dict[str, Any], rest: dict[str, Any], roles: dict[str, str]) -> tuple[dict[str, Any], Counter]:
+    """The row's fields in the ``messages`` format, and its turns read under a ``roles`` name, by name."""
     turns = row["conversations"]
     if not isinstance(turns, list):
         raise SampleError("messages_not_a_list", f"'conversations' is a {type(turns).__name__}")
     if not turns:
         raise SampleError("empty_messages", "'conversations' is empty")
-    messages = _system_turns(rest)
+    messages, names = _system_turns(rest), Counter()
     for index, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise SampleError("message_not_an_object", f"turn {index} is a {type(turn).__name__}")
@@ -617,10 +695,14 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
                                                       f"{others}, which an exchange does not hold")
             messages += [{"role": "user", "content": turn["input"]}, {"role": "assistant", "content": turn["output"]}]
             continue
-        role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn.get("from"), str) else None
+        name = turn["from"] if isinstance(turn.get("from"), str) else None
+        role = SHAREGPT_ROLES.get(name) or roles.get(name)
         if role is None:
             raise SampleError("unknown_role", f"turn {index} has from {turn.get('from')!r}; allowed: "
-                                              f"{', '.join(SHAREGPT_ROLES)}")
+                                              f"{', '.join([*SHAREGPT_ROLES, *roles])}; --sharegpt-roles "
+                                              "NAME=ROLE reads other names")
+        if name not in SHAREGPT_ROLES:
+            names[name] += 1
         if turn["from"] == "function_call":
             message = {"role": "assistant", "content": "", "tool_calls": _tool_calls(index, turn.get("value"))}
         else:
@@ -631,7 +713,7 @@ def _sharegpt(row: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
     if isinstance(rest.get("tools"), list):  # LLaMA-Factory lists bare function schemas
         rest["tools"] = [tool if not isinstance(tool, dict) or "function" in tool else
                          {"type": "function", "function": tool} for tool in rest["tools"]]
-    return {"messages": messages, **rest}
+    return {"messages": messages, **rest}, names
 
 
 def _tool_calls(index: int, value: Any) -> list[dict]:

@@ -73,13 +73,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minitrainer.common.cli import collect_errors, config_field, parse_config
+from minitrainer.common.cli import config_field, parse_config
+from minitrainer.common.refusals import collect_errors
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.leftovers import remove_dead_leftovers, temporary_name
 from minitrainer.common.log import logger, setup_logging
 from minitrainer.data.chat_masking import ChatEncoder, ChatRow, SampleError
-from minitrainer.data.formats import (ACCEPTED, INPUT_FORMATS, parse_columns, read_pair, read_row, suggest_columns,
-                                      unread_system)
+from minitrainer.data.formats import (ACCEPTED, INPUT_FORMATS, parse_columns, parse_sharegpt_roles, read_pair,
+                                      read_row, suggest_columns, unread_system)
 from minitrainer.data.sources import Chunk, Input, open_input
 from minitrainer.data.tokenizing_flags import tokenizing_field, tokenizing_settings
 
@@ -112,6 +113,7 @@ class ProcessDataConfig:
     logging_level: str = config_field("INFO", help="DEBUG, INFO, WARNING, ERROR")
     input_format: str = tokenizing_field("input_format")
     columns: str | None = tokenizing_field("columns")
+    sharegpt_roles: str | None = tokenizing_field("sharegpt_roles")
     split: str = tokenizing_field("data_split")
     subset: str | None = tokenizing_field("data_subset")
     text_sample_by: str = tokenizing_field("text_sample_by")
@@ -143,10 +145,11 @@ class ProcessDataConfig:
             errors.append("--end-of-turn-token must not be empty")
         if self.input_format not in INPUT_FORMATS:
             errors.append(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {self.input_format!r}")
-        try:
-            parse_columns(self.columns)
-        except ValueError as err:
-            errors.append(str(err))
+        for parse, value in ((parse_columns, self.columns), (parse_sharegpt_roles, self.sharegpt_roles)):
+            try:
+                parse(value)
+            except ValueError as err:
+                errors.append(str(err))
         if not 0.0 <= self.max_rejected_fraction <= 1.0:
             errors.append(f"--max-rejected-fraction must be in [0, 1], got {self.max_rejected_fraction}")
         collect_errors(errors)
@@ -192,6 +195,8 @@ class ChunkResult:
     num_prompt_completion_tokens: int = 0
     num_prompt_completion_loss_tokens: int = 0
     not_read: Counter = dataclasses.field(default_factory=Counter)  # a pair file's columns no side uses: rows
+    # ShareGPT turns read under a name the format does not define (chatgpt, --sharegpt-roles'), by name
+    sharegpt_roles_mapped: Counter = dataclasses.field(default_factory=Counter)
 
 
 NUM_AUDIT_EXAMPLES = 3  # decoded examples kept per rejection reason and per broken rule
@@ -210,7 +215,8 @@ class ChunkAudit:
     num_replies_marked: int = 0  # shown but not learned, as the row marks them (_TRAINING_MARKS)
     reasons: Counter = dataclasses.field(default_factory=Counter)  # rejected rows by reason
     rules: Counter = dataclasses.field(default_factory=Counter)  # rows by how their replies were located
-    # reason (a rejection reason or "reply_end_not_learned") -> [{"line", "detail", "text"}]
+    # reason (a rejection reason or "reply_end_not_learned") -> [{"line", "detail", "text"}], "file" first when
+    # the input has several
     examples: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
 
     def add_example(self, reason: str, example: dict) -> None:
@@ -237,15 +243,16 @@ def _reject(chunk: Chunk, offset: int, error: SampleError, *, named: bool, reaso
     return its ``rejected.jsonl`` line."""
     number = chunk.numbers[offset]
     reasons[error.reason] += 1
-    record = {"file": chunk.file} if named else {}
-    record.update({chunk.unit: number, "reason": error.reason, "detail": error.detail})
+    where = {"file": chunk.file} if named else {}
+    record = {**where, chunk.unit: number, "reason": error.reason, "detail": error.detail}
     kept = audit if error.audit else input_errors
     kept.reasons[error.reason] += 1
     if len(kept.examples.get(error.reason, ())) < NUM_AUDIT_EXAMPLES:
         raw = chunk.rows[offset]
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else \
             json.dumps(raw, ensure_ascii=False, default=str)
-        kept.add_example(error.reason, {chunk.unit: number, "detail": error.detail, "text": _cut(text.strip())})
+        kept.add_example(error.reason, {**where, chunk.unit: number, "detail": error.detail,
+                                        "text": _cut(text.strip())})
     return json.dumps(record, ensure_ascii=False, default=str) + "\n"
 
 
@@ -296,16 +303,22 @@ def _process_chunk(chunk: Chunk) -> ChunkResult:
     return encode_chunk(_ENCODER, chunk, config=_CONFIG, kind=_KIND)
 
 
-def convert_rows(chunk: Chunk, config: ProcessDataConfig, kind: str = "sft") -> list[tuple | SampleError]:
+def convert_rows(chunk: Chunk, config: ProcessDataConfig, kind: str = "sft", *,
+                 mapped: Counter | None = None) -> list[tuple | SampleError]:
     """Each row of the chunk in the ``messages`` format, with the format it was read as, or why it cannot be;
-    for ``kind`` ``"preference"``, its ``formats.Pair``."""
+    for ``kind`` ``"preference"``, its ``formats.Pair``. ``mapped`` counts the ShareGPT turns read under a
+    name the format does not define (``formats.read_row``)."""
     columns = parse_columns(config.columns)
-    read = read_pair if kind == "preference" else read_row
+    roles = parse_sharegpt_roles(config.sharegpt_roles)
     converted: list[tuple | SampleError] = []
     for raw in chunk.rows:
         try:
-            converted.append(read(raw, input_format=config.input_format, columns=columns,
-                                  from_table=chunk.from_table))
+            if kind == "preference":
+                converted.append(read_pair(raw, input_format=config.input_format, columns=columns,
+                                           from_table=chunk.from_table))
+            else:
+                converted.append(read_row(raw, input_format=config.input_format, columns=columns,
+                                          from_table=chunk.from_table, roles=roles, mapped=mapped))
         except SampleError as err:
             converted.append(err)
     return converted
@@ -322,9 +335,10 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
     num_pretrain = num_split_rows = num_pieces = 0
     num_prompt_completion = num_prompt_completion_tokens = num_prompt_completion_loss_tokens = 0
     audit, input_errors = ChunkAudit(), ChunkAudit()
-    converted = convert_rows(chunk, config)
+    mapped: Counter = Counter()
+    converted = convert_rows(chunk, config, mapped=mapped)
     encoded = iter(encoder.encode_rows([item[1] for item in converted if not isinstance(item, SampleError)]))
-    named = chunk.file != config.input_file  # one of several files: rejected rows say which
+    named = chunk.file != config.input_file  # one of several files: rejected rows and examples say which
     for offset, item in enumerate(converted):
         number = chunk.numbers[offset]
         if isinstance(item, SampleError):
@@ -368,13 +382,14 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
             audit.rules[result.rule] += 1
             if result.num_replies_end_learned < result.num_replies:
                 audit.add_example("reply_end_not_learned", {
-                    chunk.unit: number, "detail": f"{result.num_replies - result.num_replies_end_learned} of "
-                                                  f"{result.num_replies} replies have no learned end-of-turn",
+                    **({"file": chunk.file} if named else {}), chunk.unit: number,
+                    "detail": f"{result.num_replies - result.num_replies_end_learned} of {result.num_replies} replies "
+                              "have no learned end-of-turn",
                     "text": _cut(render_labels(encoder.tokenizer, result.input_ids, result.labels, "<|mAsK|>"))})
     return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss,
                        num_pretrain, reasons, first_rejection, audit, input_errors, formats, num_split_rows,
                        num_pieces, num_prompt_completion, num_prompt_completion_tokens,
-                       num_prompt_completion_loss_tokens)
+                       num_prompt_completion_loss_tokens, sharegpt_roles_mapped=mapped)
 
 
 def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig) -> ChunkResult:
@@ -763,6 +778,7 @@ class _Totals:
         self.audit = ChunkAudit()
         self.input_errors = ChunkAudit()
         self.not_read: Counter = Counter()
+        self.sharegpt_roles_mapped: Counter = Counter()
         self.first_rejection: str | None = None  # "file:line: reason: detail"
 
     def add(self, chunk: ChunkResult) -> None:
@@ -784,6 +800,7 @@ class _Totals:
         self.audit.merge(chunk.audit)
         self.input_errors.merge(chunk.input_errors)
         self.not_read.update(chunk.not_read)
+        self.sharegpt_roles_mapped.update(chunk.sharegpt_roles_mapped)
 
 
 def _stats(values: array.array) -> dict[str, float]:
@@ -818,6 +835,8 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed, 
         "rejected_by_reason": dict(sorted(totals.reasons.items())),
         "input": source.describe(),
         "rows_by_format": dict(totals.formats.most_common()),
+        # ShareGPT turns read under a name the format does not define (chatgpt, --sharegpt-roles'), by name.
+        "sharegpt_roles_mapped": dict(totals.sharegpt_roles_mapped.most_common()),
         # A pair file's output holds the pairs' tokens only: the input's columns no pair reads, by rows.
         "columns_not_read": dict(sorted(totals.not_read.items())),
         "input_errors": {
@@ -940,6 +959,7 @@ def _log_examples(what: str, examples: dict[str, list[dict]]) -> None:
     for reason, kept in examples.items():
         for example in kept:
             where = f"line {example['line']}" if "line" in example else f"row {example['row']}"
+            where = f"{example['file']} {where}" if "file" in example else where
             logger.info("%s %s, %s: %s\n%s", what, reason, where, example["detail"], example["text"])
 
 
@@ -958,6 +978,10 @@ def _log_summary(summary: dict[str, Any]) -> None:
                     summary["lines_per_s"] or 0)
     logger.info("rows by format: %s", ", ".join(f"{fmt} {count}" for fmt, count in summary["rows_by_format"].items())
                 or "none recognised")
+    if mapped := summary.get("sharegpt_roles_mapped"):
+        roles = parse_sharegpt_roles(summary["config"]["sharegpt_roles"])
+        logger.info("read %d ShareGPT turns under other names: %s", sum(mapped.values()),
+                    ", ".join(f"{count} {name} as {roles[name]}" for name, count in mapped.items()))
     if summary.get("columns_not_read"):
         logger.info("not read: %s (columns no pair uses; the output holds the pairs' tokens only)",
                     ", ".join(summary["columns_not_read"]))

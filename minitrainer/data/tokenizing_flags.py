@@ -1,4 +1,4 @@
-"""How raw rows become tokens: the ten settings process_data.py takes and a run (``train.py --data-path`` on raw
+"""How raw rows become tokens: the eleven settings process_data.py takes and a run (``train.py --data-path`` on raw
 data, ``inspect_data``) passes on to it, each declared once here with its default, its choices and its help.
 
     mask_reasoning: bool = tokenizing_field("mask_reasoning")            # process_data.py's own field
@@ -40,6 +40,8 @@ TOKENIZING_FLAGS = {
                                    choices=tuple(INPUT_FORMATS)),
     "columns": TokenizingFlag(None, "rename input columns first, NAME=COLUMN,... "
                                     "(e.g. prompt=question,completion=answer)"),
+    "sharegpt_roles": TokenizingFlag(None, "read more ShareGPT 'from' names as roles, NAME=ROLE,... (e.g. "
+                                           "robot=assistant,person=user); chatgpt, bing, bard are assistant"),
     "data_split": TokenizingFlag("train", "split of a hub dataset id, a dataset folder (by file names or README.md "
                                           "configs) or a save_to_disk folder", process_name="split"),
     "data_subset": TokenizingFlag(None, "configuration (subset) of a hub dataset id or of a dataset folder's "
@@ -58,5 +60,7 @@ def tokenizing_field(name: str, *, run: bool = False) -> Any:
 
 
 def tokenizing_settings(settings: Any) -> dict[str, Any]:
-    """process_data.py's fields from a run's ``settings`` (a ``TrainConfig``, an ``InspectDataConfig``)."""
-    return {flag.process_name or name: getattr(settings, name) for name, flag in TOKENIZING_FLAGS.items()}
+    """process_data.py's fields from a run's ``settings`` (a ``TrainConfig``, an ``InspectDataConfig``); a
+    setting the run has no flag for is process_data.py's default, as the run cannot ask for another."""
+    return {flag.process_name or name: getattr(settings, name, flag.default)
+            for name, flag in TOKENIZING_FLAGS.items()}

@@ -17,7 +17,6 @@ import difflib
 import os
 from typing import Any
 
-from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
 from minitrainer.common.translations import (BF16, FINAL_EXPORT, MIN_LR_ONLY, NO_FP16, NO_TF32, PACKED, Rule,
                                             Translation, accepted_when, refused, to)
 from minitrainer.train_config import TrainConfig
@@ -213,7 +212,7 @@ RULES: dict[str, Rule] = {
     "peft_enabled": accepted_when(bool, "lora_sft trains LoRA adapters"),
     "peft_type": accepted_when(lambda v: v == "lora", "LoRA is the adapter type offered"),
     # checkpoints and resume
-    "save_samples": lambda v, p, out: out.train.update(min_samples_per_checkpoint=v if v > 0 else FINAL_EXPORT_ONLY),
+    "save_samples": lambda v, p, out: out.train.update(min_samples_per_checkpoint=max(v, 0)),
     "save_steps": _every_n_steps_in_samples("min_samples_per_checkpoint"),
     "checkpoint_at_epoch": to("checkpoint_at_epoch"),
     "save_total_limit": to("keep_last_n_checkpoints"),
@@ -288,7 +287,6 @@ def translate(algorithm: str, params: dict[str, Any], environ: dict[str, str] | 
             out.refusals.append(f"{algorithm}(..., {name}={value!r}) with backend='minitrainer': {reason}")
     if "columns" in out.launcher:
         out.train["columns"] = ",".join(out.launcher.pop("columns"))
-    out.train.setdefault("min_samples_per_checkpoint", FINAL_EXPORT_ONLY)
     if not any(name in out.train for name in ("num_epochs", "max_steps", "max_samples")):
         out.train["num_epochs"] = 1.0
     return out

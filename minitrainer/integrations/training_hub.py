@@ -9,7 +9,8 @@
 Every parameter the hub passes is honoured or refused before anything starts (``hub_parameters``); the data
 is read as the user has it, by our own door inside the run; callbacks fire here, in the launching process,
 from the run's metrics and exports (``report/watch.py``), so no code is shipped to the workers. training_hub is an
-optional extra (``pip install minitrainer[training-hub]``): nothing else of ours imports it.
+optional extra (``pip install '.[training-hub]'`` with the installed torch pinned, docs/install.md): nothing else of
+ours imports it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ try:
     from training_hub.utils import get_torchrun_params
 except ImportError as err:
     raise ImportError(f"minitrainer.integrations.training_hub needs training_hub ({err}): pip install "
-                      "minitrainer[training-hub]") from err
+                      "'training-hub>=0.11.2' \"torch==$(python -c 'import torch; print(torch.__version__)')\" "
+                      "(docs/install.md)") from err
 
 from minitrainer.api import RunResult, TorchrunArgs, run_training
-from minitrainer.common.cli import errors_in_one_line
+from minitrainer.common.refusals import problems_of
 from minitrainer.common.translations import IN_STEP
 from minitrainer.data.cache import is_tokenized
 from minitrainer.integrations.hub_parameters import TORCHRUN_KEYS, translate
@@ -93,7 +95,7 @@ def prepare(algorithm: str, params: dict[str, Any]) -> tuple[TrainConfig, Torchr
         torchrun_args = TorchrunArgs(**_our_torchrun(resolved))
         config = TrainConfig(**translation.train)
     except (ValueError, TypeError) as err:
-        refusals.append(f"{algorithm}(...) with backend='minitrainer': {errors_in_one_line(err)}")
+        refusals += [f"{algorithm}(...) with backend='minitrainer': {problem}" for problem in problems_of(err)]
     if refusals:
         raise ParameterRefused("\n".join(refusals))
     # The node of global rank 0 writes the metrics the hooks read; on a shared filesystem the other nodes'

@@ -54,7 +54,8 @@ def validate(run: Run) -> str | None:
         metrics={name: extra.get(f"val_{name}") for name in run.objective.console_metrics}))
     return validation.update_best(state, val_loss, config=run.config, save_best=lambda: validation.save_best_export(
         run.model, output_dir=run.config.output_dir, step=state.step, samples_seen=state.samples_seen,
-        val_loss=val_loss, tokenizer=run.tokenizer, generation_config=run.generation_config, rank=dist_info.rank))
+        val_loss=val_loss, tokenizer=run.tokenizer, generation_config=run.generation_config, rank=dist_info.rank,
+        dtype=run.resolved.export_dtype))
 
 
 def checkpoints_due(run: Run, batch: StepBatch, *, done: str | None, preempted: bool) -> tuple[bool, bool]:
@@ -62,7 +63,7 @@ def checkpoints_due(run: Run, batch: StepBatch, *, done: str | None, preempted: 
     config, state = run.config, run.state
     # A preemption on the last step (or on a cadence step) still writes the export that step owes:
     # the rerun finds nothing left to train and would never write it.
-    export_due = (bool(done) or state.samples_seen - state.last_checkpoint_samples >= config.min_samples_per_checkpoint
+    export_due = (bool(done) or state.samples_seen - state.last_checkpoint_samples >= config.export_every
                   or config.checkpoint_at_epoch and checkpoint_policy.crossed(batch.start_position, state.samples_seen,
                                                                               len(run.dataset)))
     full_due = bool(done) or (checkpoint_policy.crossed(batch.start_position, state.samples_seen,
@@ -86,7 +87,7 @@ def save(run: Run, *, hf_export: bool, full_state: bool = True) -> Path | None:
         exported = save_hf_checkpoint(
             run.model, output_dir=config.output_dir, num_samples=state.samples_seen, tokenizer=run.tokenizer,
             generation_config=run.generation_config, rank=run.dist_info.rank,
-            keep_last_n=config.keep_last_n_checkpoints)
+            keep_last_n=config.keep_last_n_checkpoints, dtype=run.resolved.export_dtype)
         log_rank_0("saved Hugging Face checkpoint %s in %.2fs (%.1f MB)", exported,
                    time.perf_counter() - began, _folder_mb(exported))
     if full_state and config.full_state:

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from minitrainer.common.log import log_rank_0
@@ -112,8 +113,9 @@ BEST_RECORD = "best_val_loss.json"
 
 
 def save_best_export(model, *, output_dir: str | Path, step: int, samples_seen: int, val_loss: float, tokenizer,
-                     generation_config, rank: int) -> Path:
-    """Export the model to ``hf_format/best/`` (collective), replacing the previous best only once complete.
+                     generation_config, rank: int, dtype: torch.dtype) -> Path:
+    """Export the model to ``hf_format/best/`` (collective), in ``dtype`` (``--save-dtype``, resolved), replacing
+    the previous best only once complete.
 
     The export is written to a staging folder first; rank 0 then swaps it in with two
     renames (the old one goes to ``best.old`` and is deleted), so ``best/`` is never half written.
@@ -123,7 +125,7 @@ def save_best_export(model, *, output_dir: str | Path, step: int, samples_seen: 
     root = Path(output_dir) / "hf_format"
     staging_root = root / ".best_staging"
     staged = save_hf_checkpoint(model, output_dir=staging_root, num_samples=samples_seen, tokenizer=tokenizer,
-                                generation_config=generation_config, rank=rank)
+                                generation_config=generation_config, rank=rank, dtype=dtype)
     final = root / BEST_DIR
     if rank == 0:
         (staged / BEST_RECORD).write_text(json.dumps({"step": step, "samples_seen": samples_seen,

@@ -153,10 +153,11 @@ class FineTuningMethod:
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def export_state(self, state: dict[str, torch.Tensor], folder: Path, *,
-                     multimodal_export: MultimodalExport | None) -> dict[str, torch.Tensor] | None:
-        """Rank 0: the gathered state as the original model's state dict, the export's weights; files of the
-        method's own (a peft adapter) go into ``folder``. None: the export holds no model weights."""
+    def export_state(self, state: dict[str, torch.Tensor], folder: Path, *, multimodal_export: MultimodalExport | None,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the gathered state as the original model's state dict, the export's weights (the export casts
+        them to ``dtype``, ``--save-dtype``); files of the method's own (a peft adapter) go into ``folder``, in
+        ``dtype`` where they are the export's only weights. None: the export holds no model weights."""
         return state
 
     def added_matrices(self, model: nn.Module) -> tuple[set[int], int]:

@@ -234,11 +234,11 @@ def base_model_reference(model_name_or_path: str) -> str:
     return str(path.resolve()) if path.is_dir() else model_name_or_path
 
 
-def save_adapter(adapter: dict[str, torch.Tensor], lora_config, folder: Path) -> None:
-    """peft's adapter files, in fp32 (small, and exact for resuming or merging elsewhere)."""
+def save_adapter(adapter: dict[str, torch.Tensor], lora_config, folder: Path, *, dtype: torch.dtype) -> None:
+    """peft's adapter files, the weights in ``dtype``."""
     folder.mkdir(parents=True, exist_ok=True)
     lora_config.save_pretrained(folder)
-    save_file({name: tensor.float().contiguous() for name, tensor in adapter.items()},
+    save_file({name: tensor.to(dtype).contiguous() for name, tensor in adapter.items()},
               folder / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
@@ -280,8 +280,8 @@ class LoRA(FineTuningMethod):
         # Adapters are initialised here, on rank 0, and reach the other ranks with the weights.
         apply_lora(model, self.settings)
 
-    def export_state(self, state: dict[str, torch.Tensor], folder: Path, *,
-                     multimodal_export: MultimodalExport | None) -> dict[str, torch.Tensor] | None:
+    def export_state(self, state: dict[str, torch.Tensor], folder: Path, *, multimodal_export: MultimodalExport | None,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         config = self.peft_config
         merged, adapter = export_states(state, scaling=lora_scaling(config), fan_in_fan_out=config.fan_in_fan_out)
         if multimodal_export is not None and multimodal_export.key_map is not None:
@@ -290,7 +290,10 @@ class LoRA(FineTuningMethod):
             config.base_model_name_or_path = None  # the base is the text-only export, not the source
             config.target_modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter})
         merge = self.settings.merge_on_export
-        save_adapter(adapter, config, (folder / "adapter") if merge else folder)
+        # The export's weights are in --save-dtype: the merged model's, or the adapter's where it is all there is.
+        # Beside a merged model the adapter stays fp32, exact for resuming or merging onto another base.
+        save_adapter(adapter, config, (folder / "adapter") if merge else folder,
+                     dtype=torch.float32 if merge else dtype)
         return merged if merge else None
 
     def added_matrices(self, model: nn.Module) -> tuple[set[int], int]:

@@ -588,8 +588,9 @@ class OSFT(FineTuningMethod):
         # count, thread count or device: they are saved, so a resume continues the very same factors.
         return bool(osft_modules(model))
 
-    def export_state(self, state: dict[str, torch.Tensor], folder: Path, *,
-                     multimodal_export) -> dict[str, torch.Tensor]:
+    def export_state(self, state: dict[str, torch.Tensor], folder: Path, *, multimodal_export,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        # W is summed in the upcast dtype and kept in the factors' (fp32): the export rounds it to ``dtype`` once.
         return osft_export_state(state, upcast_dtype=self.settings.upcast_dtype)
 
     def added_matrices(self, model: nn.Module) -> tuple[set[int], int]:

@@ -14,16 +14,38 @@ from minitrainer.common.log import logger
 from minitrainer.train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 
 
+def stop_steps(config: TrainConfig, num_dataset_samples: int) -> dict[str, int]:
+    """Each stop condition given (as its flag and value) -> the step it ends the run at."""
+    steps = {}
+    if config.max_steps is not None:
+        steps[f"--max-steps {config.max_steps}"] = config.max_steps
+    if config.max_samples is not None:
+        steps[f"--max-samples {config.max_samples}"] = math.ceil(config.max_samples / config.batch_size)
+    if config.num_epochs is not None:
+        steps[f"--num-epochs {config.num_epochs:g}"] = math.ceil(config.num_epochs * num_dataset_samples
+                                                                  / config.batch_size)
+    return steps
+
+
 def total_steps(config: TrainConfig, num_dataset_samples: int) -> int | None:
     """Optimizer steps until the first stop condition, or None for infinite sampling."""
-    candidates = []
-    if config.max_steps is not None:
-        candidates.append(config.max_steps)
-    if config.max_samples is not None:
-        candidates.append(math.ceil(config.max_samples / config.batch_size))
-    if config.num_epochs is not None:
-        candidates.append(math.ceil(config.num_epochs * num_dataset_samples / config.batch_size))
-    return min(candidates) if candidates else None
+    return min(stop_steps(config, num_dataset_samples).values(), default=None)
+
+
+def stop_plan(config: TrainConfig, num_dataset_samples: int) -> str:
+    """How long the run lasts and which condition ends it. With several, the first reached wins; TRL and
+    transformers' Trainer let --max-steps override epochs instead, so a config brought from them stops earlier
+    here: said at start-up, not only when it happens."""
+    steps = stop_steps(config, num_dataset_samples)
+    if not steps:
+        return "infinite sampling (no stop condition)"
+    end = min(steps.values())
+    ending = [flag for flag, step in steps.items() if step == end]
+    later = [f"{flag} (step {step})" for flag, step in steps.items() if step != end]
+    text = f"{end} steps, ended by {' and '.join(ending)}"
+    if later:
+        text += f"; the first stop reached ends the run, so {', '.join(later)} is not reached"
+    return text
 
 
 def stop_reason(config: TrainConfig, state: TrainState, num_dataset_samples: int) -> str | None:

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, PretrainedConfig
 
+from minitrainer.checkpoint.hf_export import export_dtype
 from minitrainer.common.distributed import DistInfo
 from minitrainer.common.log import log_rank_0
 from minitrainer.methods.base import FineTuningMethod, ModelBuild, count_parameters
@@ -44,7 +45,7 @@ from minitrainer.model.attention import CONTEXT_PARALLEL, attention_needs, resol
 from minitrainer.model.context_parallel import inner_backend, register_context_parallel_backend
 from minitrainer.model.loss import CausalLMWithLoss, decoder_of, find_decoder_blocks
 from minitrainer.model.multimodal import (MultimodalExport, auto_model_class, detach_non_text, is_multimodal,
-                                          text_only_export, whole_export)
+                                          stored_dtypes, text_only_export, whole_export)
 from minitrainer.model.recurrent import run_mixers_per_sample
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -63,6 +64,7 @@ class ModelSetup:
     num_params: int
     context_parallel_inner: str | None = None  # the varlen backend context_parallel wraps (None: no CP)
     recomputation: str = "full"  # the policy the blocks were built with (auto: full, until resolve_auto)
+    export_dtype: torch.dtype = torch.bfloat16  # what the Hugging Face exports write (--save-dtype, resolved)
 
 
 def meta_model(config, trust_remote_code: bool) -> nn.Module:
@@ -197,7 +199,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
                 use_liger_kernels: bool, local_world_size: int,
                 head_learned_positions_only: bool = True, compile: bool = False, trust_remote_code: bool = False,
                 method: FineTuningMethod | None = None,
-                context_parallel_size: int = 1, export_text_only: bool = False) -> tuple[CausalLMWithLoss, ModelSetup]:
+                context_parallel_size: int = 1, export_text_only: bool = False,
+                save_dtype: str = "bfloat16") -> tuple[CausalLMWithLoss, ModelSetup]:
     """Build the sharded training module (model plus loss) on every rank, in named stages:
 
     build on meta (multimodal split) -> attention -> load on rank 0 (method.convert_loaded) ->
@@ -226,6 +229,7 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
         context_parallel_size: above 1, attention runs as ``context_parallel`` around the resolved varlen
             backend (``context_parallel.inner_backend``).
         export_text_only: a multimodal checkpoint's exports hold its language model alone, as a causal LM.
+        save_dtype: ``--save-dtype``: a dtype name, or ``auto`` for the checkpoint's own (``stored_dtype``).
 
     Returns:
         The FSDP2-wrapped ``CausalLMWithLoss`` (its ``method`` and ``multimodal_export`` are read by the
@@ -239,6 +243,9 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     config = (copy.deepcopy(model_config) if model_config is not None
               else AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code))
     config.use_cache = False
+    # Read before meta_model: from_config writes the float32 it builds in into config.dtype.
+    save_as = export_dtype(save_dtype, stored_dtype(config, model_name_or_path, dist_info)
+                           if save_dtype == "auto" else None)
     model = meta_model(config, trust_remote_code)
     export = _multimodal_export(model, config, export_text_only=export_text_only, trust_remote_code=trust_remote_code)
     attn, inner = _set_attention(model, attn_implementation, device.type, context_parallel_size)
@@ -280,7 +287,7 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     return wrapper, ModelSetup(attn_implementation=attn, param_dtype=param_dtype, num_blocks=len(blocks),
                                block_class=type(blocks[0]).__name__, mesh_shape=tuple(mesh.shape),
                                num_trainable_params=num_trainable, num_params=num_params,
-                               context_parallel_inner=inner, recomputation=recompute)
+                               context_parallel_inner=inner, recomputation=recompute, export_dtype=save_as)
 
 
 # ----------------------------------------------------------------------------
@@ -293,6 +300,20 @@ def _offload_possible(cpu_offload: bool, device: torch.device) -> bool:
                    "accelerator): parameters already live in host memory", level=logging.WARNING)
         return False
     return cpu_offload
+
+
+def stored_dtype(config, model_name_or_path: str, dist_info: DistInfo) -> torch.dtype:
+    """The checkpoint's own dtype, as ``from_pretrained(dtype="auto")`` reads it: its config's, else that of its
+    first floating-point weight in its safetensors headers (a config naming none, as GPT-2's), else float32.
+    Collective where the config names none: rank 0 reads the headers (fetching them once), the others hear it."""
+    if config.dtype is not None:
+        return config.dtype
+    box = [None]
+    if dist_info.rank == 0:
+        stored = [dtype for dtype in stored_dtypes(model_name_or_path).values() if dtype.is_floating_point]
+        box = [stored[0] if stored else torch.float32]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _multimodal_export(model: nn.Module, config, *, export_text_only: bool,

@@ -205,11 +205,11 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
         log_rank_0("resume took %.2fs", time.perf_counter() - began)
         if config.allow_config_change:
             resume_policy.apply_new_hyperparameters(optimizer, scheduler, config)
-    _announce(config, dist_info, resolved, method, len(dataset), total_steps, max_tokens_per_gpu, objective.unit)
+    _announce(config, dist_info, resolved, method, len(dataset), max_tokens_per_gpu, objective.unit)
     if isinstance(dataset, data_mix.MixedDataset):
         log_rank_0(dataset.describe())
     if dist_info.is_main:
-        _announce_disk_plan(config, model, total_steps)
+        _announce_disk_plan(config, model, total_steps, export_dtype=resolved.export_dtype)
     metrics_path = Path(config.output_dir) / f"training_metrics_{dist_info.rank}.jsonl"
     if dist_info.is_main:
         _write_training_params(config, dist_info, resolved, max_tokens_per_gpu)
@@ -406,13 +406,15 @@ def _start_tracker(config: TrainConfig, dist_info: DistInfo, candidates: list[Pa
                         mlflow_run_id=state.get("mlflow_run_id")), None
 
 
-def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None) -> None:
+def _announce_disk_plan(config: TrainConfig, model: torch.nn.Module, total_steps: int | None, *,
+                        export_dtype: torch.dtype) -> None:
     params = list(model.parameters())
     plan = checkpoint_policy.plan_disk(
         num_params=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
+        export_bytes_per_param=export_dtype.itemsize,
         total_samples=total_steps * config.batch_size if total_steps else None,
-        export_every=config.min_samples_per_checkpoint, keep_exports=config.keep_last_n_checkpoints,
-        full_state_every=config.min_samples_per_full_state or config.min_samples_per_checkpoint,
+        export_every=config.export_every, keep_exports=config.keep_last_n_checkpoints,
+        full_state_every=config.min_samples_per_full_state or config.export_every,
         keep_full_states=checkpoint_policy.full_states_kept(config.keep_last_n_full_states,
                                                             config.keep_last_n_checkpoints),
         full_state=config.full_state)
@@ -566,7 +568,7 @@ def _setup_model(config: TrainConfig, model_config: PretrainedConfig, dist_info:
         compile=config.compile, local_world_size=_local_world_size(),
         trust_remote_code=config.trust_remote_code, method=method,
         context_parallel_size=config.context_parallel_size,
-        export_text_only=config.export_text_only,
+        export_text_only=config.export_text_only, save_dtype=config.save_dtype,
     )
 
 
@@ -580,15 +582,17 @@ def _original_generation_config(model_name_or_path: str):
 
 
 def _announce(config: TrainConfig, dist_info: DistInfo, resolved, method: FineTuningMethod, num_dataset_samples: int,
-              total_steps: int | None, max_tokens_per_gpu: int, unit: str = "samples") -> None:
+              max_tokens_per_gpu: int, unit: str = "samples") -> None:
     """Print each resolved decision once, with its reason (``unit``: what the data holds, samples or pairs)."""
     log_rank_0("world size %d on %s (%s backend)", dist_info.world_size, dist_info.device.type,
                dist.get_backend())
     log_rank_0("model %s: %d x %s sharded with %s, mesh %s, compute dtype %s, attention %s, "
-               "activation checkpointing %s", config.model_name_or_path, resolved.num_blocks,
+               "activation checkpointing %s; exports in %s%s", config.model_name_or_path, resolved.num_blocks,
                resolved.block_class, config.fsdp_sharding_strategy, resolved.mesh_shape,
                str(resolved.param_dtype).removeprefix("torch."), resolved.attn_implementation,
-               resolved.recomputation + (" (auto)" if config.activation_checkpointing == "auto" else ""))
+               resolved.recomputation + (" (auto)" if config.activation_checkpointing == "auto" else ""),
+               str(resolved.export_dtype).removeprefix("torch."),
+               " (--save-dtype auto: the checkpoint's own)" if config.save_dtype == "auto" else "")
     log_rank_0("trainable parameters: %s of %s (%.2f%%)%s", f"{resolved.num_trainable_params:,}",
                f"{resolved.num_params:,}", 100.0 * resolved.num_trainable_params / max(resolved.num_params, 1),
                method.describe())
@@ -602,7 +606,7 @@ def _announce(config: TrainConfig, dist_info: DistInfo, resolved, method: FineTu
                    "ranks", dist_info.world_size // size, size, size * max_tokens_per_gpu, size, max_tokens_per_gpu,
                    dist_info.world_size)
     log_rank_0("schedule %s, warmup %d, %s", config.lr_scheduler, config.num_warmup_steps,
-               f"{total_steps} steps" if total_steps else "infinite sampling (no stop condition)")
+               schedule.stop_plan(config, num_dataset_samples))
 
 
 def _write_training_params(config: TrainConfig, dist_info: DistInfo, resolved, max_tokens_per_gpu: int) -> None:

@@ -40,6 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from minitrainer.common.commands import command
 from minitrainer.common.distributed import reshard
 from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.log import log_rank_0
@@ -84,8 +85,8 @@ def check_data_fits_model(dataset, data_path: str, model_name: str, model_config
     max_id = dataset.max_token_id()
     if max_id is not None and max_id >= vocab_size:
         return (f"--data-path {data_path} holds token id {max_id}, but {model_name} has a vocabulary of "
-                f"{vocab_size}: the data was tokenized for another model. Re-run process_data.py with "
-                f"--model-name-or-path {model_name}")
+                f"{vocab_size}: the data was tokenized for another model. Re-run "
+                f"{command('minitrainer.data.process_data')} with --model-name-or-path {model_name}")
     recorded = (recorded_summary(Path(dataset.path)) or {}).get("tokenizer")
     if recorded is None or tokenizer is None:
         return None
@@ -97,8 +98,8 @@ def check_data_fits_model(dataset, data_path: str, model_name: str, model_config
                    f"{model_name!r}, and their tokenizers differ ({'; '.join(differs)}): the model would learn from "
                    "ids that mean something else to it")
         if not allow_tokenizer_mismatch:
-            return (f"{problem}. Tokenize it with this model's tokenizer (process_data.py --model-name-or-path "
-                    f"{model_name}, or give train.py the raw file), or pass --allow-tokenizer-mismatch")
+            return (f"{problem}. Tokenize it with this model's tokenizer ({command('minitrainer.data.process_data')} "
+                    f"--model-name-or-path {model_name}, or train on the raw file), or pass --allow-tokenizer-mismatch")
         log_rank_0(f"{problem}; training anyway (--allow-tokenizer-mismatch)", level=logging.WARNING)
     elif recorded.get("name_or_path") != model_name:
         log_rank_0(f"the data was tokenized with {recorded.get('name_or_path')!r}, the model is {model_name!r}: "

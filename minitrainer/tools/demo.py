@@ -28,8 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from minitrainer.common.cli import collect_errors, config_field, parse_config
+from minitrainer.common.cli import config_field, parse_config
+from minitrainer.common.commands import command
 from minitrainer.common.log import logger, setup_logging
+from minitrainer.common.refusals import collect_errors
 from minitrainer.report.progress import announce_progress, resolve_progress
 
 DEMO_DATA = Path(__file__).resolve().with_name("demo_chat.jsonl")  # package data: a wheel carries it
@@ -178,7 +180,7 @@ def run_demo(config: DemoConfig) -> dict[str, Path]:
     for name, path in artefacts.items():
         print(f"  {name:<{width}}  {path}")
     print(f"\nNext: {f'open {plots[0]}, or ' if plots else ''}inspect the packing with\n"
-          f"  .venv/bin/python -m minitrainer.tools.inspect_data --data-path {data_dir} --batch-size {config.batch_size} "
+          f"  {command('minitrainer.tools.inspect_data')} --data-path {data_dir} --batch-size {config.batch_size} "
           f"--max-tokens-per-gpu {config.max_tokens_per_gpu} --world-size {config.nproc_per_node}")
     return artefacts
 

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minitrainer.common.cli import collect_errors, config_field, parse_config
+from minitrainer.common.cli import config_field, parse_config
+from minitrainer.common.refusals import collect_errors
 from minitrainer.common.log import setup_logging
 from minitrainer.data.tokenizing_flags import tokenizing_field
 
@@ -71,6 +72,7 @@ class InspectDataConfig:
     data_split: str = tokenizing_field("data_split", run=True)
     data_subset: str | None = tokenizing_field("data_subset", run=True)
     text_sample_by: str = tokenizing_field("text_sample_by", run=True)
+    sharegpt_roles: str | None = tokenizing_field("sharegpt_roles", run=True)
 
     def __post_init__(self) -> None:
         errors = [f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
