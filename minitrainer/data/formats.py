@@ -242,9 +242,10 @@ def _loaded(raw: Any) -> dict[str, Any]:
     try:
         row = load_row(raw) if isinstance(raw, bytes) else raw
     except SampleError as err:
-        if err.reason == "invalid_json":
-            err.detail = _cut_off(raw) or err.detail
-        raise
+        cut = _cut_off(raw) if err.reason == "invalid_json" else None
+        if cut is None:
+            raise
+        raise SampleError("invalid_json", cut) from None
     if not isinstance(row, dict):
         raise SampleError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
     return row
