@@ -66,6 +66,7 @@ import json
 import multiprocessing
 import os
 import random
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -280,6 +281,11 @@ KINDS = ("sft", "preference")  # a file's kind: its first convertible row's (_sc
 def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_tokens: tuple[str, ...],
                  kind: str = "sft") -> None:
     global _ENCODER, _CONFIG, _KIND
+    # Pool.terminate ends its workers with SIGTERM and then waits for them. A Python handler inherited from the
+    # run (StopBeforeTraining's) runs only between bytecodes; a worker idle in the pool's queue lock was seen
+    # under load to outlive it, and the run hung in that wait. The default action ends a worker in the kernel.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
     # N worker processes already use the cores; Rust threads inside each would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenizer = load_tokenizer(config.model_name_or_path)
@@ -760,6 +766,10 @@ def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, source: Input, 
                 num, result = in_flight.popleft()
                 yield result.get()
                 progress.update(num)
+            # Every chunk is back: the workers end on the pool's own sentinels, with no signal to deliver
+            # (the with block's terminate() remains for a generator closed early or an error).
+            pool.close()
+            pool.join()
 
 
 class _Totals:
