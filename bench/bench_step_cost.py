@@ -35,7 +35,7 @@ import torch
 
 from fixtures.e2e import model_vocab_size, write_tokenized_jsonl
 from fixtures.sync_count import SyncCounter
-from minitrainer.optim import schedule
+from minitrainer.setup import schedule
 from minitrainer.common.cli import config_field, parse_config
 from minitrainer.common.distributed import cleanup, init_distributed
 from minitrainer.report.progress import Progress

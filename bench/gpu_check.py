@@ -31,6 +31,10 @@ that fails or runs out of time is recorded and the next one runs. The sub-checks
 * ``osft``: the same ``train.py`` runs as full fine-tuning and as OSFT (``--osft
   --osft-unfreeze-rank-ratio 0.25``): tokens/s, MFU, peak memory and step time side by side,
   with OSFT's ratios to full fine-tuning (the issue's goal: step time within 1.3x).
+* ``optimizers``: the same ``train.py`` runs once per ``--optimizer`` of ``Sizes.optimizers`` (on GPU every
+  one of the registry), each at ``bench/bench_optimizers.py``'s learning rate and ``--optimizer-args``: step
+  time, tokens/s, peak memory, step-1 and final loss, with step time and peak memory as ratios to adamw's (a
+  missing torchao is recorded, not fatal);
 * ``long_context``: ``bench/bench_long_context.py`` on one GPU, one sample per step
   (activation checkpointing on, Liger on where installed): tokens/s, MFU and peak memory at
   32k, 64k and 128k tokens, then the longest single sample that trains (binary search).
@@ -115,6 +119,7 @@ class Sizes:
     lever_budget: int             # tokens per step of the train.py runs' data; lora's and osft's budget
     lever_steps: int              # train.py steps per run; the first is not timed
     time_budget_s: float          # the whole check
+    optimizers: tuple[str, ...]   # the optimizers part's --optimizer runs, adamw (the ratios' reference) first
     limits_s: dict = dataclasses.field(default_factory=dict)  # per sub-check
     long_context_lengths: tuple[int, ...] = (32768, 65536, 131072)  # one sample of each, one GPU
 
@@ -122,19 +127,24 @@ class Sizes:
 GPU_SIZES = Sizes(shape="Qwen2.5-1.5B", budgets=(16384, 32768), median_len=600, p99_len=8000, max_len=16384,
                   num_steps=4, num_warmup_steps=1, max_probe_tokens=262144, matmul_size=8192, lever_budget=32768,
                   lever_steps=4, time_budget_s=1900,
+                  optimizers=("adamw", "adamw_8bit", "adamw_4bit", "sgd", "adafactor", "muon"),
                   # bench_32k's four runs took 150 s on an H100 (2026-11-25) and hit its old limit by seconds.
                   # levers: one 10-minute device call, less the wheels' offline install and start-up; a
                   # train.py run costs 25-40 s of start-up plus its steps there, so the sweep is ordered.
                   # osft: 151 s on an H100 (2026-11-26), start-up 55 s with gesvd redoing all 196 SVDs.
+                  # optimizers: six runs of 25-40 s start-up plus 4 steps; torchao's compile its update in step 1.
                   limits_s=dict(environment=60, matmul_peak=60, gpu_tests=150, exactness=150, bench_32k=240,
-                                bench_16k=300, levers=540, lora=200, osft=420, long_context=420))
+                                bench_16k=300, levers=540, lora=200, osft=420, optimizers=420, long_context=420))
 CPU_SIZES = Sizes(shape="tiny", budgets=(256, 512), median_len=32, p99_len=128, max_len=256, num_steps=1,
                   num_warmup_steps=0, max_probe_tokens=1024, matmul_size=256, lever_budget=512, lever_steps=2,
                   time_budget_s=1800,  # generous: CI machines are shared; about 2 minutes on 2 idle cores
+                  # Each train.py run costs ~15 s of the suite's rehearsal: the reference and the one optimizer
+                  # whose path differs most (Muon's owner-rank exchange, its AdamW part) rehearse the rest.
+                  optimizers=("adamw", "muon"),
                   # levers rehearses its time bound too: the whole grid would take 6 minutes here (compiling
                   # on CPU is slow), so the reference and a few runs fit and the rest are "out of time".
                   limits_s=dict(environment=120, matmul_peak=120, gpu_tests=300, exactness=600, bench_32k=300,
-                                bench_16k=300, levers=75, lora=600, osft=600, long_context=600),
+                                bench_16k=300, levers=75, lora=600, osft=600, optimizers=300, long_context=600),
                   long_context_lengths=(256, 512))
 
 # bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.4%). The packed path (varlen attention,
@@ -394,7 +404,7 @@ def _timed_train(runner: Runner, base: list, extra: tuple[str, ...], deadline: f
     if keep_log_lines:
         kept["log_lines"] = [line.strip() for line in (result.stdout + result.stderr).splitlines()
                              if keep_log_lines in line]
-    return {"args": list(extra), **kept, "step_1_loss": records[0]["loss"],
+    return {"args": list(extra), **kept, "step_1_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
             "peak_memory_gb": max(r["peak_memory_usage_GB"] for r in records),
             **{key: _median([r[key] for r in timed]) for key in
                ("tokens_per_second_per_gpu", "loss_tokens_per_second_per_gpu", "mfu", "model_flops_per_token",
@@ -613,6 +623,66 @@ def check_osft(runner: Runner, deadline: float) -> dict:
         osft["step_1_loss_relative_difference"] = abs(osft["step_1_loss"] - full["step_1_loss"]) / full["step_1_loss"]
         osft["target_step_time_vs_full"] = TARGETS["osft_step_time_vs_full"]
     return figures
+
+
+def check_optimizers(runner: Runner, deadline: float) -> dict:
+    """One train.py run per optimizer of ``Sizes.optimizers`` at bench_optimizers.py's learning rate and
+    ``--optimizer-args`` (the same table, so the CPU bench and this part bench the same settings): step time,
+    tokens/s, peak memory and losses, with step time and peak memory over adamw's."""
+    from bench.bench_optimizers import REFERENCE, setting_for
+
+    base, info = _train_setup(runner, deadline)
+    base = _without_flag(base, "--learning-rate") + _bench_speed_flags(runner)
+    figures: dict = {"train_flags": [str(part) for part in base], "batch_size": info["batch_size"], "rows": []}
+    for name in runner.sizes.optimizers:
+        setting = setting_for(name)
+        row: dict = {"optimizer": name, "learning_rate": setting.learning_rate, "optimizer_args": setting.args}
+        figures["rows"].append(row)
+        if name in ("adamw_8bit", "adamw_4bit") and not _installed("torchao"):
+            row["status"] = "not installed: torchao"
+            continue
+        if deadline - time.monotonic() < 5:
+            row["status"] = "not run: out of time"
+            continue
+        try:
+            row.update(status="ok", **_timed_train(runner, base, tuple(setting.train_flags(name)), deadline))
+        except (CheckFailed, CheckTimeout) as err:  # recorded; the next optimizer still gets what time is left
+            row["status"] = f"{'timeout' if isinstance(err, CheckTimeout) else 'failed'}: {err}"
+        print(f"        {name}: {row['status']}" + (f", {row['time_per_batch']:.3g} s/step"
+                                                      if row["status"] == "ok" else ""), flush=True)
+    reference = next((r for r in figures["rows"] if r["optimizer"] == REFERENCE and r["status"] == "ok"), None)
+    for row in figures["rows"]:
+        if reference and row["status"] == "ok":
+            row["step_time_vs_adamw"] = row["time_per_batch"] / reference["time_per_batch"]
+            row["peak_memory_vs_adamw"] = row["peak_memory_gb"] / reference["peak_memory_gb"]
+            # Step 1's loss comes before any update: a differing one means the runs did not train the same model.
+            row["step_1_loss_equal_adamw"] = row["step_1_loss"] == reference["step_1_loss"]
+    if runner.device != "cuda":
+        figures["note"] = ("CPU rehearsal: peak memory is each train.py process's peak RSS, and the step times "
+                           "say nothing of a GPU's")
+    return figures
+
+
+def _without_flag(flags: list, flag: str) -> list:
+    """``flags`` less ``flag`` and its value."""
+    at = flags.index(flag)
+    return flags[:at] + flags[at + 2:]
+
+
+def optimizer_table(figures: dict) -> list[str]:
+    """The ``optimizers`` part as one markdown table."""
+    lines = ["", "| optimizer | lr | optimizer args | s/step | tok/s/GPU | peak GB | step-1 loss | final loss | "
+             "step time vs adamw | peak memory vs adamw | status |", "|" + "---|" * 11]
+    for r in figures["rows"]:
+        args = f"`{json.dumps(r['optimizer_args'])}`" if r.get("optimizer_args") else ""
+        figures_of = [_fmt(r.get(key)) for key in ("time_per_batch", "tokens_per_second_per_gpu", "peak_memory_gb",
+                                                    "step_1_loss", "final_loss", "step_time_vs_adamw",
+                                                    "peak_memory_vs_adamw")]
+        lines.append(f"| {r['optimizer']} | {r['learning_rate']:g} | {args} | {' | '.join(figures_of)} | "
+                     f"{r['status']} |")
+    return lines
+
+
 def check_long_context(runner: Runner, deadline: float) -> dict:
     """One sample per step on one GPU at the long-context lengths, then the longest one that trains."""
     s = runner.sizes
@@ -655,6 +725,7 @@ CHECKS: tuple[tuple[str, Callable[[Runner, float], dict]], ...] = (
     ("levers", check_levers),
     ("lora", check_lora),
     ("osft", check_osft),
+    ("optimizers", check_optimizers),
     ("long_context", check_long_context),
     ("bench_16k", check_bench(0, find_max_tokens=True)),
 )
@@ -840,6 +911,9 @@ def render_markdown(report: dict) -> str:
         elif "fastest_exact" in figures:  # the levers sweep
             lines += sweep_tables(figures)
             rest = {k: v for k, v in figures.items() if k not in ("rows", "fastest_exact")}
+        elif name == "optimizers" and "rows" in figures:
+            lines += optimizer_table(figures)
+            rest = {k: v for k, v in figures.items() if k != "rows"}
         else:
             rest = figures
         if rest:

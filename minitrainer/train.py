@@ -45,7 +45,7 @@ from minitrainer.common.log import exit_line, log_rank_0, logger, note_exit_line
 from minitrainer.loop.preemption import PreemptionFlag, StopBeforeTraining, Stopped
 from minitrainer.report.progress import Progress, announce_progress, resolve_progress
 from minitrainer.loop.actions import batches, checkpoints_due, rewind, save, stop_preempted, validate, validation_due
-from minitrainer.optim.schedule import stop_reason
+from minitrainer.setup.schedule import stop_reason
 from minitrainer.setup.run import close_run, setup_run
 from minitrainer.train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
 from minitrainer.loop.step import log_step, reduce_step, report_divergence, report_skipped_step, train_step

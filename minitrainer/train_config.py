@@ -6,10 +6,10 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from minitrainer.checkpoint.policy import FINAL_EXPORT_ONLY
-from minitrainer.common.cli import comma_list, config_field
+from minitrainer.common.cli import comma_list, config_field, mapping_text
 from minitrainer.common.refusals import collect_errors, problems_of
 from minitrainer.common.log import PROGRESS_MODES
 from minitrainer.data.tokenizing_flags import tokenizing_field
@@ -25,6 +25,8 @@ from minitrainer.objectives.cpo import CPOObjective, CPOSettings
 from minitrainer.objectives.dpo import DPOObjective, DPOSettings
 from minitrainer.objectives.orpo import ORPOObjective, ORPOSettings
 from minitrainer.objectives.pairs import PAIR_OBJECTIVES
+from minitrainer.optim.base import OptimizerChoice
+from minitrainer.optim.registry import OPTIMIZERS, optimizer_choice
 
 SCHEDULERS_WITHOUT_TOTAL = ("constant", "constant_with_warmup", "inverse_sqrt")
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -121,12 +123,18 @@ class TrainConfig:
                 "(docs/long-context.md)")
 
     learning_rate: float = config_field(5e-6, section="Optimizer, schedule and stop", help="peak learning rate")
-    weight_decay: float = config_field(0.0, help="AdamW weight decay; biases and norm weights are exempt, as in "
-                                                 "transformers' Trainer, TRL and axolotl")
-    adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas")
+    weight_decay: float = config_field(0.0, help="weight decay (decoupled in AdamW and Muon); biases and norm "
+                                                 "weights are exempt, as in transformers' Trainer, TRL and axolotl")
+    adam_betas: tuple[float, float] = config_field((0.9, 0.95), help="AdamW betas (also Muon's AdamW part)")
     adam_eps: float = config_field(1e-8, help="AdamW epsilon (added to the root of the second moment)")
-    optimizer: Literal["adamw", "adamw_8bit"] = config_field(
-        "adamw", help="adamw (fused on GPU) or adamw_8bit (torchao: 8-bit moments, ~2 bytes of state per parameter)")
+    optimizer: str = config_field(
+        "adamw", help=f"{', '.join(OPTIMIZERS)}, or your own as package.module:Class (docs/optimizers.md)")
+    optimizer_args: dict[str, Any] = config_field(
+        default_factory=dict, parse=mapping_text,
+        help="the optimizer's own settings as a JSON or YAML mapping, e.g. '{\"momentum\": 0.9}'; "
+             "default: none (docs/optimizers.md)")
+    optimizer_diagnostics: bool = config_field(
+        False, help="log each step's update/weight norm ratio and gradient norm per parameter kind")
     max_grad_norm: float = config_field(1.0, help="gradient clipping norm (0 disables clipping)")
     lr_scheduler: str = config_field("constant_with_warmup", choices=SCHEDULERS,
                                      help="transformers.get_scheduler name; decaying schedules need a stop condition")
@@ -311,6 +319,10 @@ class TrainConfig:
         if self.num_warmup_steps < 0:
             errors.append(f"--num-warmup-steps must be non-negative, got {self.num_warmup_steps}")
         errors += _optimizer_errors(self)
+        try:
+            errors += [error for error in [self.optimizer_choice().method_error(self.fine_tuning_method())] if error]
+        except ValueError as err:
+            errors.append(str(err))
         if self.logging_level not in LOG_LEVELS:
             errors.append(f"--logging-level {self.logging_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if self.lr_scheduler not in SCHEDULERS:
@@ -381,6 +393,10 @@ class TrainConfig:
         if self.lora is not None:
             return QLoRA(self.lora) if self.lora.quantize_data_type != "none" else LoRA(self.lora)
         return FineTuningMethod()
+
+    def optimizer_choice(self) -> OptimizerChoice:
+        """The optimizer the flags choose, with its ``--optimizer-args`` (``optim/registry.py``)."""
+        return optimizer_choice(self.optimizer, self.optimizer_args)
 
     def training_objective(self) -> TrainingObjective:
         """A new instance of the objective the flags choose: the one place that picks it (``objectives/base.py``)."""

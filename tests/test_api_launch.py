@@ -26,7 +26,8 @@ import torch
 from fixtures.e2e import ROOT
 from minitrainer.api import _deliver
 from minitrainer.common.log import logger
-from minitrainer.optim.optimizers import build_optimizer
+from minitrainer.optim.base import OptimizerSetting
+from minitrainer.optim.registry import optimizer_choice
 from minitrainer.report.watch import Lifecycle, ListenerFailures, RunEvent, RunWatcher
 
 DEMO_DATA = ROOT / "minitrainer" / "tools" / "demo_chat.jsonl"
@@ -164,8 +165,8 @@ def test_adam_eps_reaches_the_optimizer(name):
     if name == "adamw_8bit":
         pytest.importorskip("torchao")
     params = [torch.nn.Parameter(torch.zeros(256, 256))]
-    optimizer = build_optimizer(name, [{"params": params, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95),
-                                eps=1e-5, device=torch.device("cpu"))
+    setting = OptimizerSetting(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, device=torch.device("cpu"))
+    optimizer = optimizer_choice(name).build([{"params": params, "weight_decay": 0.0}], setting)
     assert optimizer.defaults["eps"] == 1e-5
 
 

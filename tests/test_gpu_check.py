@@ -106,6 +106,19 @@ def test_every_sub_check_ran_and_passed_on_cpu(rehearsal):
     assert osft["osft_0.25"]["step_1_loss_relative_difference"] <= 1e-4, "fp32 on CPU: the factors reproduce W"
     assert any("matrices decomposed" in line for line in osft["osft_0.25"]["log_lines"]), "the start-up's figures"
     assert report["summary"]["osft_step_time_vs_full"]["value"] == osft["osft_0.25"]["step_time_vs_full"]
+
+    optimizers = checks["optimizers"]["figures"]
+    rows = {row["optimizer"]: row for row in optimizers["rows"]}
+    assert list(rows) == list(gpu_check.CPU_SIZES.optimizers) == ["adamw", "muon"]
+    for name, row in rows.items():
+        assert row["status"] == "ok", row
+        assert row["args"][:2] == ["--optimizer", name], "each run names its optimizer"
+        assert row["time_per_batch"] > 0 and row["tokens_per_second_per_gpu"] > 0 and row["peak_memory_gb"] > 0
+        assert math.isfinite(row["final_loss"])
+        assert row["step_time_vs_adamw"] > 0 and row["peak_memory_vs_adamw"] > 0
+        assert row["step_1_loss_equal_adamw"], "step 1 comes before any update: every optimizer's is adamw's"
+    assert rows["adamw"]["step_time_vs_adamw"] == 1.0 and rows["adamw"]["peak_memory_vs_adamw"] == 1.0
+    assert "--optimizer-args" in rows["muon"]["args"], "the bench's settings reach train.py"
     long_context = checks["long_context"]["figures"]
     rows = {row["length"]: row for row in long_context["rows"]}
     assert set(rows) == set(gpu_check.CPU_SIZES.long_context_lengths)
@@ -131,6 +144,18 @@ def test_report_md_names_device_checks_and_commands(rehearsal):
     assert "## Targets" in text
     assert "| use_liger_kernels | compile | activation_checkpointing | tok/s/GPU |" in text
     assert "- Fastest exact at 512: --no-use-liger-kernels" in text
+    assert "| optimizer | lr | optimizer args | s/step | tok/s/GPU | peak GB |" in text
+    assert "| muon | 0.001 | `{\"adjust_lr_fn\": \"match_rms_adamw\"}` |" in text
+
+
+def test_the_gpu_run_benches_every_registered_optimizer_at_the_cpu_benchs_settings():
+    from bench.bench_optimizers import SETTINGS
+    from minitrainer.optim.registry import OPTIMIZERS
+
+    assert gpu_check.GPU_SIZES.optimizers == tuple(OPTIMIZERS), "a new --optimizer joins the GPU run"
+    assert gpu_check.GPU_SIZES.optimizers[0] == gpu_check.CPU_SIZES.optimizers[0] == "adamw", "the ratios' reference"
+    assert set(SETTINGS) == set(OPTIMIZERS), "each optimizer has its own learning rate in the bench's table"
+    assert {"optimizers"} <= set(gpu_check.GPU_SIZES.limits_s) & set(gpu_check.CPU_SIZES.limits_s)
 
 
 def test_a_failing_or_slow_sub_check_is_recorded_and_the_rest_run(tmp_path, monkeypatch):

@@ -26,8 +26,8 @@ from fixtures.e2e import ROOT
 
 PACKAGE = ROOT / "minitrainer"
 LAYERS = ("minitrainer.common", "minitrainer.data", "minitrainer.model", "minitrainer.methods",
-          "minitrainer.objectives", "minitrainer.checkpoint", "minitrainer.train_config",
-          ("minitrainer.optim", "minitrainer.report"), "minitrainer.setup", "minitrainer.loop", "minitrainer",
+          "minitrainer.objectives", "minitrainer.checkpoint", "minitrainer.optim",
+          "minitrainer.train_config", "minitrainer.report", "minitrainer.setup", "minitrainer.loop", "minitrainer",
           "minitrainer.tools", "minitrainer.compat", "minitrainer.integrations", "", "fixtures", "bench", "tests")
 """Lowest first (docs/code-layout.md): a module may import modules of its own layer or a lower one (a tuple: layers
 of one rank; ``"minitrainer"``: the doors left at the package top; ``""``: the root's entry scripts)."""

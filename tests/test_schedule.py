@@ -19,7 +19,7 @@ import torch
 from fixtures.e2e import ROOT
 from minitrainer.common.cli import parse_config
 from minitrainer.run import split_argv
-from minitrainer.optim.schedule import build_scheduler, check_scheduler, schedule_warnings, stop_plan, total_steps
+from minitrainer.setup.schedule import build_scheduler, check_scheduler, schedule_warnings, stop_plan, total_steps
 from minitrainer.train_config import SCHEDULERS, TrainConfig
 
 
@@ -87,7 +87,7 @@ def test_the_readme_quick_start_trains_past_its_warmup():
 def test_every_schedule_is_transformers_own_to_the_last_bit(scheduler, warmup, steps):
     from transformers import get_scheduler
 
-    from minitrainer.optim.schedule import scheduler_kwargs
+    from minitrainer.setup.schedule import scheduler_kwargs
 
     config = _config(lr_scheduler=scheduler, num_warmup_steps=warmup, max_steps=steps, min_lr_ratio=0.1,
                      learning_rate=3e-4)

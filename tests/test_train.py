@@ -226,7 +226,7 @@ def test_learning_rate_nan_is_one_usage_line_on_the_command_line(tmp_path, capsy
 
 @pytest.mark.parametrize("name", ["cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"])
 def test_every_offered_scheduler_builds_and_reaches_its_floor(name):
-    from minitrainer.optim.schedule import build_scheduler
+    from minitrainer.setup.schedule import build_scheduler
     from minitrainer.train import TrainConfig
 
     config = TrainConfig(model_name_or_path="m", data_path="d", output_dir="x", min_samples_per_checkpoint=1, lr_scheduler=name, max_steps=20,

@@ -115,6 +115,10 @@ def weights_digest(model_name_or_path: str, *, commit_hash: str | None = None) -
     return digest.hexdigest()
 
 
+OMITTED_AT_DEFAULT = {"optimizer": "adamw", "optimizer_args": {}, "adam_eps": 1e-8}
+"""``run_params`` fields left out at these values, so full states written before the flags existed resume."""
+
+
 def run_params(config, total_steps: int | None, *, objective, schedule_has_total: bool) -> dict:
     """The values a checkpoint records and a resume compares (JSON-safe).
 
@@ -125,6 +129,8 @@ def run_params(config, total_steps: int | None, *, objective, schedule_has_total
     params["adam_betas"] = list(params["adam_betas"])
     if config.optimizer != "adamw":  # absent for the default, so full states written before the choice resume
         params["optimizer"] = config.optimizer
+    if config.optimizer_args:  # absent when empty, so full states written before the flag resume
+        params["optimizer_args"] = config.optimizer_args
     if config.adam_eps != 1e-8:  # the same: absent for AdamW's default, which states before the flag trained with
         params["adam_eps"] = config.adam_eps
     params.update(objective.run_params())  # the run's TrainingObjective: none for SFT, as before objectives existed
@@ -160,8 +166,14 @@ def predates_message(path: Path, missing: list[str]) -> str:
 
 
 def changed_fields(saved: dict, current: dict) -> dict[str, tuple]:
-    """``{field: (checkpoint value, this run's value)}`` for every field that differs."""
-    return {name: (saved.get(name), value) for name, value in current.items() if saved.get(name) != value}
+    """``{field: (checkpoint value, this run's value)}`` for every field that differs; a field recorded only
+    away from its default (``OMITTED_AT_DEFAULT``) differs when either side holds another value."""
+    changes = {name: (saved.get(name), value) for name, value in current.items() if saved.get(name) != value}
+    for name, default in OMITTED_AT_DEFAULT.items():
+        old, new = saved.get(name, default), current.get(name, default)
+        if old != new:
+            changes[name] = (old, new)
+    return changes
 
 
 def refusal_message(checkpoint: Path, changes: dict[str, tuple]) -> str:
@@ -224,6 +236,13 @@ def _compare_run_params(path: Path, state: dict, current: dict, *, allow_change:
         return (f"cannot resume {path} with --weight-decay {new_decay}: it was written with {old_decay}, and "
                 "turning decay on or off changes the optimizer's parameter groups (biases and norms are "
                 "exempt); use --no-resume or another --output-dir"), None
+    kept = sorted(name for name in ("optimizer", "optimizer_args") if name in changes)
+    if kept:  # the restored states and groups are the old optimizer's: new ones would not fit, or not apply
+        listed = ", ".join(f"--{name.replace('_', '-')} {old!r} -> {new!r}" for name, (old, new) in
+                           ((name, changes[name]) for name in kept))
+        return (f"cannot resume {path} with another optimizer or its settings ({listed}), not even with "
+                "--allow-config-change: its states and settings come back with the full state; use the old "
+                "ones, --no-resume or another --output-dir"), None
     if allow_change:
         listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in sorted(changes.items()))
         return None, f"--allow-config-change: resuming {path} with new values: {listed}"
@@ -275,6 +294,7 @@ def apply_new_hyperparameters(optimizer, scheduler, config) -> None:
     factors = [lr_lambda(scheduler.last_epoch) for lr_lambda in scheduler.lr_lambdas]
     for group, factor in zip(optimizer.param_groups, factors, strict=True):
         group.update(initial_lr=config.learning_rate, lr=config.learning_rate * factor,
-                     betas=tuple(config.adam_betas), eps=config.adam_eps,
                      weight_decay=config.weight_decay if group["weight_decay"] else 0.0)  # biases and norms keep 0
+        if "betas" in group:  # the groups of optimizers that take the AdamW flags (not SGD's, Adafactor's)
+            group.update(betas=tuple(config.adam_betas), eps=config.adam_eps)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

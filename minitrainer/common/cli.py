@@ -186,6 +186,25 @@ def _config_path(argv: list[str]) -> str | None:
     return path
 
 
+class BadMapping(argparse.ArgumentTypeError, ValueError):
+    """argparse shows an ``ArgumentTypeError``'s own text; config files catch the ``ValueError``."""
+
+
+def mapping_text(text: str) -> dict:
+    """A flag's JSON or YAML mapping (``'{"momentum": 0.9}'``, ``'momentum: 0.9'``); an empty text is no settings."""
+    import yaml
+
+    if not text.strip():
+        return {}
+    try:
+        value = yaml.safe_load(text)  # JSON is YAML, so one parser takes both
+    except yaml.YAMLError as err:
+        raise BadMapping(f"not a JSON or YAML mapping: {text!r} ({str(err).splitlines()[0]})") from None
+    if not isinstance(value, dict):
+        raise BadMapping(f"not a mapping of names to values: {text!r}")
+    return value
+
+
 def comma_list(text: str) -> list[str]:
     """The names of a comma-separated flag value (``"a, b,"`` -> ``["a", "b"]``)."""
     return [name.strip() for name in text.split(",") if name.strip()]

@@ -179,7 +179,7 @@ def read_config_file(config_cls: type, path: str | Path) -> dict[str, Any]:
         field = fields[name]
         checked = check_value(value, hints[name], choices=field.metadata.get("choices"),
                               parse=field.metadata.get("parse"))
-        if checked is _WRONG:
+        if checked is WRONG:
             options = typing.get_args(unwrap_optional(hints[name])[0]) or field.metadata.get("choices") or ()
             hint = did_you_mean(value, [str(option) for option in options]) if isinstance(value, str) else ""
             raise ValueError(f"{where}: {key} must be {describe_type(hints[name], field.metadata.get('choices'))}, "
@@ -209,11 +209,12 @@ def config_from_file(config_cls: type[ConfigT], path: str | Path) -> ConfigT:
     return config_cls(**values)
 
 
-_WRONG = object()
+WRONG = object()
+"""What ``check_value`` answers for a value its field cannot hold."""
 
 
 def check_value(value: Any, hint: Any, *, choices: Any = None, parse: Callable[[str], Any] | None = None) -> Any:
-    """``value`` as a field of type ``hint`` holds it, or ``_WRONG``.
+    """``value`` as a field of type ``hint`` holds it, or ``WRONG``.
 
     A field whose flag value goes through a ``parse=`` function (``config_field``) also takes that
     text, converted as the flag's is (``max_tokens_per_gpu: "4096"``).
@@ -222,33 +223,35 @@ def check_value(value: Any, hint: Any, *, choices: Any = None, parse: Callable[[
         try:
             return parse(value)
         except ValueError:
-            return _WRONG
+            return WRONG
     tp, optional = unwrap_optional(hint)
     if value is None:
-        return None if optional else _WRONG
+        return None if optional else WRONG
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
             checked = check_value(value, arg)
-            if checked is not _WRONG:
+            if checked is not WRONG:
                 return checked
-        return _WRONG
+        return WRONG
     if origin is Literal:
-        return value if value in typing.get_args(tp) else _WRONG
+        return value if value in typing.get_args(tp) else WRONG
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            return _WRONG
+            return WRONG
         items = tuple(check_value(item, arg) for item, arg in zip(value, args))
-        return _WRONG if _WRONG in items else items
+        return WRONG if WRONG in items else items
+    if origin is dict:
+        return value if isinstance(value, dict) else WRONG
     if tp is bool:
-        return value if isinstance(value, bool) else _WRONG
+        return value if isinstance(value, bool) else WRONG
     if tp is float:
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else _WRONG
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else WRONG
     if tp is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _WRONG
+        return value if isinstance(value, int) and not isinstance(value, bool) else WRONG
     if tp is str:
-        return value if isinstance(value, str) and (choices is None or value in choices) else _WRONG
+        return value if isinstance(value, str) and (choices is None or value in choices) else WRONG
     return value  # a type the CLI also takes as it comes
 
 
@@ -260,6 +263,8 @@ def describe_type(hint: Any, choices: Any = None) -> str:
         text = " or ".join(describe_type(arg) for arg in typing.get_args(tp))
     elif origin is Literal or choices:
         text = "one of " + ", ".join(repr(c) for c in (typing.get_args(tp) if origin is Literal else choices))
+    elif origin is dict:
+        text = "a mapping"
     elif origin is tuple:
         args = typing.get_args(tp)
         text = f"a list of {len(args)} {describe_type(args[0]).removeprefix('a ').removeprefix('an ')}s"

@@ -93,7 +93,7 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "adam_beta1": _f((*TRAINING_ARGUMENTS, AXOLOTL), "adam_betas", "the pair: --adam-betas B1 B2"),
     "adam_beta2": _f((*TRAINING_ARGUMENTS, AXOLOTL), "adam_betas", "the pair: --adam-betas B1 B2"),
     "adam_epsilon": _f((*TRAINING_ARGUMENTS, AXOLOTL), "adam_eps"),
-    "optim": _f(TRAINING_ARGUMENTS, "optimizer", "adamw or adamw_8bit"),
+    "optim": _f(TRAINING_ARGUMENTS, "optimizer", "adamw, adamw_8bit, adamw_4bit, sgd, adafactor or muon"),
     "use_liger_kernel": _f(TRAINING_ARGUMENTS, "use_liger_kernels"),
     "torch_compile": _f((*TRAINING_ARGUMENTS, AXOLOTL), "compile"),
     "dataloader_num_workers": _f((*TRAINING_ARGUMENTS, AXOLOTL), "num_data_workers"),

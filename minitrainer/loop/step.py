@@ -25,7 +25,7 @@ from minitrainer.common.distributed import DistInfo
 from minitrainer.common.log import log_rank_0, logger
 from minitrainer.data import mix as data_mix
 from minitrainer.data.sampler import StepBatch
-from minitrainer.optim.optimizers import skips_on_device, step_unless
+from minitrainer.optim.device_skip import skips_on_device, step_unless
 from minitrainer.report.progress import Progress
 from minitrainer.setup.model import sync_gradients_on
 from minitrainer.setup.run import Run
@@ -68,6 +68,7 @@ class StepResult:
     finite: bool | None            # None until reduce_step reads it back (the update skipped itself on the device)
     empty: bool                    # no loss tokens in the whole batch
     lr: float                      # the learning rate this step's update used (or would have used, if skipped)
+    diagnostics: torch.Tensor | dict | None = None  # --optimizer-diagnostics' local sums; a dict after reduce_step
 
     @property
     def applied(self) -> bool:
@@ -78,7 +79,7 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     """Forward and backward over this rank's minibatches, clip, then update unless the step is skipped.
 
     Nothing here waits for the device where the optimizer can skip a non-finite step by itself (fused
-    AdamW on a GPU, ``optimizers.skips_on_device``): ``reduce_step`` reads the step back once, after the
+    AdamW on a GPU, ``device_skip.skips_on_device``): ``reduce_step`` reads the step back once, after the
     update is queued, and settles what depends on it (the schedule, the counters).
     """
     model, dist_info, state = run.model, run.dist_info, run.state
@@ -114,6 +115,7 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     # Read before reduce_step advances the schedule: afterwards the scheduler holds the next step's rate.
     # float(): torchao's 8-bit AdamW keeps its learning rate as a host tensor (no recompile when it changes).
     lr = float(run.optimizer.param_groups[0]["lr"])
+    before = run.diagnostics.before_update() if run.diagnostics is not None else None
     finite = None
     if empty:
         pass
@@ -124,25 +126,34 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
         if finite:
             run.optimizer.step()
             run.method.after_update(model, device=device)
+    diagnostics = run.diagnostics.after_update(before) if run.diagnostics is not None else None
     run.optimizer.zero_grad(set_to_none=True)
     state.step += 1
     state.samples_seen = batch.end_position
     return StepResult(started=start, forward_backward=timer, loss_sum=loss_sum, backward_sum=backward_sum,
                       router_aux_sum=router_aux_sum, objective_sums=objective_sums,
                       local_loss_tokens=local_loss_tokens, grad_norm=grad_norm,
-                      finite=finite, empty=empty, lr=lr)
+                      finite=finite, empty=empty, lr=lr, diagnostics=diagnostics)
 
 
 def reduce_step(run: Run, batch: StepBatch, result: StepResult, *,
                 preemption_requested: bool) -> tuple[StepCounts, bool]:
     """The step's sums over every rank, and whether any rank was asked to stop (SIGTERM/SIGUSR1); then what
     depends on whether the update was applied: the schedule and the counters."""
+    num_objective_sums = len(result.objective_sums)
+    # The diagnostics' sums ride on the step's one all-reduce, after the objective's, and are split off again.
+    sums = (result.objective_sums if result.diagnostics is None
+            else torch.cat([result.objective_sums, result.diagnostics]))
     counts, preempted = reduce_step_counts(
         result.loss_sum, result.backward_sum, result.local_loss_tokens, 0.0, batch, run.dist_info,
         preemption_requested, result.router_aux_sum if run.model.router_loss is not None else None,
-        grad_norm=result.grad_norm, objective_sums=result.objective_sums)
-    counts = dataclasses.replace(counts, forward_backward_time=result.forward_backward.seconds())
+        grad_norm=result.grad_norm, objective_sums=sums)
+    totals = counts.objective_sums
+    counts = dataclasses.replace(counts, forward_backward_time=result.forward_backward.seconds(),
+                                 objective_sums=totals[:num_objective_sums])
     result.grad_norm, result.finite = counts.grad_norm, math.isfinite(counts.grad_norm)
+    if result.diagnostics is not None:
+        result.diagnostics = run.diagnostics.metrics(totals[num_objective_sums:], applied=result.applied)
     state = run.state
     if result.applied:
         run.scheduler.step()  # the schedule counts updates: skipped steps do not advance it
@@ -161,6 +172,7 @@ def log_step(run: Run, batch: StepBatch, result: StepResult, counts: StepCounts,
                          total_samples_accumulated=state.samples_trained, samples_seen=state.samples_seen,
                          epoch=batch.epoch, peak_memory_usage_gb=peak_memory_gb(), skipped=not result.applied)
     record.update(run.objective.record(counts))
+    record.update(result.diagnostics or {})
     record.update(flops.speed_metrics(
         run.model_shape, batch.sample_lengths, num_loss_counted_tokens=counts.num_loss_counted_tokens,
         seconds=record["time_per_batch"], world_size=dist_info.world_size, peak_tflops=run.peak_tflops,

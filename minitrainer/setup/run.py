@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
 from minitrainer.data import held_out
-from minitrainer.optim import schedule
+from minitrainer.setup import schedule
 from minitrainer.setup import flops
 from minitrainer.setup.autotune import probe_recomputation, probe_token_budget
 from minitrainer.report.metrics import MetricsWriter, truncate_metrics
@@ -59,7 +59,8 @@ from minitrainer.model.multimodal import multimodal_preflight
 from minitrainer.model.paths import model_path_error
 from minitrainer.model.recurrent import recurrent_mixers
 from minitrainer.objectives.base import RunContext, TrainingObjective
-from minitrainer.optim.optimizers import STATE_BYTES_PER_PARAM, build_optimizer
+from minitrainer.optim.base import OptimizerSetting
+from minitrainer.optim.diagnostics import Diagnostics, build_diagnostics
 from minitrainer.setup.selfcheck import audit_refusal, check_data_fits_model, check_loss_terms
 from minitrainer.setup.model import ModelSetup, meta_model, setup_model, shard_group_size
 from minitrainer.report.trackers import NullTracker, Tracker, make_tracker
@@ -102,6 +103,7 @@ class Run:
     context: context_parallel.ContextGroup  # this rank's context-parallel group (size 1 without it)
     val_dataset: TrainingRows | None = None
     val_plan: held_out.ValidationPlan | None = None
+    diagnostics: Diagnostics | None = None  # --optimizer-diagnostics (None: off)
 
     @property
     def max_tokens_per_rank(self) -> int:
@@ -162,12 +164,13 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     max_tokens_per_gpu = config.max_tokens_per_gpu
     if max_tokens_per_gpu == "auto":
         max_tokens_per_gpu = probe_token_budget(
-            model, _sequences(dataset), dist_info=dist_info, state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
+            model, _sequences(dataset), dist_info=dist_info,
+            state_bytes_per_param=config.optimizer_choice().planned_state_bytes(model.model),
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device))
     elif config.activation_checkpointing == "auto" and resolved.recomputation != "none":
         resolved = dataclasses.replace(resolved, recomputation=probe_recomputation(
             model, _sequences(dataset), dist_info=dist_info, num_tokens=max_tokens_per_gpu,
-            state_bytes_per_param=STATE_BYTES_PER_PARAM[config.optimizer],
+            state_bytes_per_param=config.optimizer_choice().planned_state_bytes(model.model),
             model_inputs=lambda mb: model_inputs(mb, resolved.attn_implementation, dist_info.device)))
     val_plan = None
     if val_dataset is not None:
@@ -193,9 +196,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     tokenizer = (AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
                  if dist_info.is_main else None)
     generation_config = _original_generation_config(config.model_name_or_path) if dist_info.is_main else None
-    optimizer = build_optimizer(config.optimizer, method.param_groups(model, weight_decay=config.weight_decay),
-                                lr=config.learning_rate, betas=config.adam_betas, eps=config.adam_eps,
-                                device=next(model.parameters()).device)  # the host with --cpu-offload
+    optimizer = _build_optimizer(config, method, model)
+    diagnostics = build_diagnostics(model.model, enabled=config.optimizer_diagnostics, device=dist_info.device)
     scheduler = schedule.build_scheduler(config, optimizer, total_steps)
     began = time.perf_counter()
     state = resume_train_state(model, optimizer, scheduler, candidates=candidates, resume=config.resume,
@@ -222,7 +224,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
                resolved=resolved, model_shape=model_shape, peak_tflops=peak_tflops,
                optimizer=optimizer, scheduler=scheduler, state=state, run_params=run_params,
                model_fingerprint=model_fingerprint, tokenizer=tokenizer, generation_config=generation_config,
-               metrics=metrics, tracker=tracker, context=context, val_dataset=val_dataset, val_plan=val_plan)
+               metrics=metrics, tracker=tracker, context=context, val_dataset=val_dataset, val_plan=val_plan,
+               diagnostics=diagnostics)
 
 
 def batch_loader(run: Run) -> contextlib.AbstractContextManager[Iterator[StepBatch]]:
@@ -555,6 +558,22 @@ def _sequences(dataset):
     """The dataset as single sequences, for the checks and probes made for SFT rows: a preference pair's
     two sides are two sequences (``PreferenceDataset.sides``)."""
     return dataset.sides() if is_pairs(dataset) else dataset
+
+
+def _build_optimizer(config: TrainConfig, method: FineTuningMethod, model) -> torch.optim.Optimizer:
+    """The chosen optimizer over the method's parameter groups; its one-line account of the split, if any."""
+    choice = config.optimizer_choice()
+    setting = OptimizerSetting(lr=config.learning_rate, betas=config.adam_betas, eps=config.adam_eps,
+                               device=next(model.parameters()).device,  # the host with --cpu-offload
+                               model=model.model)
+    optimizer = choice.build(method.param_groups(model, weight_decay=config.weight_decay), setting)
+    if not choice.uses_adam_flags and (tuple(config.adam_betas) != (0.9, 0.95) or config.adam_eps != 1e-8):
+        log_rank_0(f"--adam-betas/--adam-eps do not reach --optimizer {choice.name}: its own settings are "
+                   "--optimizer-args", level=logging.WARNING)
+    line = choice.describe(optimizer)
+    if line:
+        log_rank_0(line)
+    return optimizer
 
 
 def _setup_model(config: TrainConfig, model_config: PretrainedConfig, dist_info: DistInfo,
