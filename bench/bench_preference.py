@@ -1,19 +1,22 @@
-"""A preference objective on packed pairs (``train.py --objective dpo|simpo|orpo|cpo``) against TRL's own trainer
-(padded) on the same pairs: speed, CPU time and memory, DPO's reference log-prob precompute included on both sides.
+"""A preference objective on packed pairs (``train.py --objective dpo|simpo|orpo|cpo``), or KTO on the same pairs
+unpaired (``--objective kto``), against TRL's own trainer (padded) on the same rows: speed, CPU time and memory, the
+reference log-prob precompute (DPO, KTO) included on both sides.
 
     .venv/bin/python -m bench.bench_preference                    # DPO, 64 pairs, hidden 128, 2 layers
     .venv/bin/python -m bench.bench_preference --objective simpo  # SimPO against CPOTrainer(loss_type="simpo")
     .venv/bin/python -m bench.bench_preference --objective orpo   # ORPO against ORPOTrainer
+    .venv/bin/python -m bench.bench_preference --objective kto    # KTO, 128 examples (64 pairs unpaired), KTOTrainer
     .venv/bin/python -m bench.bench_preference --hidden-size 256 --num-layers 4    # ~4x the work (TRL DPO: 490 CPU-s, 10 GiB)
     .venv/bin/python -m bench.bench_preference --num-pairs 128 --repeats 3 --sides trl
 
-TRL runs in its own venv (``fixtures/trl_venv.py``, built once) through ``fixtures/trl_dpo.py`` (``DPOTrainer``) or
-``fixtures/trl_preference.py`` (``CPOTrainer`` for cpo and simpo, ``ORPOTrainer``): our tokenized pairs handed to it
-as prepared rows, read in the same order, fp32 on CPU, one micro-batch of ``--batch-size`` pairs per step (TRL pads
-each micro-batch's 2B sequences to its longest; for DPO ``precompute_ref_log_probs=True``, the reference being the
-step-0 policy, as ours, and ``padding_free`` off, which TRL 1.16 forces). Ours packs the same pairs padding-free
-under ``--max-tokens-per-gpu``. Gradient checkpointing is the same on both sides (``--gradient-checkpointing``, off
-by default; DPO only).
+TRL runs in its own venv (``fixtures/trl_venv.py``, built once) through ``fixtures/trl_dpo.py`` (``DPOTrainer``),
+``fixtures/trl_preference.py`` (``CPOTrainer`` for cpo and simpo, ``ORPOTrainer``) or ``fixtures/trl_kto.py``
+(``KTOTrainer``): our tokenized rows handed to it as prepared rows, read in the same order (our sampler's stream,
+``InfiniteSampler(N, seed)``'s epoch 0), fp32 on CPU, one micro-batch of ``--batch-size`` pairs (KTO: examples) per
+step (TRL pads each micro-batch's 2B sequences of pairs to its longest; for DPO and KTO
+``precompute_ref_log_probs=True``, the reference being the step-0 policy, as ours, and for DPO ``padding_free`` off,
+which TRL 1.16 forces). Ours packs the same rows padding-free under ``--max-tokens-per-gpu``. Gradient checkpointing
+is the same on both sides (``--gradient-checkpointing``, off by default; DPO only).
 
 The pairs: a prompt of ``--prompt-min``..``--prompt-max`` tokens (uniform) shared by both sides, then a reply per
 side whose length is log-uniform over ``--reply-min``..``--reply-max`` tokens, random ids, the prompt masked
@@ -21,11 +24,28 @@ side whose length is log-uniform over ``--reply-min``..``--reply-max`` tokens, r
 ``--num-layers`` deep, built once in ``--work-dir`` and reused while its size is unchanged (the pairs are
 regenerated, deterministically, on every run; reference log-probs cached by either side are removed before each run).
 
+KTO (``--objective kto``) trains on the same ``--num-pairs`` pairs (the same tokens) written as ``2 * --num-pairs``
+unpaired rows (``--work-dir``/examples; ``input_ids``, unshifted ``labels``, ``len``, ``num_loss_counted_tokens``,
+``desirable``): every pair's chosen side a desirable row, its rejected side an undesirable one, in the order TRL's
+``unpair_preference_dataset`` (and our ``unpair``) gives them: per block of 1,000 pairs, the chosen sides, then the
+rejected ones (with the default sizes rows 0..P-1 desirable, P..2P-1 undesirable), so a KL sequence (the previous
+row's completion after the row's prompt, within its chunk of file order) joins a prompt to another pair's reply
+while the chunk is at most ``--num-pairs`` rows. ``--batch-size`` counts examples per step there (``2 *
+--num-pairs`` a multiple of it), the figures are examples/s and examples per CPU-second. Ours runs with
+``--kto-beta`` ``--beta`` and ``--kto-kl-chunk`` the per-device batch; TRL (``fixtures/trl_kto.py``) gets the same
+KL partners (``minitrainer.data.unpaired.kl_partners``), so both sides compute the same KL sequences (as many tokens
+as the own ones: the replies permuted within each chunk) and, with one micro-batch of the batch per rank and step,
+the same KL baseline. Each side runs every row's own and KL sequence forward in the reference pass, then per step
+the batch's KL sequences forward only and its own ones forward and backward; TRL pads each micro-batch's own
+sequences to their longest and its KL sequences to theirs (``trl_padded_tokens`` counts both, once). Desirable and
+undesirable weights are 1 on both sides.
+
 Each side is timed from process start to exit (``run_timed``: wall, user + sys of the whole process tree, peak RSS
 of the tree sampled every 50 ms), ``--repeats`` times alternating the order; medians are reported as pairs/s,
-pairs per CPU-second and peak RSS, with TRL's own split (trainer construction incl. reference precompute, then
-training). DPO's step-1 loss must be ln 2 on both sides (a wrong reference would show there); the reference-free
-objectives' step-1 losses must agree with each other to 1e-5. Not part of the suite.
+pairs per CPU-second and peak RSS (KTO: examples), with TRL's own split (trainer construction incl. reference
+precompute, then training). DPO's step-1 loss must be ln 2 on both sides (a wrong reference would show there), KTO's
+exactly 0.5 (``mean(weight * (1 - sigmoid(0)))`` with weights 1) with ``kl`` exactly 0 on both sides; the
+reference-free objectives' step-1 losses must agree with each other to 1e-5. Not part of the suite.
 """
 
 from __future__ import annotations
@@ -46,11 +66,13 @@ IGNORE_INDEX = -100
 
 @dataclass
 class PreferenceBenchConfig:
-    objective: str = config_field("dpo", help="dpo, simpo, orpo or cpo (TRL: DPOTrainer, CPOTrainer, ORPOTrainer)")
+    objective: str = config_field("dpo", help="dpo, simpo, orpo, cpo or kto (TRL: DPOTrainer, CPOTrainer, "
+                                              "ORPOTrainer, KTOTrainer)")
     work_dir: str = config_field("/tmp/bench_preference", help="model, pairs and run outputs (model and pairs "
                                                                "reused)")
-    num_pairs: int = config_field(64, help="preference pairs; a multiple of --batch-size (one epoch is trained)")
-    batch_size: int = config_field(16, help="pairs per optimizer step, on both sides")
+    num_pairs: int = config_field(64, help="preference pairs; a multiple of --batch-size (one epoch is trained); "
+                                           "kto: unpaired into 2x as many examples")
+    batch_size: int = config_field(16, help="pairs (kto: examples) per optimizer step, on both sides")
     max_tokens_per_gpu: int = config_field(8192, help="ours: token budget of a packed minibatch")
     nproc: int = config_field(1, help="ranks of each side (torchrun, gloo on CPU)")
     prompt_min: int = config_field(16, help="shortest prompt, tokens")
@@ -70,13 +92,25 @@ class PreferenceBenchConfig:
     repeats: int = config_field(1, help="timed runs of each side; medians are reported")
     sides: str = config_field("ours,trl", help="which sides to run, comma-separated: ours, trl")
 
+    @property
+    def num_units(self) -> int:
+        """What one epoch trains on: pairs, or for kto examples (two per pair)."""
+        return 2 * self.num_pairs if self.objective == "kto" else self.num_pairs
+
+    @property
+    def unit(self) -> str:
+        return "examples" if self.objective == "kto" else "pairs"
+
     def __post_init__(self):
-        if self.num_pairs % (self.batch_size) or self.batch_size % self.nproc:
-            raise ValueError("--num-pairs must be a multiple of --batch-size, and --batch-size of --nproc")
+        if self.num_units % self.batch_size or self.batch_size % self.nproc:
+            raise ValueError(f"--num-pairs{' x 2' if self.objective == 'kto' else ''} must be a multiple of "
+                             "--batch-size, and --batch-size of --nproc")
+        if self.objective == "kto" and self.batch_size // self.nproc < 2:
+            raise ValueError("kto: --batch-size / --nproc must be at least 2 (TRL's KTO and --kto-kl-chunk refuse 1)")
         if not set(self.sides.split(",")) <= {"ours", "trl"}:
             raise ValueError("--sides takes ours, trl or both")
-        if self.objective not in ("dpo", "simpo", "orpo", "cpo"):
-            raise ValueError(f"--objective takes dpo, simpo, orpo or cpo, not {self.objective}")
+        if self.objective not in ("dpo", "simpo", "orpo", "cpo", "kto"):
+            raise ValueError(f"--objective takes dpo, simpo, orpo, cpo or kto, not {self.objective}")
         if self.gradient_checkpointing and self.objective != "dpo":
             raise ValueError("--gradient-checkpointing: the TRL CPO/ORPO harness runs without it; DPO only")
 
@@ -97,20 +131,28 @@ def build_model(config: PreferenceBenchConfig, work: Path) -> Path:
     return model_dir
 
 
-def write_pairs(config: PreferenceBenchConfig, path: Path, vocab_size: int) -> dict:
-    """``num_pairs`` rows in our tokenized preference format at ``path``; their token counts."""
+def generate_pairs(config: PreferenceBenchConfig, vocab_size: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """``num_pairs`` random ``(prompt, chosen reply, rejected reply)`` token lists (deterministic in the seed)."""
     import numpy as np
 
     rng = np.random.default_rng(config.seed)
     log_lo, log_hi = math.log(config.reply_min), math.log(config.reply_max + 1)
+    pairs = []
+    for _ in range(config.num_pairs):
+        prompt = rng.integers(3, vocab_size, int(rng.integers(config.prompt_min, config.prompt_max + 1))).tolist()
+        replies = [rng.integers(3, vocab_size, int(math.exp(rng.uniform(log_lo, log_hi)))).tolist() for _ in range(2)]
+        pairs.append((prompt, *replies))
+    return pairs
+
+
+def write_pairs(config: PreferenceBenchConfig, path: Path, vocab_size: int) -> dict:
+    """``num_pairs`` rows in our tokenized preference format at ``path``; their token counts."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens = learned = 0
     with path.open("w") as f:
-        for _ in range(config.num_pairs):
-            prompt = rng.integers(3, vocab_size, int(rng.integers(config.prompt_min, config.prompt_max + 1))).tolist()
+        for prompt, *replies in generate_pairs(config, vocab_size):
             row = {}
-            for side in ("chosen", "rejected"):
-                reply = rng.integers(3, vocab_size, int(math.exp(rng.uniform(log_lo, log_hi)))).tolist()
+            for side, reply in zip(("chosen", "rejected"), replies):
                 row[f"{side}_input_ids"] = prompt + reply
                 row[f"{side}_labels"] = [IGNORE_INDEX] * len(prompt) + reply
                 row[f"{side}_len"] = len(prompt) + len(reply)
@@ -121,6 +163,47 @@ def write_pairs(config: PreferenceBenchConfig, path: Path, vocab_size: int) -> d
             learned += row["num_loss_counted_tokens"]
             f.write(json.dumps(row) + "\n")
     return {"tokens": tokens, "learned_tokens": learned}
+
+
+UNPAIR_BLOCK = 1000
+"""Pairs per block of TRL's ``unpair_preference_dataset`` (``minitrainer.data.unpaired.UNPAIR_BATCH``)."""
+
+
+def write_examples(config: PreferenceBenchConfig, path: Path, vocab_size: int) -> dict:
+    """The pairs of ``generate_pairs`` as ``2 * num_pairs`` unpaired rows at ``path`` (per block of
+    ``UNPAIR_BLOCK`` pairs: the chosen sides, desirable, then the rejected ones); their token counts."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pairs = generate_pairs(config, vocab_size)
+    tokens = learned = 0
+    with path.open("w") as f:
+        for start in range(0, len(pairs), UNPAIR_BLOCK):
+            block = pairs[start:start + UNPAIR_BLOCK]
+            for side in (1, 2):
+                for pair in block:
+                    prompt, reply = pair[0], pair[side]
+                    row = {"input_ids": prompt + reply, "labels": [IGNORE_INDEX] * len(prompt) + reply,
+                           "len": len(prompt) + len(reply),
+                           # shifted targets: every reply token (the prompt is never empty here)
+                           "num_loss_counted_tokens": len(reply), "desirable": side == 1}
+                    tokens += row["len"]
+                    learned += len(reply)
+                    f.write(json.dumps(row) + "\n")
+    return {"tokens": tokens, "learned_tokens": learned}
+
+
+def kto_token_counts(path: Path, order: list[int], kl_partner: list[int], batch_size: int, nproc: int) -> dict:
+    """The KL sequences' tokens (row i's prompt, then row ``kl_partner[i]``'s reply) and the tokens TRL's KTO
+    forward sees: each rank's micro-batch of B/nproc own sequences padded to their longest, and its B/nproc KL
+    sequences to theirs (each counted once, as ``padded_tokens``)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    prompts = [next(k for k, label in enumerate(row["labels"]) if label != IGNORE_INDEX) for row in rows]
+    kl_lengths = [prompts[i] + rows[j]["len"] - prompts[j] for i, j in enumerate(kl_partner)]
+    per_rank = batch_size // nproc
+    padded = 0
+    for start in range(0, len(order), per_rank):
+        block = order[start:start + per_rank]
+        padded += len(block) * (max(rows[i]["len"] for i in block) + max(kl_lengths[i] for i in block))
+    return {"kl_tokens": sum(kl_lengths), "trl_padded_tokens": padded}
 
 
 def padded_tokens(path: Path, order: list[int], batch_size: int, nproc: int) -> int:
@@ -138,7 +221,9 @@ def ours_command(config: PreferenceBenchConfig, model_dir: Path, data_dir: Path,
     return [sys.executable, "-m", "minitrainer.run", "--standalone", f"--nproc-per-node={config.nproc}",
             "--model-name-or-path", str(model_dir), "--data-path", str(data_dir), "--output-dir", str(out),
             "--objective", config.objective, f"--{config.objective}-beta", str(config.beta),
-            *(["--cpo-alpha", "0"] if config.objective == "cpo" else []), "--batch-size", str(config.batch_size),
+            *(["--cpo-alpha", "0"] if config.objective == "cpo" else []),
+            *(["--kto-kl-chunk", str(config.batch_size // config.nproc)] if config.objective == "kto" else []),
+            "--batch-size", str(config.batch_size),
             "--max-tokens-per-gpu", str(config.max_tokens_per_gpu), "--num-epochs", "1",
             "--lr-scheduler", "constant", "--num-warmup-steps", "0", "--adam-betas", "0.9", "0.95",
             "--learning-rate", str(config.learning_rate), "--max-grad-norm", "1.0", "--seed", str(config.seed),
@@ -147,27 +232,29 @@ def ours_command(config: PreferenceBenchConfig, model_dir: Path, data_dir: Path,
             "--activation-checkpointing" if config.gradient_checkpointing else "--no-activation-checkpointing"]
 
 
-def first_loss_ours(out: Path) -> float | None:
+def first_step_ours(out: Path) -> dict:
+    """Step 1's metrics entry of our run (``{}`` when there is none)."""
     path = out / "training_metrics_0.jsonl"
     if not path.is_file():
-        return None
+        return {}
     for line in path.read_text().splitlines():
         entry = json.loads(line)
         if "loss" in entry:
-            return entry["loss"]
-    return None
+            return entry
+    return {}
 
 
 def main(argv: list[str] | None = None) -> None:
     import os
     import shutil
 
-    import numpy as np
-
     from fixtures.e2e import model_vocab_size
     from fixtures.trl_dpo import read_trl_dpo_logs, trl_dpo_command
+    from fixtures.trl_kto import trl_kto_command
     from fixtures.trl_preference import trl_preference_command
     from fixtures.trl_venv import TRL_VERSION
+    from minitrainer.data.sampler import InfiniteSampler
+    from minitrainer.data.unpaired import kl_partners
 
     config = parse_config(PreferenceBenchConfig, argv,
                           description="a preference objective: packed pairs (ours) vs TRL's trainer (padded)")
@@ -175,13 +262,24 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(config.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(config, work)
-    data_dir = work / "pairs"
-    counts = write_pairs(config, data_dir / "data.jsonl", model_vocab_size(model_dir))
+    kto = config.objective == "kto"
+    unit, num_units = config.unit, config.num_units
+    data_dir = work / ("examples" if kto else "pairs")
+    write = write_examples if kto else write_pairs
+    counts = write(config, data_dir / "data.jsonl", model_vocab_size(model_dir))
     shutil.rmtree(data_dir / "reference_logps", ignore_errors=True)    # precompute timed on every run
-    order = np.random.default_rng(config.seed).permutation(config.num_pairs).tolist()
-    counts["trl_padded_tokens"] = padded_tokens(data_dir / "data.jsonl", order, config.batch_size, config.nproc)
-    print(f"{config.num_pairs} pairs: {counts['tokens']} tokens ({counts['learned_tokens']} learned); "
-          f"TRL's padded forward sees {counts['trl_padded_tokens']}", flush=True)
+    # Our sampler's stream for the epoch (np.random.default_rng(seed).permutation(N)); TRL reads it sequentially.
+    order = InfiniteSampler(num_units, config.seed).take(num_units).tolist()
+    if kto:
+        kl_partner = kl_partners(num_units, config.batch_size // config.nproc).tolist()
+        counts.update(kto_token_counts(data_dir / "data.jsonl", order, kl_partner, config.batch_size, config.nproc))
+        print(f"{config.num_pairs} pairs as {num_units} examples: {counts['tokens']} tokens "
+              f"({counts['learned_tokens']} learned) + {counts['kl_tokens']} in KL sequences; TRL's padded forward "
+              f"sees {counts['trl_padded_tokens']}", flush=True)
+    else:
+        counts["trl_padded_tokens"] = padded_tokens(data_dir / "data.jsonl", order, config.batch_size, config.nproc)
+        print(f"{config.num_pairs} pairs: {counts['tokens']} tokens ({counts['learned_tokens']} learned); "
+              f"TRL's padded forward sees {counts['trl_padded_tokens']}", flush=True)
     sides = config.sides.split(",")
     timings: dict[str, list[tuple[float, float, float]]] = {side: [] for side in sides}
     extra: dict[str, dict] = {side: {} for side in sides}
@@ -194,6 +292,13 @@ def main(argv: list[str] | None = None) -> None:
                                           max_steps=config.num_pairs // config.batch_size, beta=config.beta,
                                           loss_type=["sigmoid"], learning_rate=config.learning_rate, seed=config.seed,
                                           gradient_checkpointing=config.gradient_checkpointing)
+            elif side == "trl" and kto:
+                command = trl_kto_command(model_dir, data_dir / "data.jsonl", order, kl_partner, out_dir=out,
+                                          world_size=config.nproc,
+                                          per_device_batch_size=config.batch_size // config.nproc,
+                                          max_steps=num_units // config.batch_size, beta=config.beta,
+                                          desirable_weight=1.0, undesirable_weight=1.0,
+                                          learning_rate=config.learning_rate, seed=config.seed)
             elif side == "trl":
                 trainer = "orpo" if config.objective == "orpo" else "cpo"
                 loss_type = "simpo" if config.objective == "simpo" else "sigmoid"
@@ -212,19 +317,20 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"the {side} side exited with {returncode} (its output is printed above)")
             if side == "trl":
                 logs = read_trl_dpo_logs(out)
-                extra[side] = {"step1_loss": logs[0]["loss"], "steps": len(logs),
-                               **json.loads((out / "timing.json").read_text())}
+                extra[side] = {"step1_loss": logs[0]["loss"], **({"step1_kl": logs[0].get("kl")} if kto else {}),
+                               "steps": len(logs), **json.loads((out / "timing.json").read_text())}
             else:
-                extra[side] = {"step1_loss": first_loss_ours(out)}
+                step1 = first_step_ours(out)
+                extra[side] = {"step1_loss": step1.get("loss"), **({"step1_kl": step1.get("kl")} if kto else {})}
             timings[side].append((wall, cpu, peak))
             print(f"round {round_index + 1} {side}: wall {wall:.2f}s, CPU {cpu:.2f}s, peak RSS {peak:.3f} GiB",
                   flush=True)
-    results = {"trl_version": TRL_VERSION, "config": asdict(config), **counts}
+    results = {"trl_version": TRL_VERSION, "config": asdict(config), f"num_{unit}": num_units, **counts}
     for side, runs in timings.items():
         wall, cpu, peak = (statistics.median(run[k] for run in runs) for k in range(3))
         results[side] = {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
-                         "pairs_per_s": round(config.num_pairs / wall, 3),
-                         "pairs_per_cpu_s": round(config.num_pairs / cpu, 3), "peak_rss_tree_gib": round(peak, 3),
+                         f"{unit}_per_s": round(num_units / wall, 3),
+                         f"{unit}_per_cpu_s": round(num_units / cpu, 3), "peak_rss_tree_gib": round(peak, 3),
                          "runs": [[round(v, 2) for v in run] for run in runs],
                          **{k: round(v, 2) if isinstance(v, float) and k.endswith("_s") else v
                             for k, v in extra[side].items()}}
@@ -234,11 +340,12 @@ def main(argv: list[str] | None = None) -> None:
         results["rss_ours_vs_trl"] = round(results["ours"]["peak_rss_tree_gib"] / results["trl"]["peak_rss_tree_gib"], 2)
     (work / f"bench_{config.objective}_results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
-    print("\n| side | wall s | pairs/s | CPU s | pairs/CPU-s | peak RSS GiB | step-1 loss |\n|---|---|---|---|---|---|---|")
+    print(f"\n| side | wall s | {unit}/s | CPU s | {unit}/CPU-s | peak RSS GiB | step-1 loss |\n"
+          "|---|---|---|---|---|---|---|")
     for side in sides:
         r = results[side]
         loss = "n/a" if r.get("step1_loss") is None else f"{r['step1_loss']:.6f}"
-        print(f"| {side} | {r['wall_s']} | {r['pairs_per_s']} | {r['cpu_s']} | {r['pairs_per_cpu_s']} | "
+        print(f"| {side} | {r['wall_s']} | {r[f'{unit}_per_s']} | {r['cpu_s']} | {r[f'{unit}_per_cpu_s']} | "
               f"{r['peak_rss_tree_gib']} | {loss} |")
     if "speed_ours_vs_trl_wall" in results:
         print(f"| ours/TRL | x{results['speed_ours_vs_trl_wall']} | | x{results['speed_ours_vs_trl_cpu']} | | "
@@ -248,6 +355,13 @@ def main(argv: list[str] | None = None) -> None:
                and abs(results[side]["step1_loss"] - math.log(2)) > 1e-5]
         if bad:
             raise SystemExit(f"step 1's loss is not ln 2 on: {', '.join(bad)}")
+    elif kto:
+        # The policy is its own reference at step 1: every log-ratio and the KL baseline are exactly 0, so each
+        # row's loss is weight * (1 - sigmoid(0)) = 0.5 with weights 1, and so is their mean.
+        bad = [f"{side} (loss {results[side].get('step1_loss')}, kl {results[side].get('step1_kl')})"
+               for side in sides if results[side].get("step1_loss") != 0.5 or results[side].get("step1_kl") != 0]
+        if bad:
+            raise SystemExit(f"step 1's loss is not exactly 0.5 with kl 0 on: {', '.join(bad)}")
     elif len(sides) == 2 and not math.isclose(results["ours"]["step1_loss"], results["trl"]["step1_loss"],
                                               rel_tol=1e-5):
         raise SystemExit(f"step 1's losses differ: ours {results['ours']['step1_loss']}, "

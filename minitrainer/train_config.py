@@ -23,6 +23,7 @@ from minitrainer.model.recomputation import POLICIES, as_policy
 from minitrainer.objectives.base import TrainingObjective
 from minitrainer.objectives.cpo import CPOObjective, CPOSettings
 from minitrainer.objectives.dpo import DPOObjective, DPOSettings
+from minitrainer.objectives.kto import KTOObjective, KTOSettings
 from minitrainer.objectives.orpo import ORPOObjective, ORPOSettings
 from minitrainer.objectives.pairs import PAIR_OBJECTIVES
 from minitrainer.optim.base import OptimizerChoice
@@ -36,8 +37,9 @@ OBJECTIVE_FIELDS = {
     "cpo": ("cpo_beta", "cpo_loss", "cpo_alpha"),
     "simpo": ("simpo_beta", "simpo_gamma", "simpo_sft_weight"),
     "orpo": ("orpo_beta",),
+    "kto": ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "kto_kl_chunk", "reference_model"),
 }
-"""The fields that mean something only with their --objective."""
+"""The fields that mean something only with their --objective (a field may serve several)."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 SAVE_DTYPES = ("bfloat16", "float16", "float32", "auto")
 """--save-dtype's values (its Literal's): torch's dtype names, and auto."""
@@ -149,9 +151,9 @@ class TrainConfig:
     max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
     num_epochs: float | None = config_field(None, help="stop after this many passes over the data")
 
-    objective: Literal["sft", "dpo", "cpo", "simpo", "orpo"] = config_field(
-        "sft", section="Objective", help="sft: learn the assistant replies; on preference pairs: dpo (with a "
-                                         "reference), cpo, simpo, orpo (docs/preference.md)")
+    objective: Literal["sft", "dpo", "cpo", "simpo", "orpo", "kto"] = config_field(
+        "sft", section="Objective", help="sft (the assistant replies); on preference pairs dpo, cpo, simpo, "
+                                         "orpo; on labelled replies kto (docs/preference.md)")
     dpo_beta: float = config_field(0.1, help="DPO: beta, how far the policy may move from the reference "
                                              "(larger: closer)")
     dpo_loss: Literal["sigmoid", "ipo", "hinge"] = config_field(
@@ -162,8 +164,8 @@ class TrainConfig:
         0.0, help="DPO: add this weight times the chosen replies' per-token cross-entropy (RPO; TRL's "
                   "loss_type [sigmoid, sft])")
     reference_model: str | None = config_field(
-        None, help="DPO: the reference model's folder or id (default: the model being trained, before its first "
-                   "update; with LoRA its base)")
+        None, help="DPO, KTO: the reference model's folder or id (default: the model being trained, before its "
+                   "first update; with LoRA its base)")
     cpo_beta: float = config_field(0.1, help="CPO: beta, the scale of the log-probability difference")
     cpo_loss: Literal["sigmoid", "hinge", "ipo"] = config_field(
         "sigmoid", help="CPO loss: sigmoid (CPO), hinge, ipo (on length-normalised log-probabilities)")
@@ -177,6 +179,12 @@ class TrainConfig:
                   "cpo_alpha with loss_type simpo)")
     orpo_beta: float = config_field(
         0.1, help="ORPO: the weight of the odds-ratio term beside the chosen sequences' cross-entropy (lambda)")
+    kto_beta: float = config_field(0.1, help="KTO: beta, the scale of the log-ratio against the KL baseline")
+    kto_desirable_weight: float = config_field(1.0, help="KTO: the weight of the desirable examples' losses")
+    kto_undesirable_weight: float = config_field(1.0, help="KTO: the weight of the undesirable examples' losses")
+    kto_kl_chunk: int = config_field(
+        8, help="KTO: rows per chunk of the file whose prompts take the previous row's completion for the KL "
+                "baseline (TRL: per-device batch)")
 
     output_dir: str = config_field(section="Output, checkpoints and resume", help="folder for metrics, training_params.json and checkpoints")
     min_samples_per_checkpoint: int = config_field(
@@ -411,6 +419,10 @@ class TrainConfig:
                                             gamma=self.simpo_gamma))
         if self.objective == "orpo":
             return ORPOObjective(ORPOSettings(beta=self.orpo_beta))
+        if self.objective == "kto":
+            return KTOObjective(KTOSettings(beta=self.kto_beta, desirable_weight=self.kto_desirable_weight,
+                                            undesirable_weight=self.kto_undesirable_weight,
+                                            kl_chunk=self.kto_kl_chunk, reference_model=self.reference_model))
         return TrainingObjective()
 
     def tokenizing_config(self, input_file: str, *, output_dir: str, split: str | None = None) -> ProcessDataConfig:
@@ -460,10 +472,14 @@ def _context_parallel_errors(config: TrainConfig) -> list[str]:
 
 def _objective_errors(config: TrainConfig) -> list[str]:
     """The preference flags: each objective's own only with it, and in range."""
-    errors = [f"--{field.name.replace('_', '-')} needs --objective {owner}" for owner, names in OBJECTIVE_FIELDS.items()
-              if config.objective != owner for field in dataclasses.fields(config)
-              if field.name in names and getattr(config, field.name) != field.default]
-    if config.objective not in PAIR_OBJECTIVES:
+    errors = []
+    for field in dataclasses.fields(config):
+        owners = [owner for owner, names in OBJECTIVE_FIELDS.items() if field.name in names]
+        if owners and config.objective not in owners and getattr(config, field.name) != field.default:
+            errors.append(f"--{field.name.replace('_', '-')} needs --objective {' or '.join(owners)}")
+    if config.objective == "kto":
+        errors += _kto_errors(config)
+    elif config.objective not in PAIR_OBJECTIVES:
         return errors
     beta = getattr(config, f"{config.objective}_beta")
     if not (math.isfinite(beta) and beta > 0):
@@ -482,6 +498,16 @@ def _objective_errors(config: TrainConfig) -> list[str]:
                                                   "pair's sums would span ranks)"),
                (_is_mix(config.data_path), "a data mix (one preference file per run)")]
     errors += [f"--objective {config.objective} does not combine with {what} yet" for bad, what in refused if bad]
+    return errors
+
+
+def _kto_errors(config: TrainConfig) -> list[str]:
+    errors = [f"--{name.replace('_', '-')} must be positive, got {getattr(config, name)}"
+              for name in ("kto_desirable_weight", "kto_undesirable_weight")
+              if not (math.isfinite(getattr(config, name)) and getattr(config, name) > 0)]
+    if config.kto_kl_chunk < 2:
+        errors.append(f"--kto-kl-chunk must be at least 2, got {config.kto_kl_chunk}: a chunk of one row pairs its "
+                      "prompt with its own completion, and the KL baseline becomes its reward")
     return errors
 
 

@@ -6,7 +6,8 @@ costs two lines however often it fails (``ListenerFailures``); and the settings 
     .venv/bin/python -m pytest -q tests/test_api_launch.py
 
 The launches are real: ``run_training`` in a child Python (the launching process a notebook or a pod
-would be) starting torchrun with 2 gloo CPU ranks on the tiny chatml model and the demo's raw chat data.
+would be) starting torchrun with 2 gloo CPU ranks on the tiny chatml model and the demo's raw chat data (every
+4th row of it for the two epochs).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from minitrainer.optim.registry import optimizer_choice
 from minitrainer.report.watch import Lifecycle, ListenerFailures, RunEvent, RunWatcher
 
 DEMO_DATA = ROOT / "minitrainer" / "tools" / "demo_chat.jsonl"
-NUM_ROWS = sum(1 for _ in DEMO_DATA.open())
+EVERY_NTH_ROW = 4
+"""Two epochs of the whole demo are ~50 steps; every 4th row keeps its mix of chat and text rows in ~12."""
 
 LAUNCHER = """
 import json, sys
@@ -60,11 +62,19 @@ print("RESULT", json.dumps({"last_checkpoint": str(result.last_checkpoint)}), fl
 """
 
 
-def _launch(tmp_path: Path, model: Path, extra: dict, *, wait: bool = True):
+def _demo_rows(tmp_path: Path) -> Path:
+    """Every ``EVERY_NTH_ROW``-th row of the demo's raw chat data, under the demo file's name."""
+    path = tmp_path / "demo" / DEMO_DATA.name
+    path.parent.mkdir()
+    path.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[::EVERY_NTH_ROW]))
+    return path
+
+
+def _launch(tmp_path: Path, model: Path, extra: dict, *, wait: bool = True, data: Path = DEMO_DATA):
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(script), str(tmp_path / "out"), str(model), str(DEMO_DATA), json.dumps(extra)]
+    command = [sys.executable, str(script), str(tmp_path / "out"), str(model), str(data), json.dumps(extra)]
     if not wait:
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
@@ -85,7 +95,8 @@ def test_every_step_validation_and_export_reaches_the_launcher_once_in_order(tmp
     counted in one line at the end, and the run goes on."""
     config = {"num_epochs": 2.0, "checkpoint_at_epoch": True, "validation_split": 0.1,
               "validation_every_n_steps": 4, "adam_eps": 1e-6, "tokenized_data_dir": str(tmp_path / "tok")}
-    result = _launch(tmp_path, chatml_model, {"config": config, "listener_raises": True})
+    data = _demo_rows(tmp_path)
+    result = _launch(tmp_path, chatml_model, {"config": config, "listener_raises": True}, data=data)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = _metrics(tmp_path)
     steps = [m["step"] for m in metrics if "val_loss" not in m]
@@ -100,7 +111,8 @@ def test_every_step_validation_and_export_reaches_the_launcher_once_in_order(tmp
     # Every line arrived, once, in order, the listener's failures notwithstanding.
     assert [e["step"] for e in events if e["kind"] == "step"] == steps
     assert [e["step"] for e in events if e["kind"] == "validation"] == [m["step"] for m in metrics if "val_loss" in m]
-    train_rows = NUM_ROWS - round(NUM_ROWS * 0.1)
+    num_rows = len(data.read_text().splitlines())
+    train_rows = num_rows - round(num_rows * 0.1)
     samples = {m["step"]: m["samples_seen"] for m in metrics if "val_loss" not in m}
     epoch_end = min(step for step, seen in samples.items() if seen >= train_rows)
     exports = [(e["step"], Path(e["path"]).name) for e in events if e["kind"] == "export"]
@@ -116,7 +128,7 @@ def test_sigterm_to_the_launching_process_saves_and_the_same_call_resumes(tmp_pa
     """A pod's preemption reaches the Python process that called ``run_training`` (torchrun runs in a session
     of its own): it is passed on, the ranks save, the call raises ``RunFailed`` with the run's own line; the
     same call again resumes, and its events are the new steps only."""
-    extra = {"config": {"max_steps": 12}}
+    extra = {"config": {"max_steps": 8}}
     launcher = _launch(tmp_path, chatml_model, extra, wait=False)
     deadline = time.monotonic() + 240
     while not any(e["kind"] == "step" and e["step"] >= 2 for e in _events(tmp_path)):
@@ -130,14 +142,14 @@ def test_sigterm_to_the_launching_process_saves_and_the_same_call_resumes(tmp_pa
     assert failed["line"].startswith("preempted at step ") and "run the same command to resume" in failed["line"]
     assert failed["message"] == f"training preempted: {failed['line']}"
     saved_step = int(failed["line"].split()[3].rstrip(","))
-    assert saved_step < 12
+    assert saved_step < 8
     first = _events(tmp_path)
 
     again = _launch(tmp_path, chatml_model, extra)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     resumed = _events(tmp_path)[len(first):]
-    assert [e["step"] for e in resumed if e["kind"] == "step"] == list(range(saved_step + 1, 13))
-    assert [m["step"] for m in _metrics(tmp_path)] == list(range(1, 13))
+    assert [e["step"] for e in resumed if e["kind"] == "step"] == list(range(saved_step + 1, 9))
+    assert [m["step"] for m in _metrics(tmp_path)] == list(range(1, 9))
 
 
 def test_a_resumed_metrics_file_cut_back_yields_only_lines_written_after_the_launch(tmp_path):

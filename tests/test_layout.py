@@ -230,12 +230,16 @@ def test_a_fine_tuning_method_is_named_only_in_its_own_module_and_the_config(met
 
 OBJECTIVE_NAMES = {"DPO": (r"(?:^|[^a-z])dpo|reference[_-]model",
                            {"objectives/dpo.py", "objectives/reference.py", "objectives/base.py",
-                            "objectives/pairs.py"}),
+                            "objectives/pairs.py", "objectives/kto.py"}),
+                   "KTO": (r"(?:^|[^a-z])kto", {"objectives/kto.py", "objectives/base.py", "objectives/pairs.py",
+                                               "data/unpaired.py", "data/rows.py", "data/formats.py",
+                                               "data/process_data.py"}),
                    "CPO and SimPO": (r"(?:^|[^a-z])(?:cpo|simpo)",
                                      {"objectives/cpo.py", "objectives/pairs.py", "objectives/base.py"}),
                    "ORPO": (r"(?:^|[^a-z])orpo", {"objectives/orpo.py", "objectives/pairs.py", "objectives/base.py"})}
 """Each training objective but SFT (the interface itself), as its code spells it (its name, its flags), and the
-modules that may name it: its own, the interface's one-line refusal of its data, and the config
+modules that may name it: its own, the interface's one-line refusal of its data, its data kind's reader (KTO's
+unpaired rows; DPO's reference model, which KTO shares), and the config
 (``training_objective`` picks it); the run asks the objective (``preflight``, ``run_params``, ``prepare``)."""
 
 

@@ -1,5 +1,6 @@
-"""``--optimizer``: every optimizer trains the tiny model on 2 gloo CPU ranks equal to 1 rank and resumes exactly;
-the registry's refusals; fused AdamW's on-device skip; the quantized AdamWs keep quantized moments; your own class.
+"""``--optimizer``: every optimizer trains the tiny model on 2 gloo CPU ranks equal to 1 rank (the quantized AdamWs on
+2 ranks only) and resumes exactly; the registry's refusals; fused AdamW's on-device skip; the quantized AdamWs keep
+quantized moments; your own class.
 
     .venv/bin/python -m pytest -q tests/test_optimizers.py      # ~4 min on 2 loaded CPU cores
 
@@ -201,21 +202,26 @@ CHOICES = [("adamw_8bit", 1e-3, ""), ("adamw_4bit", 1e-3, ""), ("sgd", 0.1, '{"n
 def test_two_ranks_train_equal_one_and_a_continued_run_equals_the_whole(tmp_path, chatml_model, data_path, name,
                                                                           lr, args):
     """2 ranks equal 1 (the first HALF steps); a run of HALF steps continued to STEPS from its final full state
-    equals the uninterrupted run: losses, gradient norms, learning rates, then the final weights bit for bit."""
-    if "adamw_" in name:
+    equals the uninterrupted run: losses, gradient norms, learning rates, then the final weights bit for bit.
+
+    The quantized AdamWs skip the 1-rank run: on CPU each parameter shape compiles torchao's update, and a
+    1-rank job's whole tensors are new shapes (half of these cases' minutes), for an agreement that only
+    bounds the quantization's noise (each rank quantizes its own shard in blocks)."""
+    quantized = "adamw_" in name
+    if quantized:
         pytest.importorskip("torchao", reason="the quantized AdamWs need torchao (requirements-dev.txt)")
     whole, one, part = tmp_path / "whole", tmp_path / "one", tmp_path / "part"
     assert_ok(torchrun(_args(chatml_model, data_path, whole, name, lr, args=args), warm=True))
-    assert_ok(torchrun(_args(chatml_model, data_path, one, name, lr, steps=HALF, args=args), nproc=1, warm=True))
+    if not quantized:
+        assert_ok(torchrun(_args(chatml_model, data_path, one, name, lr, steps=HALF, args=args), nproc=1, warm=True))
     assert_ok(torchrun(_args(chatml_model, data_path, part, name, lr, steps=HALF, args=args), warm=True))
     continued = torchrun(_args(chatml_model, data_path, part, name, lr, args=args), warm=True)
     assert_ok(continued)
     assert "resumed from" in continued.stderr
     a = read_metrics(whole)
     assert a[-1]["loss"] < a[0]["loss"], [r["loss"] for r in a]  # it trains
-    # Quantized moments: each rank quantizes its own shard in blocks, so the blocks (and their scales) are not
-    # the whole tensor's; the two runs agree to the quantization's noise, not to the float's.
-    _close(a[:HALF], read_metrics(one), rel=1e-3 if "adamw_" in name else 1e-5)
+    if not quantized:
+        _close(a[:HALF], read_metrics(one), rel=1e-5)
     b = read_metrics(part)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     _close(a, b, rel=1e-6)

@@ -13,7 +13,8 @@ faults while it trains with a data-loader worker per rank:
 2. ``scontrol requeue``: SIGTERM to every process of the job, then requeue.
 
 Each attempt must write a preemption checkpoint, the next must resume from it,
-and the finished run must equal an uninterrupted torchrun of the same flags.
+and the finished run must equal an uninterrupted run of the same flags (a warm
+2-rank call, ``fixtures/e2e.py``: its numbers are the subject, not its processes).
 
 Between attempts SLURM holds the requeued job, as on any cluster, for a time set by
 the job credential's lifetime (``local_slurm.CREDENTIAL_LIFETIME_S``: 10 s here, ~30 s
@@ -117,7 +118,8 @@ def test_sbatch_script_survives_time_limit_and_requeue(slurm, tmp_path, chatml_m
 
     reference = tmp_path / "uninterrupted"
     result = torchrun(["--model-name-or-path", str(chatml_model), "--data-path", str(data), "--output-dir",
-                       str(reference), "--min-samples-per-checkpoint", str(CHECKPOINT_EVERY), *_train_flags()])
+                       str(reference), "--min-samples-per-checkpoint", str(CHECKPOINT_EVERY), *_train_flags()],
+                      warm=True)
     assert result.returncode == 0, result.stderr[-4000:]
     _assert_same_steps(read_metrics(out), read_metrics(reference))
     assert [p.name for p in complete_checkpoints(out / "hf_format")] == \

@@ -20,7 +20,8 @@ import json
 import numpy as np
 import pytest
 
-from fixtures.e2e import IGNORE_INDEX, assert_ok, model_vocab_size, read_metrics, torchrun
+from fixtures.e2e import (IGNORE_INDEX, assert_ok, model_vocab_size, peer_comparison_args, read_metrics,
+                          torchrun)
 from fixtures.peer_venv import require
 from fixtures.trl_preference import run_trl_preference
 from fixtures.trl_venv import trl_python
@@ -85,12 +86,8 @@ def pairs(tmp_path_factory, chatml_model):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_step_equals_trls_trainer(case, trl_venv, pairs, chatml_model, tmp_path):
     ours_flags, settings, ranks = CASES[case]
-    result = torchrun(["--model-name-or-path", str(chatml_model), "--data-path", str(pairs),
-                       "--output-dir", str(tmp_path / "ours"), *ours_flags, "--batch-size", str(BATCH),
-                       "--max-tokens-per-gpu", "64", "--max-steps", str(STEPS), "--learning-rate", str(LR),
-                       "--lr-scheduler", "constant", "--num-warmup-steps", "0", "--seed", str(SEED),
-                       "--num-data-workers", "0", "--min-samples-per-checkpoint", "100000", "--no-full-state"],
-                      nproc=ranks, warm=True)
+    result = torchrun([*peer_comparison_args(chatml_model, pairs, tmp_path / "ours", batch_size=BATCH, steps=STEPS,
+                                             lr=LR, seed=SEED), *ours_flags], nproc=ranks, warm=True)
     assert_ok(result)
     ours = read_metrics(tmp_path / "ours")
     assert all(step["grad_accum"] > 1 for step in ours)  # packed into several minibatches per rank

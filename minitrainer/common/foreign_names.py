@@ -130,7 +130,7 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "max_prompt_length": _f(OLD_TRL, "max_sample_num_tokens", _PAIR_LENGTH),
     "max_completion_length": _f(OLD_TRL, "max_sample_num_tokens", _PAIR_LENGTH),
     # ---- TRL's DPOConfig
-    "beta": _f(TRL, ("dpo_beta", "cpo_beta", "simpo_beta", "orpo_beta"),
+    "beta": _f(TRL, ("dpo_beta", "cpo_beta", "simpo_beta", "orpo_beta", "kto_beta"),
                "each preference objective's own: --dpo-beta with --objective dpo, and so on"),
     "loss_type": _f(TRL, ("dpo_loss", "dpo_sft_weight"),
                     "sigmoid, ipo or hinge; [sigmoid, sft] with weights [1, a] is --dpo-sft-weight a"),
@@ -190,8 +190,8 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "tokenizer_config": _f(AXOLOTL, "model_name_or_path", "the tokenizer is read from the model's folder or id"),
     "streaming": _f(AXOLOTL, note="raw data is always streamed and tokenized once"),
     "group_by_length": _f((OLD_TRL, AXOLOTL), note=PACKED),
-    "rl": _f(AXOLOTL, "objective", "rl: dpo, orpo and simpo are --objective dpo, orpo and simpo; ipo is --dpo-loss "
-                                   "ipo; kto is not offered"),
+    "rl": _f(AXOLOTL, "objective", "rl: dpo, orpo, simpo and kto are --objective dpo, orpo, simpo and kto; ipo is "
+                                   "--dpo-loss ipo"),
     "orpo_alpha": _f(AXOLOTL, "orpo_beta", "ORPO's lambda: the odds-ratio term's weight (TRL's beta)"),
     # ---- mini_trainer 0.9's TrainingArgs
     "beta1": _f(MINI_TRAINER, "adam_betas", "the pair: --adam-betas B1 B2"),

@@ -20,7 +20,11 @@ cut off (``_cut_off``), not in json's words. The formats (docs/data.md has an ex
                                                        template, only the completion's replies learned (a
                                                        string completion is one reply);
                                                        strings: no template, prompt masked, completion + EOS;
-                                                       label false (TRL's unpaired preference, KTO): rejected
+                                                       label false (TRL's unpaired preference, KTO) in an SFT
+                                                       file: rejected
+    unpaired           prompt, completion, label       the prompt/completion row without its label, and
+                                                       ``desirable`` (``read_unpaired``; a file's kind, not a
+                                                       format: its rows count as prompt_completion)
     text               text                            a pretrain row (every token learned)
     alpaca             instruction, output             [system], [history's rounds], user (instruction
                        (input, system, history         + newline + input), assistant (output)
@@ -37,10 +41,13 @@ the other shapes must match: no match is ``missing_messages``, two (an alpaca ro
 column) is ``ambiguous_format``; ``--input-format`` picks one. ``--columns`` renames columns first.
 Pairs and SFT rows never share a file: ``read_row`` refuses a pair (``preference_row``), ``read_pair``
 any other row (``not_a_pair``). ``_pair`` says where a pair's prompt comes from (docs/preference.md).
+A file of unpaired feedback rows (KTO's) reads each with ``read_unpaired``, which refuses a row of
+another format (``not_unpaired``) or without a bool ``label`` (``missing_label``, ``label_not_bool``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -233,6 +240,83 @@ def read_pair(raw: Any, *, input_format: str = "auto", columns: dict[str, str] |
         err.row_format = fmt
         raise
     return Pair(found, chosen, rejected, tuple(source.get(key, key) for key in row if key not in read))
+
+
+def read_unpaired(raw: Any, *, columns: dict[str, str] | None = None,
+                  from_table: bool = False) -> tuple[str, ChatRow]:
+    """Convert one unpaired feedback row (TRL's unpaired preference, KTO's data): ``prompt``,
+    ``completion`` (plain strings or lists of messages) and ``label``, true for a desirable completion,
+    false for an undesirable one.
+
+    The row is read as ``read_row`` reads it without its label, so its tokens and labels are exactly
+    those SFT gives the prompt/completion row; ``label`` becomes the first copied field, ``desirable``.
+    Arguments as ``read_row``'s.
+
+    Returns:
+        ``("prompt_completion", chat_row)``.
+
+    Raises:
+        SampleError: a row of another format (``not_unpaired``), no label (``missing_label``), a label
+            that is no bool (``label_not_bool``), nothing to learn (``empty_completion``), or a row that is
+            not a valid prompt/completion row.
+    """
+    row, fmt = _row_and_format(raw, input_format="auto", columns=columns)
+    try:
+        label = _feedback_label(row, fmt, from_table=from_table)
+        chat_row = read_row({key: value for key, value in row.items() if key != "label"},
+                            from_table=from_table)[1]
+    except SampleError as err:
+        err.row_format = fmt
+        raise
+    return fmt, dataclasses.replace(chat_row, fields={"desirable": label, **chat_row.fields})
+
+
+_UNPAIRED_FILE = "a file of unpaired feedback rows (its first convertible row has 'prompt', 'completion' and 'label')"
+
+
+def _feedback_label(row: dict[str, Any], fmt: str, *, from_table: bool) -> bool:
+    """The label of an unpaired feedback row, or why the row is not one that can be learned from."""
+    if fmt != "prompt_completion":
+        raise SampleError("not_unpaired", f"a {fmt} row (its {', '.join(map(repr, SHAPES[fmt]))}) in "
+                                          f"{_UNPAIRED_FILE}: give {fmt} rows a file of their own")
+    if "label" not in row:
+        raise SampleError("missing_label", f"no 'label' in {_UNPAIRED_FILE}: KTO's label is true (desirable) or "
+                                           "false (undesirable); give SFT rows a file of their own")
+    label = row["label"]
+    if not isinstance(label, bool):
+        # A CSV cell is text, so a CSV's labels are strings; only a typed column holds a bool.
+        table_hint = "; this table's 'label' column holds text, as every CSV column does: give it as a bool " \
+            "column (parquet, arrow) or the rows as JSON lines" if from_table and isinstance(label, str) else ""
+        kind = _JSON_TYPES.get(type(label), type(label).__name__)
+        raise SampleError("label_not_bool", f"'label' is {_cut_value(label)}{f' ({kind})' if kind else ''}, not a "
+                                            "bool: KTO's label is true (desirable) or false (undesirable)"
+                                            + table_hint)
+    if "desirable" in row:
+        raise SampleError("reserved_field", "input field 'desirable' would be overwritten by the output (the "
+                                            "rows of an unpaired file gain it from 'label')")
+    completion = row["completion"]
+    if isinstance(completion, str) and not completion.strip() or isinstance(completion, list) and not completion:
+        raise SampleError("empty_completion", "the completion is empty: nothing to learn")
+    if isinstance(completion, list):
+        replies = [turn for turn in completion if isinstance(turn, dict) and turn.get("role") == "assistant"]
+        if replies and not any(map(_says_something, replies)):
+            raise SampleError("empty_completion", "the completion's assistant content is empty: nothing to learn")
+    return label
+
+
+# How a label that is no bool is named: by its JSON type (null names itself).
+_JSON_TYPES = {type(None): "", str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}
+
+
+def _cut_value(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _says_something(turn: dict[str, Any]) -> bool:
+    """A reply with something to learn: content (text, or parts ``check_row`` then reads) or a tool call."""
+    content = turn.get("content")
+    return bool(turn.get("tool_calls")) or (content.strip() != "" if isinstance(content, str) else bool(content))
 
 
 def _loaded(raw: Any) -> dict[str, Any]:

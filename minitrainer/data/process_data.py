@@ -29,11 +29,16 @@ make a preference file, decided by its first convertible row; each pair becomes 
 and ``num_loss_counted_tokens`` (both sides'), each side learned as the prompt/completion row
 of its reply; the input's columns no pair reads are named once (``columns_not_read``).
 
+Unpaired feedback rows (TRL's ``prompt``, ``completion`` and a bool ``label``, KTO's data) make an
+unpaired file, decided the same way; each row is tokenized exactly as its prompt/completion row
+without the label, and gains ``desirable``, the label, which is not copied (docs/data.md).
+
 Output, with ``--output-dir D`` (``--output-file F.jsonl``: ``F.jsonl``,
 ``F.summary.json``, ``F.rejected.jsonl``):
   D/data.jsonl      ``input_ids``, ``labels`` (-100 = masked, unshifted),
                     ``len``, ``num_loss_counted_tokens`` + the row's other fields
-                    (a preference file: the pair fields above)
+                    (a preference file: the pair fields above; an unpaired file:
+                    ``desirable`` first among the other fields)
   D/rejected.jsonl  ``{"line": N, "reason": ..., "detail": ...}`` per unusable row
                     (``"row"`` for table rows, ``"file"`` when several files)
   D/summary.json    counts by outcome, format and reason, length statistics,
@@ -81,7 +86,7 @@ from minitrainer.common.leftovers import remove_dead_leftovers, temporary_name
 from minitrainer.common.log import logger, setup_logging
 from minitrainer.data.chat_masking import ChatEncoder, ChatRow, SampleError
 from minitrainer.data.formats import (ACCEPTED, INPUT_FORMATS, parse_columns, parse_sharegpt_roles, read_pair,
-                                      read_row, suggest_columns, unread_system)
+                                      read_row, read_unpaired, suggest_columns, unread_system)
 from minitrainer.data.sources import Chunk, Input, open_input
 from minitrainer.data.tokenizing_flags import tokenizing_field, tokenizing_settings
 
@@ -196,6 +201,8 @@ class ChunkResult:
     num_prompt_completion_tokens: int = 0
     num_prompt_completion_loss_tokens: int = 0
     not_read: Counter = dataclasses.field(default_factory=Counter)  # a pair file's columns no side uses: rows
+    num_desirable: int = 0  # an unpaired file's rows written, by their label
+    num_undesirable: int = 0
     # ShareGPT turns read under a name the format does not define (chatgpt, --sharegpt-roles'), by name
     sharegpt_roles_mapped: Counter = dataclasses.field(default_factory=Counter)
 
@@ -275,7 +282,7 @@ def _cut(text: str) -> str:
 _ENCODER: ChatEncoder | None = None  # one per worker process, set by _init_worker (the Pool initializer pattern)
 _CONFIG: ProcessDataConfig | None = None
 _KIND = "sft"
-KINDS = ("sft", "preference")  # a file's kind: its first convertible row's (_scan)
+KINDS = ("sft", "preference", "unpaired")  # a file's kind: its first convertible row's (_scan)
 
 
 def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_tokens: tuple[str, ...],
@@ -312,8 +319,8 @@ def _process_chunk(chunk: Chunk) -> ChunkResult:
 def convert_rows(chunk: Chunk, config: ProcessDataConfig, kind: str = "sft", *,
                  mapped: Counter | None = None) -> list[tuple | SampleError]:
     """Each row of the chunk in the ``messages`` format, with the format it was read as, or why it cannot be;
-    for ``kind`` ``"preference"``, its ``formats.Pair``. ``mapped`` counts the ShareGPT turns read under a
-    name the format does not define (``formats.read_row``)."""
+    for ``kind`` ``"preference"``, its ``formats.Pair``; for ``"unpaired"``, read by ``formats.read_unpaired``.
+    ``mapped`` counts the ShareGPT turns read under a name the format does not define (``formats.read_row``)."""
     columns = parse_columns(config.columns)
     roles = parse_sharegpt_roles(config.sharegpt_roles)
     converted: list[tuple | SampleError] = []
@@ -322,6 +329,8 @@ def convert_rows(chunk: Chunk, config: ProcessDataConfig, kind: str = "sft", *,
             if kind == "preference":
                 converted.append(read_pair(raw, input_format=config.input_format, columns=columns,
                                            from_table=chunk.from_table))
+            elif kind == "unpaired":
+                converted.append(read_unpaired(raw, columns=columns, from_table=chunk.from_table))
             else:
                 converted.append(read_row(raw, input_format=config.input_format, columns=columns,
                                           from_table=chunk.from_table, roles=roles, mapped=mapped))
@@ -340,9 +349,10 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
     first_rejection = None
     num_pretrain = num_split_rows = num_pieces = 0
     num_prompt_completion = num_prompt_completion_tokens = num_prompt_completion_loss_tokens = 0
+    num_desirable = num_undesirable = 0
     audit, input_errors = ChunkAudit(), ChunkAudit()
     mapped: Counter = Counter()
-    converted = convert_rows(chunk, config, mapped=mapped)
+    converted = convert_rows(chunk, config, kind, mapped=mapped)
     encoded = iter(encoder.encode_rows([item[1] for item in converted if not isinstance(item, SampleError)]))
     named = chunk.file != config.input_file  # one of several files: rejected rows and examples say which
     for offset, item in enumerate(converted):
@@ -375,6 +385,9 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
             lengths.append(len(piece.input_ids))
             num_loss.append(piece.num_loss_counted_tokens)
         num_pretrain += result.is_pretrain * len(pieces)
+        if kind == "unpaired":
+            num_desirable += result.extra["desirable"] * len(pieces)
+            num_undesirable += (not result.extra["desirable"]) * len(pieces)
         if result.is_prompt_completion:
             num_prompt_completion += len(pieces)
             num_prompt_completion_tokens += len(result.input_ids)
@@ -395,7 +408,8 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
     return ChunkResult(b"".join(data), "".join(rejected).encode("utf-8"), row_bytes, lengths, num_loss,
                        num_pretrain, reasons, first_rejection, audit, input_errors, formats, num_split_rows,
                        num_pieces, num_prompt_completion, num_prompt_completion_tokens,
-                       num_prompt_completion_loss_tokens, sharegpt_roles_mapped=mapped)
+                       num_prompt_completion_loss_tokens, num_desirable=num_desirable,
+                       num_undesirable=num_undesirable, sharegpt_roles_mapped=mapped)
 
 
 def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig) -> ChunkResult:
@@ -477,10 +491,13 @@ class _Scan:
     suggestions: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # --columns for the first unknown
     calls_tools: bool = False
     unread_system: Counter = dataclasses.field(default_factory=Counter)  # system-like columns nothing reads
-    kind: str | None = None  # "preference" when the first convertible row is a pair, else "sft" (KINDS)
-    first_pair: str | None = None  # where the first pair stands ("in.parquet row 1"), and its unread 'messages'
-    pair_has_messages: bool = False
-    unknown_is_pair: bool = False  # the first unknown row is a pair that does not convert (no prompt found...)
+    # "preference" when the first convertible row is a pair, "unpaired" when it is a labelled prompt/completion
+    # row, else "sft" (KINDS)
+    kind: str | None = None
+    first_of_kind: str | None = None  # where the row that made the file a pair or unpaired one stands
+    pair_has_messages: bool = False  # the first pair's unread 'messages'
+    # The first unknown row is of this kind but does not convert (a pair with no prompt found, a label "true")
+    unknown_kind: str | None = None
 
     @property
     def probe_tools(self) -> list[dict] | None:
@@ -497,12 +514,24 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
     with contextlib.closing(source.chunks(min(config.chunk_size, _SCAN_ROWS))) as chunks:
         for chunk in chunks:
             converted = convert_rows(chunk, config)
-            for number, raw, item, pair in zip(chunk.numbers, chunk.rows, converted,
-                                               _pairs_of(chunk, config, converted)):
+            for number, raw, item, pair, feedback in zip(chunk.numbers, chunk.rows, converted,
+                                                         _pairs_of(chunk, config, converted),
+                                                         _unpaired_of(chunk, config, converted)):
                 scan.num_rows += not (isinstance(raw, bytes) and not raw.strip())
-                if pair is not None and not isinstance(pair, SampleError):
+                if feedback is not None and scan.kind in (None, "unpaired"):
+                    if isinstance(feedback, SampleError):
+                        # While the kind is open, a row that does not decide it, and says why no row may.
+                        if not scan.unknown:
+                            scan.unknown_kind = "unpaired"
+                            scan.unknown.append(f"{chunk.file} {chunk.unit} {number}: {feedback.reason}: "
+                                                f"{feedback.detail}")
+                        continue
                     if scan.kind is None:
-                        scan.kind, scan.first_pair = "preference", f"{chunk.file} {chunk.unit} {number}"
+                        scan.kind, scan.first_of_kind = "unpaired", f"{chunk.file} {chunk.unit} {number}"
+                    item = feedback
+                elif pair is not None and not isinstance(pair, SampleError):
+                    if scan.kind is None:
+                        scan.kind, scan.first_of_kind = "preference", f"{chunk.file} {chunk.unit} {number}"
                         scan.pair_has_messages = "messages" in pair.not_read
                     scan.formats[pair.format] += 1
                     for side in (pair.chosen, pair.rejected):
@@ -511,7 +540,7 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
                 if isinstance(item, SampleError) and item.reason == "preference_row" and scan.kind != "sft":
                     # A pair that does not convert: while the kind is open, a shape to suggest --columns for.
                     if not scan.unknown:
-                        scan.unknown_is_pair = True
+                        scan.unknown_kind = "preference"
                         scan.unknown.append(f"{chunk.file} {chunk.unit} {number}: {pair.reason}: {pair.detail}")
                         scan.suggestions = suggest_columns(raw, input_format=config.input_format,
                                                            columns=config.columns, from_table=chunk.from_table)
@@ -550,6 +579,28 @@ def _pairs_of(chunk: Chunk, config: ProcessDataConfig, converted: list) -> list:
     return pairs
 
 
+def _unpaired_of(chunk: Chunk, config: ProcessDataConfig, converted: list) -> list:
+    """``read_unpaired`` of each row the SFT reader (``converted``) read as a prompt/completion row with a
+    ``label`` (or refused for its label false), when the formats are detected; None for the others."""
+    if config.input_format != "auto":  # a format given reads every row as that format's SFT rows
+        return [None] * len(converted)
+    columns = parse_columns(config.columns)
+    found = []
+    for raw, item in zip(chunk.rows, converted):
+        try:
+            found.append(read_unpaired(raw, columns=columns, from_table=chunk.from_table) if _labelled(item) else None)
+        except SampleError as err:
+            found.append(err)
+    return found
+
+
+def _labelled(item: tuple | SampleError) -> bool:
+    """A prompt/completion row with a ``label``, as the SFT reader read it or refused it (its label false)."""
+    if isinstance(item, SampleError):
+        return item.reason == "undesirable_completion"
+    return item[0] == "prompt_completion" and "label" in item[1].fields
+
+
 def _scan_tools(scan: _Scan, row: ChatRow) -> None:
     messages, tools = row.fields.get("messages"), row.fields.get("tools")
     if isinstance(tools, list) and tools and scan.tools is None:
@@ -570,10 +621,13 @@ def check_run(config: ProcessDataConfig, paths: OutputPaths):
     scan = _scan(source, config)
     if not scan.num_rows:
         raise ValueError(f"input file {config.input_file} is empty")
+    if not scan.formats and scan.unknown_kind == "unpaired":
+        raise ValueError(f"no unpaired feedback row that converts in the first {scan.num_rows} rows of "
+                         f"{config.input_file} ({scan.unknown[0]})")
     if not scan.formats and scan.unknown:
         accepted = "" if ACCEPTED in scan.unknown[0] else f"; accepted: {ACCEPTED}"
         offers = "; ".join(f"--columns {text} reads it as {fmt}" for text, fmt in scan.suggestions)
-        what = "no pair that converts" if scan.unknown_is_pair else "no row of an accepted format"
+        what = "no pair that converts" if scan.unknown_kind == "preference" else "no row of an accepted format"
         raise ValueError(f"{what} in the first {scan.num_rows} rows of {config.input_file} "
                          f"({scan.unknown[0]}){accepted}; --columns maps other column names"
                          + (f": {offers}" if offers else ""))
@@ -662,10 +716,15 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     if kind == "preference":
         logger.info("a preference file: its first convertible row (%s) has 'chosen' and 'rejected', which make a "
                     "row a pair whatever else it holds%s; one row per pair, --max-sample-num-tokens bounds both "
-                    "sides together%s", scan.first_pair,
+                    "sides together%s", scan.first_of_kind,
                     " (its 'messages' column is not read; --input-format messages reads the file as SFT rows)"
                     if scan.pair_has_messages else "",
                     "; --split-long-text does not apply to pairs" if config.split_long_text else "")
+    elif kind == "unpaired":
+        logger.info("an unpaired feedback file (KTO's data): its first convertible row (%s) has 'prompt', "
+                    "'completion' and 'label'; each row is tokenized as its prompt/completion row and gains "
+                    "'desirable', its label (--input-format prompt_completion reads the file as SFT rows)",
+                    scan.first_of_kind)
     for column, count in scan.unread_system.items():
         logger.warning("%d of the first %d rows have no system message and a %r column, which is copied to the "
                        "output, not read: --columns system=%s makes it the system message", count, scan.num_rows,
@@ -789,6 +848,7 @@ class _Totals:
         self.input_errors = ChunkAudit()
         self.not_read: Counter = Counter()
         self.sharegpt_roles_mapped: Counter = Counter()
+        self.num_desirable = self.num_undesirable = 0
         self.first_rejection: str | None = None  # "file:line: reason: detail"
 
     def add(self, chunk: ChunkResult) -> None:
@@ -811,6 +871,8 @@ class _Totals:
         self.input_errors.merge(chunk.input_errors)
         self.not_read.update(chunk.not_read)
         self.sharegpt_roles_mapped.update(chunk.sharegpt_roles_mapped)
+        self.num_desirable += chunk.num_desirable
+        self.num_undesirable += chunk.num_undesirable
 
 
 def _stats(values: array.array) -> dict[str, float]:
@@ -836,6 +898,9 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed, 
         "num_lines": totals.num_rows,
         "num_written": num_written,
         "num_pairs": num_written if kind == "preference" else 0,
+        # An unpaired file's rows by their label (0 in other kinds).
+        "num_desirable": totals.num_desirable,
+        "num_undesirable": totals.num_undesirable,
         "num_chat": num_written - totals.num_pretrain - totals.num_prompt_completion,
         "num_prompt_completion": totals.num_prompt_completion,
         "num_pretrain": totals.num_pretrain,
@@ -980,6 +1045,12 @@ def _log_summary(summary: dict[str, Any]) -> None:
                     "both sides) to %s in %.1fs (%.0f rows/s)", summary["num_pairs"], summary["num_chat"],
                     summary["num_prompt_completion"], summary["num_tokens"], summary["num_loss_counted_tokens"],
                     summary["outputs"]["data"], summary["elapsed_s"], summary["lines_per_s"] or 0)
+    elif summary["kind"] == "unpaired":
+        logger.info("wrote %d unpaired feedback rows (%d desirable, %d undesirable; %d conversational, %d plain "
+                    "strings; %d tokens, %d loss-counted) to %s in %.1fs (%.0f rows/s)", summary["num_written"],
+                    summary["num_desirable"], summary["num_undesirable"], summary["num_chat"],
+                    summary["num_prompt_completion"], summary["num_tokens"], summary["num_loss_counted_tokens"],
+                    summary["outputs"]["data"], summary["elapsed_s"], summary["lines_per_s"] or 0)
     else:
         logger.info("wrote %d samples (%d chat, %d prompt/completion, %d pretrain, %d tokens, %d loss-counted) to %s "
                     "in %.1fs (%.0f rows/s)", summary["num_written"], summary["num_chat"],
@@ -1034,6 +1105,8 @@ def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals
                 row = json.loads(f.readline())
                 for side in ("chosen_", "rejected_") if kind == "preference" else ("",):
                     what = f"pair {index} {side[:-1]}" if side else f"sample {index}"
+                    if kind == "unpaired":
+                        what += " (desirable)" if row["desirable"] else " (undesirable)"
                     logger.info("%s input:\n%s", what, tokenizer.decode(row[side + "input_ids"]))
                     logger.info("%s labels:\n%s", what, render_labels(
                         tokenizer, row[side + "input_ids"], row[side + "labels"], config.string_for_printing_masks))

@@ -4,8 +4,10 @@ A dataset is a list of **units**, each the sampler's and the packer's indivisibl
 sequence) or a preference pair (two sequences, chosen then rejected, packed next to each other on one rank).
 The kinds: ``sampler.TokenizedDataset`` (a tokenized file), ``mix.MixedDataset`` (several, weighted),
 ``held_out.RowSubset`` (some rows of another), ``preference.PreferenceDataset`` (pairs) and
-``preference.SideRows`` (a pair dataset's sides as samples). A new data kind (KTO's unpaired rows with a label,
-say) declares what it is here and the rest of the run reads it through these names.
+``preference.SideRows`` (a pair dataset's sides as samples), ``unpaired.UnpairedDataset`` (samples with a
+desirable flag) and ``unpaired.KLUnits`` (KTO's units: a row's own sequence and its KL sequence, packed as a pair's
+sides are). A new data kind declares what it is here and the rest of the run reads it through these names; an
+objective turns the rows a file holds into the units it trains (``TrainingObjective.training_rows``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class Rows(Protocol):
     num_loss_counted_tokens: np.ndarray
     """int64 ``[N]``: each unit's learned (shifted) targets, all its sequences together."""
     sequences_per_unit: int
-    """1: a unit is a sample (``SampleRows``); 2: a preference pair (``PairRows``)."""
+    """1: a unit is a sample (``SampleRows``); 2: two sequences packed side by side (``PairRows``): a preference
+    pair, or a KTO row and its KL sequence."""
 
     def __len__(self) -> int: ...
 

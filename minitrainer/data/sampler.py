@@ -58,6 +58,7 @@ from minitrainer.common.log import logger
 from minitrainer.data.packing import plan_minibatches, sample_costs
 from minitrainer.data.preference import PreferenceDataset, is_preference_table
 from minitrainer.data.rows import is_pairs
+from minitrainer.data.unpaired import UNPAIRED_COLUMN, UnpairedDataset
 from minitrainer.data.sources import data_files
 
 BALANCE_CHOICES = ("tokens", "attention")
@@ -166,9 +167,11 @@ class TokenizedDataset:
         return state
 
 
-def load_tokenized_dataset(data_path: str, *, cache_dir: str | None = None) -> TokenizedDataset | PreferenceDataset:
-    """Open a tokenized jsonl (or ``process_data.py`` output folder) memory-mapped: SFT rows, or preference
-    pairs when its rows have ``chosen_input_ids`` (``preference.py``).
+def load_tokenized_dataset(data_path: str, *, cache_dir: str | None = None,
+                           ) -> TokenizedDataset | PreferenceDataset | UnpairedDataset:
+    """Open a tokenized jsonl (or ``process_data.py`` output folder) memory-mapped: SFT rows, preference
+    pairs when its rows have ``chosen_input_ids`` (``preference.py``), or unpaired feedback when they have
+    ``desirable`` (``unpaired.py``).
 
     The jsonl is converted once to an arrow file in the Hugging Face datasets
     cache; later calls (other ranks, after a barrier) reuse it. Every row is
@@ -196,10 +199,23 @@ def load_tokenized_dataset(data_path: str, *, cache_dir: str | None = None) -> T
     except datasets.exceptions.DatasetGenerationError as err:
         raise ValueError(_first_bad_json_line(path) or f"{path}: cannot be read as JSON lines ({err})") from None
     table = dataset.data.table
-    # The columns say what a row is: chosen/rejected pairs (DPO) or one sample (SFT).
+    # The columns say what a row is: chosen/rejected pairs, one sample with a desirable flag, or one sample.
     if is_preference_table(table):
         return PreferenceDataset(str(path), table, lambda side: TokenizedDataset(str(path), side, dataset))
+    if UNPAIRED_COLUMN in table.column_names:
+        return UnpairedDataset(str(path), TokenizedDataset(str(path), table, dataset), _desirable(path, table))
     return TokenizedDataset(str(path), table, dataset)
+
+
+def _desirable(path: Path, table: pa.Table) -> np.ndarray:
+    """The ``desirable`` column of unpaired feedback rows as bools; a row without one is named."""
+    column = table.column(UNPAIRED_COLUMN)
+    if not pa.types.is_boolean(column.type) or column.null_count:
+        values = column.to_pylist()
+        row = next(index for index, value in enumerate(values) if not isinstance(value, bool))
+        raise ValueError(f"{path}:{row + 1}: '{UNPAIRED_COLUMN}' must be true or false (an unpaired feedback row), "
+                         f"got {values[row]!r}")
+    return column.to_numpy(zero_copy_only=False).astype(bool)
 
 
 def datasets_cache_dir(fallback: Path) -> tuple[str | None, str | None]:

@@ -92,6 +92,7 @@ def train_step(run: Run, batch: StepBatch) -> StepResult:
     objective_sums = torch.zeros(len(run.objective.sum_names), device=dist_info.device, dtype=torch.float64)
     local_loss_tokens = 0
     attn, device = run.resolved.attn_implementation, dist_info.device
+    run.objective.begin_step(model, batch, attn=attn, device=device)
     for index, minibatch in enumerate(batch.minibatches):
         sync_gradients_on(model, sharding_strategy=run.config.fsdp_sharding_strategy,
                           final_minibatch=index == len(batch.minibatches) - 1)

@@ -112,6 +112,26 @@ def chunked_cross_entropy_per_sequence(hidden: torch.Tensor, weight: torch.Tenso
     return total
 
 
+def sequence_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         labels: torch.Tensor, sequence_ids: torch.Tensor, *, num_sequences: int,
+                         chunk_tokens: int = CHUNK_TOKENS,
+                         transform: LogitTransform = LogitTransform()) -> torch.Tensor:
+    """Per packed sequence, over its learned positions, the sums of the next-token distribution's entropy and of
+    the vocabulary-mean logit: ``[num_sequences, 2]`` fp32, no gradient (what TRL logs as ``entropy`` and
+    ``logits/*``). A second head pass over those positions, chunked as the loss's."""
+    stats = hidden.new_zeros((num_sequences, 2), dtype=torch.float32)
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = start + chunk_tokens
+            logits = transform.apply(F.linear(hidden[start:end], weight, bias).float())
+            log_probs = torch.log_softmax(logits, dim=-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+            learned = labels[start:end] != IGNORE_INDEX
+            values = torch.stack([entropy, logits.mean(-1)], dim=1)[learned]
+            stats.index_add_(0, sequence_ids[start:end][learned], values)
+    return stats
+
+
 _positions_of = learned_positions  # the forward's argument of that name shadows it
 
 
@@ -137,11 +157,13 @@ class CausalLMWithLoss(nn.Module):
         self.position_rows = multimodal_position_rows(decoder_of(model))
         self.last_ce_sum: torch.Tensor | None = None
         self.last_router_aux_sum: torch.Tensor | None = None
+        self.last_sequence_stats: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, *,
                 router_aux_weight: float = 0.0, own_forward: bool = False,
                 learned_positions: torch.Tensor | None = None, sequence_ids: torch.Tensor | None = None,
-                num_sequences: int = 0, **attention_kwargs: torch.Tensor | int) -> torch.Tensor:
+                num_sequences: int = 0, sequence_stats: bool = False,
+                **attention_kwargs: torch.Tensor | int) -> torch.Tensor:
         """Summed token loss of one packed row, plus the weighted router loss of MoE models.
 
         Args:
@@ -155,6 +177,8 @@ class CausalLMWithLoss(nn.Module):
             sequence_ids: [1, T] the packed sequence of each position, 0 to ``num_sequences - 1``: the
                 forward then returns one summed loss per sequence, ``[num_sequences]``, with the chunked
                 head (Liger's fused loss sums over the whole row).
+            sequence_stats: with ``sequence_ids``, also leave ``sequence_token_stats`` of each sequence in
+                ``last_sequence_stats``.
             own_forward: return the Hugging Face model's own ``forward(labels=...).loss``
                 instead (the start-up self-check's reference; one unpacked sample,
                 unshifted labels). Runs here so FSDP gathers the root's parameters.
@@ -187,6 +211,9 @@ class CausalLMWithLoss(nn.Module):
                 transform=self.logit_transform)
             self.last_ce_sum = sums.detach().sum()
             self.last_router_aux_sum = torch.zeros((), device=sums.device)
+            self.last_sequence_stats = sequence_token_stats(
+                hidden.detach(), head.weight, head.bias, flat_labels, flat_sequences, num_sequences=num_sequences,
+                transform=self.logit_transform) if sequence_stats else None
             return sums
         if self.liger_loss is not None:
             scale = self.logit_transform.scale

@@ -8,13 +8,16 @@ The other objectives are one module each, a subclass overriding the hooks it nee
     dpo.py    DPOObjective   pairs: sigmoid, IPO or hinge loss against reference log-probabilities
     cpo.py    CPOObjective   pairs, reference-free: CPO (sigmoid, hinge, IPO) and SimPO
     orpo.py   ORPOObjective  pairs, reference-free: the chosen sequences' NLL plus an odds-ratio term
+    kto.py    KTOObjective   unpaired feedback: each row's log-ratio against a KL baseline from mismatched rows
 
 ``TrainConfig.training_objective`` is the one place that picks an objective from the flags. Where each hook
 runs::
 
     setup/run.py         preflight (rank 0, before anything loads), run_params (what a resume compares),
-                         data_error, model_error, prepare (before the resume, with the run's ``RunContext``)
-    loop/step.py         minibatch_loss (every minibatch), record and step_loss (the metrics line, the guard)
+                         training_rows (the units trained, from the rows a file holds), data_error,
+                         model_error, prepare (before the resume, with the run's ``RunContext``)
+    loop/step.py         begin_step (before a step's minibatches), minibatch_loss (every minibatch), record
+                         and step_loss (the metrics line, the guard)
     loop/actions.py      validation_loss
 
 How to add one: docs/code-layout.md, "How to add a training objective".
@@ -36,6 +39,7 @@ from minitrainer.common.distributed import DistInfo
 from minitrainer.data.held_out import ValidationPlan
 from minitrainer.data.rows import Rows, is_pairs
 from minitrainer.data.sampler import Minibatch, StepBatch, collate_minibatch
+from minitrainer.data.unpaired import is_unpaired
 from minitrainer.model.attention import model_inputs
 from minitrainer.model.loss_terms import router_aux_weight
 
@@ -104,11 +108,19 @@ class TrainingObjective:
         written before objectives existed still resumes."""
         return {}
 
+    def training_rows(self, dataset: Rows) -> Rows:
+        """The units this objective trains, from the rows a file holds (every rank, after loading; a data
+        mix's sources are read as they are): the data-kind seam. SFT trains the rows themselves."""
+        return dataset
+
     def data_error(self, dataset, path: str) -> str | None:
         """Why this objective cannot train on ``dataset`` (one line), or None."""
         if is_pairs(dataset):
             return (f"{path} holds preference pairs (chosen/rejected): train them with a preference objective "
-                    "(--objective dpo, cpo, simpo or orpo)")
+                    "(--objective dpo, cpo, simpo, orpo or kto)")
+        if is_unpaired(dataset):
+            return (f"{path} holds unpaired feedback (rows with a desirable/undesirable label): train them with "
+                    "--objective kto")
         return None
 
     def model_error(self, model: nn.Module) -> str | None:
@@ -117,6 +129,10 @@ class TrainingObjective:
 
     def prepare(self, model: nn.Module, context: RunContext) -> None:
         """Once, after the model is set up and before a resume loads its weights (collective)."""
+
+    def begin_step(self, model: nn.Module, batch: StepBatch, *, attn: str, device: torch.device) -> None:
+        """Before the step's first minibatch, with the whole step's batch: what a loss needs of the batch as a
+        whole before any backward (KTO's KL baseline). Collective where it runs a forward."""
 
     def minibatch_loss(self, model: nn.Module, minibatch: Minibatch, batch: StepBatch, *, attn: str,
                        device: torch.device, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

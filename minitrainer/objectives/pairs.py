@@ -35,6 +35,7 @@ from torch import nn
 from minitrainer.common.log import log_rank_0
 from minitrainer.data.rows import is_pairs
 from minitrainer.data.sampler import Minibatch, StepBatch, collate_units
+from minitrainer.data.unpaired import is_unpaired
 from minitrainer.model.attention import model_inputs
 from minitrainer.objectives.base import RunContext, TrainingObjective
 
@@ -105,6 +106,9 @@ class PairObjective(TrainingObjective):
         self.held_out = SideCounts.of(None)
 
     def data_error(self, dataset, path: str) -> str | None:
+        if is_unpaired(dataset):
+            return (f"--objective {self.name} needs preference pairs (prompt/chosen/rejected rows), but {path} "
+                    "holds unpaired feedback (one completion per row, labelled): train it with --objective kto")
         if not is_pairs(dataset):
             return (f"--objective {self.name} needs preference pairs (prompt/chosen/rejected rows, tokenized by "
                     f"process_data.py), but {path} holds SFT rows")

@@ -83,8 +83,8 @@ def reference_tables(model: nn.Module, objective, context: RunContext, *, flag: 
         train, held_out = found[0]
         log_rank_0("reference log-probabilities: %s (computed before, for this model, data and packing)", path)
     else:
-        log_rank_0("reference log-probabilities of %d pairs: computing them with %s (a forward pass over epoch 0)",
-                   len(dataset), source or "the starting model")
+        log_rank_0("reference log-probabilities of %d %s: computing them with %s (a forward pass over epoch 0)",
+                   len(dataset), objective.unit, source or "the starting model")
         began = time.perf_counter()
         reference = context.models.load(source, flag=flag) if source else model
         train = epoch_pass(reference, context, objective=objective)
@@ -94,7 +94,7 @@ def reference_tables(model: nn.Module, objective, context: RunContext, *, flag: 
         # Rank 0 alone writes, and alone logs: it knows whether the write went through.
         stored = dist_info.is_main and write_store(path, {"train": train, "held_out": held_out}, computed_from=parts,
                                                    what=WHAT)
-        log_rank_0("reference log-probabilities of %d pairs%s by %s in %.1fs, %s", len(train),
+        log_rank_0("reference log-probabilities of %d %s%s by %s in %.1fs, %s", len(train), objective.unit,
                    f" (+{len(held_out)} held out)" if len(held_out) else "", source or "the starting model",
                    time.perf_counter() - began, f"stored in {path}" if stored else "kept in memory only")
     return (ReferenceTable(train, dataset.side_loss_tokens),

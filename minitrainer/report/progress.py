@@ -25,7 +25,8 @@ from minitrainer.common.log import PROGRESS_MODES, logger
 
 LINE_EVERY_SECONDS = 30.0
 
-CONSOLE_NAMES = {"rewards/accuracies": ("acc", ".2f"), "rewards/margins": ("margin", ".3f")}
+CONSOLE_NAMES = {"rewards/accuracies": ("acc", ".2f"), "rewards/margins": ("margin", ".3f"), "kl": ("kl", ".4f"),
+                 "rewards/chosen": ("chosen", ".3f"), "rewards/rejected": ("rejected", ".3f")}
 """A metrics field's short name and format on the console; any other field shows as itself, to 4 digits."""
 
 

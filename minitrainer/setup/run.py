@@ -54,6 +54,7 @@ from minitrainer.data.sampler import StepBatch
 from minitrainer.methods.base import FineTuningMethod
 from minitrainer.model import context_parallel
 from minitrainer.model.attention import attention_needs, explicit_attention_refusal, model_inputs
+from minitrainer.model.heads import head_refusal
 from minitrainer.model.loss import CausalLMWithLoss, find_decoder_blocks
 from minitrainer.model.multimodal import multimodal_preflight
 from minitrainer.model.paths import model_path_error
@@ -127,10 +128,10 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     if dist_info.is_main:
         for leftover in remove_leftover_tmp(config.output_dir):
             logger.warning("removed %s, left behind by a save that was interrupted", leftover)
-    dataset = _load_dataset_rank0_first(config, dist_info)
+    dataset = objective.training_rows(_load_dataset_rank0_first(config, dist_info))
     fail_together(objective.data_error(dataset, config.data_path) if dist_info.is_main else None)
     fail_together(_check_data_fits_model(config, model_config, dataset) if dist_info.is_main else None)
-    dataset, val_dataset, val_source = _validation_set(config, dataset, dist_info)
+    dataset, val_dataset, val_source = _validation_set(config, dataset, dist_info, objective)
     if val_dataset is not None:
         fail_together(objective.data_error(val_dataset, val_source) if dist_info.is_main else None)
     total_steps = schedule.total_steps(config, len(dataset))
@@ -335,11 +336,12 @@ def _load_model_config(config: TrainConfig, path: str | None = None, *,
 
 
 def _model_preflight(config: TrainConfig, model_config: PretrainedConfig, method: FineTuningMethod) -> str | None:
-    """Rank 0, before heavy work: a multimodal checkpoint whose language model cannot be trained alone (or
+    """Rank 0, before heavy work: a sequence-classification checkpoint (``model/heads.py``), a multimodal
+    checkpoint whose language model cannot be trained alone (or
     exported alone, with --export-text-only), an explicit attention backend, context parallelism or a
     fine-tuning method this model refuses."""
-    error = multimodal_preflight(model_config, trust_remote_code=config.trust_remote_code,
-                                 export_text_only=config.export_text_only)
+    error = head_refusal(model_config, config.model_name_or_path) or multimodal_preflight(
+        model_config, trust_remote_code=config.trust_remote_code, export_text_only=config.export_text_only)
     if error is not None:
         return error
     # One meta model (no memory) for every check that reads the architecture, built only if one does.
@@ -366,8 +368,9 @@ def _local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
-def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
-    """``(training dataset, validation dataset, where it came from)``; the first is unchanged without validation."""
+def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo, objective: TrainingObjective):
+    """``(training dataset, validation dataset, where it came from)``; the first is unchanged without validation.
+    A split of the training units keeps the pairing the objective made of their rows; a held-out file has its own."""
     if not config.has_validation:
         return dataset, None, None
     if config.validation_split is not None:
@@ -375,7 +378,8 @@ def _validation_set(config: TrainConfig, dataset, dist_info: DistInfo):
         dataset, val_dataset = held_out.RowSubset(dataset, train_rows), held_out.RowSubset(dataset, val_rows)
         source = f"{config.validation_split:g} of {config.data_path} (seed {config.seed})"
     else:
-        val_dataset = _load_dataset_rank0_first(config, dist_info, path=config.validation_data_path, held_out=True)
+        val_dataset = objective.training_rows(_load_dataset_rank0_first(
+            config, dist_info, path=config.validation_data_path, held_out=True))
         source = config.validation_data_path
     return dataset, val_dataset, source
 
