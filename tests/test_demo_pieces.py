@@ -174,6 +174,34 @@ def test_a_preference_run_plots_its_loss_over_pairs_and_its_reward_panels(tmp_pa
     assert all(p.read_bytes()[:8] == PNG_SIGNATURE for p in paths)
 
 
+def test_a_kto_run_plots_its_loss_over_examples_and_its_baseline(tmp_path):
+    """KTO's lines (objectives/kto.py): a mean over examples, the two labels' rewards, the KL baseline; a step
+    without undesirable rows has no such fields (as TRL logs it), a gap in their line."""
+    import matplotlib.pyplot as plt
+
+    from minitrainer.tools.plot_metrics import figures
+
+    lines = [{"step": s, "loss": 0.5 - 0.02 * s, "samples_seen": 8 * s, "num_samples": 8, "num_examples": 8,
+              "kl": 0.1 * (s - 1), "rewards/chosen": 0.2 * s,
+              **({"rewards/rejected": -0.1 * s, "rewards/margins": 0.3 * s} if s != 2 else {})}
+             for s in range(1, 4)]
+    lines.append({"step": 3, "val_loss": 0.45, "val_num_samples": 4, "samples_seen": 24, "val_kl": 0.15})
+    drawn = figures(_write_lines(tmp_path / "kto", lines))
+    try:
+        assert list(drawn) == ["loss.png", "metrics_by_step.png", "metrics_by_samples.png", "rewards.png"]
+        assert drawn["loss.png"].axes[0].get_ylabel() == "loss (mean over examples)"
+        assert [ax.get_xlabel() for ax in drawn["loss.png"].axes[0].child_axes] == ["examples seen"]
+        rewards, kl, margin = drawn["rewards.png"].axes
+        assert kl.get_title() == "KL baseline (the batch's mismatched rows, at least 0)"
+        assert [line.get_label() for line in kl.lines] == ["kl", "val_kl"]
+        assert list(kl.lines[0].get_ydata()) == pytest.approx([0.0, 0.1, 0.2])
+        rejected = [line for line in rewards.lines if line.get_label() == "rewards/rejected"][0]
+        assert np.isnan(rejected.get_ydata()[1])
+    finally:
+        for fig in drawn.values():
+            plt.close(fig)
+
+
 def test_an_sft_run_plots_its_per_token_loss_and_no_reward_panels(tmp_path):
     import matplotlib.pyplot as plt
 

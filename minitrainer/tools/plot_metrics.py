@@ -16,10 +16,13 @@ Reads every ``training_metrics_*.jsonl`` in the output folder (rank 0 writes
   rewards.png              a preference run's only (DPO, CPO, SimPO, ORPO: its lines have
                            ``rewards/accuracies``): the chosen and rejected rewards, the
                            reward accuracy and the reward margin per step, with the
-                           validation passes' as points
+                           validation passes' as points; a KTO run's (``num_examples``):
+                           the desirable and undesirable rows' rewards, the KL baseline
+                           and the margin
 
-A preference run's loss is the mean over each batch's pairs, and its samples are pairs: the
-titles and axes say so. Needs matplotlib, an optional dependency: ``pip install matplotlib``.
+A preference run's loss is the mean over each batch's pairs, and its samples are pairs (a KTO
+run's: examples): the titles and axes say so. Needs matplotlib, an optional dependency:
+``pip install matplotlib``.
 """
 
 from __future__ import annotations
@@ -50,13 +53,27 @@ REWARD_PANELS = (
 )
 """The preference panels of ``rewards.png``: the fields each draws (TRL's names), its title."""
 
+UNPAIRED_PANELS = (
+    (("rewards/chosen", "rewards/rejected"), "rewards of the desirable and undesirable rows (mean over each)"),
+    (("kl",), "KL baseline (the batch's mismatched rows, at least 0)"),
+    (("rewards/margins",), "reward margin (desirable - undesirable)"),
+)
+"""``rewards.png``'s panels for a KTO run (unpaired feedback: its objective's metrics)."""
+
 PREFERENCE_FIELDS = ("rewards/accuracies", "num_pairs")
 """A step line with any of these is a preference run's (``objectives/pairs.py``'s metrics)."""
+UNPAIRED_FIELDS = ("num_examples",)
+"""A step line with any of these is a KTO run's: the loss is a mean over labelled examples."""
 
 
 def is_preference_run(records: list[dict]) -> bool:
     """Whether these step lines are a preference objective's: the loss is a mean over pairs."""
     return any(field in record for record in records for field in PREFERENCE_FIELDS)
+
+
+def is_unpaired_run(records: list[dict]) -> bool:
+    """Whether these step lines are KTO's: the loss is a mean over labelled examples."""
+    return any(field in record for record in records for field in UNPAIRED_FIELDS)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -160,8 +177,10 @@ def figures(output_dir: str | Path, *, smoothing: float = 0.6) -> dict:
     if not runs:
         raise ValueError(f"{output_dir}: the metrics files are empty (no optimizer step finished yet)")
     preference = any(is_preference_run(records) for records in runs.values())
-    loss_label = "loss (mean over pairs)" if preference else "loss (per-token mean)"
-    seen_label = "pairs seen" if preference else "samples seen"
+    unpaired = not preference and any(is_unpaired_run(records) for records in runs.values())
+    unit = "pairs" if preference else "examples" if unpaired else None
+    loss_label = f"loss (mean over {unit})" if unit else "loss (per-token mean)"
+    seen_label = f"{unit} seen" if unit else "samples seen"
     label_ranks = len(runs) > 1
     drawn = {}
 
@@ -215,19 +234,20 @@ def figures(output_dir: str | Path, *, smoothing: float = 0.6) -> dict:
         fig.suptitle(f"{output_dir.resolve().name}: metrics by {x_label}")
         fig.tight_layout()
 
-    if preference:
-        drawn["rewards.png"] = _rewards_figure(runs, val_runs, label_ranks=label_ranks,
+    if unit:
+        drawn["rewards.png"] = _rewards_figure(runs, val_runs, REWARD_PANELS if preference else UNPAIRED_PANELS,
+                                               label_ranks=label_ranks,
                                                title=f"{output_dir.resolve().name}: preference rewards by step")
     return drawn
 
 
-def _rewards_figure(runs: dict, val_runs: dict, *, label_ranks: bool, title: str):
-    """One panel per ``REWARD_PANELS`` entry: each field per step, its validation points (``val_`` + field)."""
+def _rewards_figure(runs: dict, val_runs: dict, panels: tuple, *, label_ranks: bool, title: str):
+    """One panel per ``panels`` entry: each field per step, its validation points (``val_`` + field)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(REWARD_PANELS), figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.8))
     colors = ("tab:green", "tab:red")
-    for ax, (keys, panel_title) in zip(axes, REWARD_PANELS):
+    for ax, (keys, panel_title) in zip(axes, panels):
         for name, records in runs.items():
             suffix = f" (rank {name})" if label_ranks else ""
             steps = _series(records, "step")
