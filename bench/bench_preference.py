@@ -1,28 +1,40 @@
-"""A preference objective on packed pairs (``train.py --objective dpo|simpo|orpo|cpo``), or KTO on the same pairs
-unpaired (``--objective kto``), against TRL's own trainer (padded) on the same rows: speed, CPU time and memory, the
-reference log-prob precompute (DPO, KTO) included on both sides.
+"""A preference objective on packed pairs (``train.py --objective dpo|simpo|orpo|cpo``), a Bradley-Terry reward model
+on them (``--objective reward``), or KTO on the same pairs unpaired (``--objective kto``), against TRL's own trainer
+(padded) on the same rows: speed, CPU time and memory, the reference log-prob precompute (DPO, KTO) included on both
+sides.
 
     .venv/bin/python -m bench.bench_preference                    # DPO, 64 pairs, hidden 128, 2 layers
     .venv/bin/python -m bench.bench_preference --objective simpo  # SimPO against CPOTrainer(loss_type="simpo")
     .venv/bin/python -m bench.bench_preference --objective orpo   # ORPO against ORPOTrainer
     .venv/bin/python -m bench.bench_preference --objective kto    # KTO, 128 examples (64 pairs unpaired), KTOTrainer
+    .venv/bin/python -m bench.bench_preference --objective reward # Bradley-Terry reward model, RewardTrainer
     .venv/bin/python -m bench.bench_preference --hidden-size 256 --num-layers 4    # ~4x the work (TRL DPO: 490 CPU-s, 10 GiB)
     .venv/bin/python -m bench.bench_preference --num-pairs 128 --repeats 3 --sides trl
 
 TRL runs in its own venv (``fixtures/trl_venv.py``, built once) through ``fixtures/trl_dpo.py`` (``DPOTrainer``),
-``fixtures/trl_preference.py`` (``CPOTrainer`` for cpo and simpo, ``ORPOTrainer``) or ``fixtures/trl_kto.py``
-(``KTOTrainer``): our tokenized rows handed to it as prepared rows, read in the same order (our sampler's stream,
-``InfiniteSampler(N, seed)``'s epoch 0), fp32 on CPU, one micro-batch of ``--batch-size`` pairs (KTO: examples) per
-step (TRL pads each micro-batch's 2B sequences of pairs to its longest; for DPO and KTO
-``precompute_ref_log_probs=True``, the reference being the step-0 policy, as ours, and for DPO ``padding_free`` off,
-which TRL 1.16 forces). Ours packs the same rows padding-free under ``--max-tokens-per-gpu``. Gradient checkpointing
-is the same on both sides (``--gradient-checkpointing``, off by default; DPO only).
+``fixtures/trl_preference.py`` (``CPOTrainer`` for cpo and simpo, ``ORPOTrainer``), ``fixtures/trl_reward.py``
+(``RewardTrainer``) or ``fixtures/trl_kto.py`` (``KTOTrainer``): our tokenized rows handed to it as prepared rows,
+read in the same order (our sampler's stream, ``InfiniteSampler(N, seed)``'s epoch 0), fp32 on CPU, one micro-batch
+of ``--batch-size`` pairs (KTO: examples) per step (TRL pads each micro-batch's 2B sequences of pairs to its
+longest; for DPO and KTO ``precompute_ref_log_probs=True``, the reference being the step-0 policy, as ours, and for
+DPO ``padding_free`` off, which TRL 1.16 forces). Ours packs the same rows padding-free under
+``--max-tokens-per-gpu``. Gradient checkpointing is the same on both sides (``--gradient-checkpointing``, off by
+default; DPO only).
 
 The pairs: a prompt of ``--prompt-min``..``--prompt-max`` tokens (uniform) shared by both sides, then a reply per
 side whose length is log-uniform over ``--reply-min``..``--reply-max`` tokens, random ids, the prompt masked
 (-100). The model: ``minitrainer.tools.tiny_model``'s random Qwen2 (ChatML tokenizer), ``--hidden-size`` wide,
 ``--num-layers`` deep, built once in ``--work-dir`` and reused while its size is unchanged (the pairs are
 regenerated, deterministically, on every run; reference log-probs cached by either side are removed before each run).
+
+The reward model (``--objective reward``) trains on the DPO pairs as they are, both sides from the same one-label
+``*ForSequenceClassification`` checkpoint (``--work-dir``/classifier): the tiny causal LM given a score head under
+``torch.manual_seed(--seed)``, ``config.pad_token_id`` the tokenizer's (id 0, which the random replies never hold),
+saved with the tokenizer, rebuilt whenever the causal LM is. Ours reads each side's score at its last learned token
+inside the packed row; TRL's ``RewardTrainer`` (``fixtures/trl_reward.py``) gets each side cut after its last learned
+token (here its last token, so the same lengths), chosen and rejected sides of a micro-batch padded together to
+their longest, and reads the score at the last non-pad token. ``--reward-center-coefficient`` goes to both sides
+(TRL's ``center_rewards_coefficient``; 0, the default, is TRL's None). No reference, no beta.
 
 KTO (``--objective kto``) trains on the same ``--num-pairs`` pairs (the same tokens) written as ``2 * --num-pairs``
 unpaired rows (``--work-dir``/examples; ``input_ids``, unshifted ``labels``, ``len``, ``num_loss_counted_tokens``,
@@ -45,7 +57,8 @@ of the tree sampled every 50 ms), ``--repeats`` times alternating the order; med
 pairs per CPU-second and peak RSS (KTO: examples), with TRL's own split (trainer construction incl. reference
 precompute, then training). DPO's step-1 loss must be ln 2 on both sides (a wrong reference would show there), KTO's
 exactly 0.5 (``mean(weight * (1 - sigmoid(0)))`` with weights 1) with ``kl`` exactly 0 on both sides; the
-reference-free objectives' step-1 losses must agree with each other to 1e-5. Not part of the suite.
+reference-free objectives' (reward included) step-1 losses must agree with each other to 1e-5. Not part of the
+suite.
 """
 
 from __future__ import annotations
@@ -66,8 +79,8 @@ IGNORE_INDEX = -100
 
 @dataclass
 class PreferenceBenchConfig:
-    objective: str = config_field("dpo", help="dpo, simpo, orpo, cpo or kto (TRL: DPOTrainer, CPOTrainer, "
-                                              "ORPOTrainer, KTOTrainer)")
+    objective: str = config_field("dpo", help="dpo, simpo, orpo, cpo, kto or reward (TRL: DPOTrainer, CPOTrainer, "
+                                              "ORPOTrainer, KTOTrainer, RewardTrainer)")
     work_dir: str = config_field("/tmp/bench_preference", help="model, pairs and run outputs (model and pairs "
                                                                "reused)")
     num_pairs: int = config_field(64, help="preference pairs; a multiple of --batch-size (one epoch is trained); "
@@ -83,6 +96,8 @@ class PreferenceBenchConfig:
     num_layers: int = config_field(2, help="decoder blocks")
     beta: float = config_field(0.1, help="the objective's beta (--dpo-beta, --simpo-beta, ...; SimPO's default "
                                          "2.0 is usual, 0.1 kept here for every objective)")
+    reward_center_coefficient: float = config_field(
+        0.0, help="reward: --reward-center-coefficient on ours, center_rewards_coefficient on TRL's (0: None)")
     learning_rate: float = config_field(1e-5, help="constant learning rate")
     gradient_checkpointing: bool = config_field(False, help="recompute activations, on both sides")
     attn_implementation: str = config_field(
@@ -109,8 +124,8 @@ class PreferenceBenchConfig:
             raise ValueError("kto: --batch-size / --nproc must be at least 2 (TRL's KTO and --kto-kl-chunk refuse 1)")
         if not set(self.sides.split(",")) <= {"ours", "trl"}:
             raise ValueError("--sides takes ours, trl or both")
-        if self.objective not in ("dpo", "simpo", "orpo", "cpo", "kto"):
-            raise ValueError(f"--objective takes dpo, simpo, orpo, cpo or kto, not {self.objective}")
+        if self.objective not in ("dpo", "simpo", "orpo", "cpo", "kto", "reward"):
+            raise ValueError(f"--objective takes dpo, simpo, orpo, cpo, kto or reward, not {self.objective}")
         if self.gradient_checkpointing and self.objective != "dpo":
             raise ValueError("--gradient-checkpointing: the TRL CPO/ORPO harness runs without it; DPO only")
 
@@ -127,6 +142,29 @@ def build_model(config: PreferenceBenchConfig, work: Path) -> Path:
     build_tiny_model("chatml", model_dir, hidden_size=config.hidden_size, num_layers=config.num_layers,
                      intermediate_size=4 * config.hidden_size, num_heads=max(4, config.hidden_size // 64),
                      num_kv_heads=max(2, config.hidden_size // 128))
+    marker.write_text(json.dumps(wanted))
+    return model_dir
+
+
+def build_classifier(config: PreferenceBenchConfig, work: Path, causal_dir: Path) -> Path:
+    """The one-label sequence classifier both reward sides start from: ``causal_dir``'s model given a score head
+    under ``torch.manual_seed(config.seed)``, ``config.pad_token_id`` the tokenizer's, saved with the tokenizer
+    (reused while the causal LM and the seed are unchanged)."""
+    model_dir = work / "classifier"
+    wanted = {"causal": json.loads((causal_dir / "bench_dpo.json").read_text()), "seed": config.seed,
+              "causal_config_mtime_ns": (causal_dir / "config.json").stat().st_mtime_ns}
+    marker = model_dir / "bench_reward.json"
+    if marker.is_file() and json.loads(marker.read_text()) == wanted:
+        return model_dir
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(config.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(causal_dir, num_labels=1, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(causal_dir)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
     marker.write_text(json.dumps(wanted))
     return model_dir
 
@@ -206,9 +244,15 @@ def kto_token_counts(path: Path, order: list[int], kl_partner: list[int], batch_
     return {"kl_tokens": sum(kl_lengths), "trl_padded_tokens": padded}
 
 
-def padded_tokens(path: Path, order: list[int], batch_size: int, nproc: int) -> int:
-    """Tokens TRL's forward sees: each rank's micro-batch of 2*B/nproc sequences padded to its longest."""
+def padded_tokens(path: Path, order: list[int], batch_size: int, nproc: int, *, reward: bool = False) -> int:
+    """Tokens TRL's forward sees: each rank's micro-batch of 2*B/nproc sequences padded to its longest (``reward``:
+    each side first cut after its last learned token, as ``fixtures.trl_reward.reward_sides`` hands it over)."""
+    from fixtures.trl_reward import reward_sides
+
     rows = [json.loads(line) for line in path.read_text().splitlines()]
+    if reward:
+        rows = [{f"{side}_len": len(ids) for side in ("chosen", "rejected")
+                 for ids in (reward_sides(row)[f"{side}_ids"],)} for row in rows]
     per_rank = batch_size // nproc
     total = 0
     for start in range(0, len(order), per_rank):
@@ -220,7 +264,9 @@ def padded_tokens(path: Path, order: list[int], batch_size: int, nproc: int) -> 
 def ours_command(config: PreferenceBenchConfig, model_dir: Path, data_dir: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "minitrainer.run", "--standalone", f"--nproc-per-node={config.nproc}",
             "--model-name-or-path", str(model_dir), "--data-path", str(data_dir), "--output-dir", str(out),
-            "--objective", config.objective, f"--{config.objective}-beta", str(config.beta),
+            "--objective", config.objective,
+            *(["--reward-center-coefficient", str(config.reward_center_coefficient)] if config.objective == "reward"
+              else [f"--{config.objective}-beta", str(config.beta)]),
             *(["--cpo-alpha", "0"] if config.objective == "cpo" else []),
             *(["--kto-kl-chunk", str(config.batch_size // config.nproc)] if config.objective == "kto" else []),
             "--batch-size", str(config.batch_size),
@@ -252,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     from fixtures.trl_dpo import read_trl_dpo_logs, trl_dpo_command
     from fixtures.trl_kto import trl_kto_command
     from fixtures.trl_preference import trl_preference_command
+    from fixtures.trl_reward import trl_reward_command
     from fixtures.trl_venv import TRL_VERSION
     from minitrainer.data.sampler import InfiniteSampler
     from minitrainer.data.unpaired import kl_partners
@@ -262,7 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(config.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(config, work)
-    kto = config.objective == "kto"
+    kto, reward = config.objective == "kto", config.objective == "reward"
+    if reward:
+        model_dir = build_classifier(config, work, model_dir)
     unit, num_units = config.unit, config.num_units
     data_dir = work / ("examples" if kto else "pairs")
     write = write_examples if kto else write_pairs
@@ -277,9 +326,11 @@ def main(argv: list[str] | None = None) -> None:
               f"({counts['learned_tokens']} learned) + {counts['kl_tokens']} in KL sequences; TRL's padded forward "
               f"sees {counts['trl_padded_tokens']}", flush=True)
     else:
-        counts["trl_padded_tokens"] = padded_tokens(data_dir / "data.jsonl", order, config.batch_size, config.nproc)
+        counts["trl_padded_tokens"] = padded_tokens(data_dir / "data.jsonl", order, config.batch_size, config.nproc,
+                                                    reward=reward)
         print(f"{config.num_pairs} pairs: {counts['tokens']} tokens ({counts['learned_tokens']} learned); "
-              f"TRL's padded forward sees {counts['trl_padded_tokens']}", flush=True)
+              f"TRL's padded forward sees {counts['trl_padded_tokens']} "
+              f"({counts['trl_padded_tokens'] / counts['tokens']:.2f}x)", flush=True)
     sides = config.sides.split(",")
     timings: dict[str, list[tuple[float, float, float]]] = {side: [] for side in sides}
     extra: dict[str, dict] = {side: {} for side in sides}
@@ -292,6 +343,14 @@ def main(argv: list[str] | None = None) -> None:
                                           max_steps=config.num_pairs // config.batch_size, beta=config.beta,
                                           loss_type=["sigmoid"], learning_rate=config.learning_rate, seed=config.seed,
                                           gradient_checkpointing=config.gradient_checkpointing)
+            elif side == "trl" and reward:
+                command = trl_reward_command(model_dir, data_dir / "data.jsonl", order, out_dir=out,
+                                             world_size=config.nproc,
+                                             per_device_batch_size=config.batch_size // config.nproc,
+                                             max_steps=config.num_pairs // config.batch_size,
+                                             learning_rate=config.learning_rate,
+                                             center_rewards_coefficient=config.reward_center_coefficient or None,
+                                             seed=config.seed)
             elif side == "trl" and kto:
                 command = trl_kto_command(model_dir, data_dir / "data.jsonl", order, kl_partner, out_dir=out,
                                           world_size=config.nproc,
@@ -362,10 +421,12 @@ def main(argv: list[str] | None = None) -> None:
                for side in sides if results[side].get("step1_loss") != 0.5 or results[side].get("step1_kl") != 0]
         if bad:
             raise SystemExit(f"step 1's loss is not exactly 0.5 with kl 0 on: {', '.join(bad)}")
-    elif len(sides) == 2 and not math.isclose(results["ours"]["step1_loss"], results["trl"]["step1_loss"],
-                                              rel_tol=1e-5):
-        raise SystemExit(f"step 1's losses differ: ours {results['ours']['step1_loss']}, "
-                         f"TRL {results['trl']['step1_loss']}")
+    elif len(sides) == 2:
+        ours_loss, trl_loss = results["ours"]["step1_loss"], results["trl"]["step1_loss"]
+        print(f"step 1's loss: ours {ours_loss!r}, TRL {trl_loss!r} (relative difference "
+              f"{abs(ours_loss - trl_loss) / abs(trl_loss):.1e})")
+        if not math.isclose(ours_loss, trl_loss, rel_tol=1e-5):
+            raise SystemExit(f"step 1's losses differ: ours {ours_loss}, TRL {trl_loss}")
 
 
 if __name__ == "__main__":

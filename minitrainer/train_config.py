@@ -26,6 +26,7 @@ from minitrainer.objectives.dpo import DPOObjective, DPOSettings
 from minitrainer.objectives.kto import KTOObjective, KTOSettings
 from minitrainer.objectives.orpo import ORPOObjective, ORPOSettings
 from minitrainer.objectives.pairs import PAIR_OBJECTIVES
+from minitrainer.objectives.reward import RewardObjective, RewardSettings
 from minitrainer.optim.base import OptimizerChoice
 from minitrainer.optim.registry import OPTIMIZERS, optimizer_choice
 
@@ -38,6 +39,7 @@ OBJECTIVE_FIELDS = {
     "simpo": ("simpo_beta", "simpo_gamma", "simpo_sft_weight"),
     "orpo": ("orpo_beta",),
     "kto": ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "kto_kl_chunk", "reference_model"),
+    "reward": ("reward_center_coefficient",),
 }
 """The fields that mean something only with their --objective (a field may serve several)."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -151,9 +153,9 @@ class TrainConfig:
     max_samples: int | None = config_field(None, help="stop once this many samples were consumed")
     num_epochs: float | None = config_field(None, help="stop after this many passes over the data")
 
-    objective: Literal["sft", "dpo", "cpo", "simpo", "orpo", "kto"] = config_field(
+    objective: Literal["sft", "dpo", "cpo", "simpo", "orpo", "kto", "reward"] = config_field(
         "sft", section="Objective", help="sft (the assistant replies); on preference pairs dpo, cpo, simpo, "
-                                         "orpo; on labelled replies kto (docs/preference.md)")
+                                         "orpo, or reward (a reward model); on labelled replies kto")
     dpo_beta: float = config_field(0.1, help="DPO: beta, how far the policy may move from the reference "
                                              "(larger: closer)")
     dpo_loss: Literal["sigmoid", "ipo", "hinge"] = config_field(
@@ -185,6 +187,9 @@ class TrainConfig:
     kto_kl_chunk: int = config_field(
         8, help="KTO: rows per chunk of the file whose prompts take the previous row's completion for the KL "
                 "baseline (TRL: per-device batch)")
+    reward_center_coefficient: float = config_field(
+        0.0, help="reward: add this weight times the squared sum of a pair's scores, centring them on 0 (TRL's "
+                  "center_rewards_coefficient)")
 
     output_dir: str = config_field(section="Output, checkpoints and resume", help="folder for metrics, training_params.json and checkpoints")
     min_samples_per_checkpoint: int = config_field(
@@ -419,6 +424,8 @@ class TrainConfig:
                                             gamma=self.simpo_gamma))
         if self.objective == "orpo":
             return ORPOObjective(ORPOSettings(beta=self.orpo_beta))
+        if self.objective == "reward":
+            return RewardObjective(RewardSettings(center_coefficient=self.reward_center_coefficient))
         if self.objective == "kto":
             return KTOObjective(KTOSettings(beta=self.kto_beta, desirable_weight=self.kto_desirable_weight,
                                             undesirable_weight=self.kto_undesirable_weight,
@@ -479,10 +486,14 @@ def _objective_errors(config: TrainConfig) -> list[str]:
             errors.append(f"--{field.name.replace('_', '-')} needs --objective {' or '.join(owners)}")
     if config.objective == "kto":
         errors += _kto_errors(config)
+    elif config.objective == "reward":
+        coefficient = config.reward_center_coefficient
+        if not (math.isfinite(coefficient) and coefficient >= 0):
+            errors.append(f"--reward-center-coefficient must be non-negative, got {coefficient}")
     elif config.objective not in PAIR_OBJECTIVES:
         return errors
-    beta = getattr(config, f"{config.objective}_beta")
-    if not (math.isfinite(beta) and beta > 0):
+    beta = getattr(config, f"{config.objective}_beta", None)
+    if beta is not None and not (math.isfinite(beta) and beta > 0):
         errors.append(f"--{config.objective}-beta must be positive, got {beta}")
     weight = {"dpo": "dpo_sft_weight", "cpo": "cpo_alpha", "simpo": "simpo_sft_weight"}.get(config.objective)
     if weight is not None and not (math.isfinite(getattr(config, weight)) and getattr(config, weight) >= 0):

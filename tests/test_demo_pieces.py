@@ -174,6 +174,33 @@ def test_a_preference_run_plots_its_loss_over_pairs_and_its_reward_panels(tmp_pa
     assert all(p.read_bytes()[:8] == PNG_SIGNATURE for p in paths)
 
 
+def test_a_reward_model_run_plots_its_extreme_scores_accuracy_and_margin(tmp_path):
+    """A reward model's lines (objectives/reward.py, TRL's RewardTrainer names): a mean over pairs, the batch's
+    highest and lowest scores, the accuracy and the margin, validation passes as points."""
+    import matplotlib.pyplot as plt
+
+    from minitrainer.tools.plot_metrics import figures
+
+    lines = [{"step": s, "loss": 0.69 - 0.05 * s, "samples_seen": 8 * s, "num_samples": 8, "num_pairs": 8,
+              "accuracy": 0.2 * s, "margin": 0.1 * s, "mean_reward": 0.0, "min_reward": -s, "max_reward": s}
+             for s in range(1, 4)]
+    lines.append({"step": 3, "val_loss": 0.5, "val_num_samples": 4, "samples_seen": 24, "val_accuracy": 0.75,
+                  "val_margin": 0.4, "val_min_reward": -2.5, "val_max_reward": 2.5})
+    drawn = figures(_write_lines(tmp_path / "reward", lines))
+    try:
+        assert drawn["loss.png"].axes[0].get_ylabel() == "loss (mean over pairs)"
+        extremes, accuracy, margin = drawn["rewards.png"].axes
+        assert drawn["rewards.png"].texts[0].get_text().endswith("reward model scores by step")
+        assert [line.get_label() for line in extremes.lines] == ["max_reward", "val_max_reward", "min_reward",
+                                                                 "val_min_reward"]
+        assert [line.get_label() for line in accuracy.lines] == ["accuracy", "val_accuracy"]
+        assert list(accuracy.lines[0].get_ydata()) == pytest.approx([0.2, 0.4, 0.6])
+        assert list(margin.lines[1].get_ydata()) == [0.4]
+    finally:
+        for fig in drawn.values():
+            plt.close(fig)
+
+
 def test_a_kto_run_plots_its_loss_over_examples_and_its_baseline(tmp_path):
     """KTO's lines (objectives/kto.py): a mean over examples, the two labels' rewards, the KL baseline; a step
     without undesirable rows has no such fields (as TRL logs it), a gap in their line."""

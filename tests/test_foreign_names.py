@@ -49,7 +49,7 @@ COMMON = {
 """The names users bring, from the issue and the peers' example configs: each is ours or in the table."""
 
 TRL_CLASSES = ("SFTConfig", "DPOConfig", "ScriptArguments", "ModelConfig")
-PEER_CLASSES = {TRL: TRL_CLASSES, OLD_TRL: (*TRL_CLASSES, "TrainingArguments"), HF: ("TrainingArguments",),
+PEER_CLASSES = {TRL: (*TRL_CLASSES, "RewardConfig"), OLD_TRL: (*TRL_CLASSES, "TrainingArguments"), HF: ("TrainingArguments",),
                 AXOLOTL: ("AxolotlInputConfig",), MINI_TRAINER: ("TrainingArgs",)}
 PEER_VENV = {TRL: "TRL", OLD_TRL: "TRL 0.19", HF: "TRL", AXOLOTL: "axolotl", MINI_TRAINER: "mini_trainer 0.9"}
 

@@ -236,7 +236,10 @@ OBJECTIVE_NAMES = {"DPO": (r"(?:^|[^a-z])dpo|reference[_-]model",
                                                "data/process_data.py"}),
                    "CPO and SimPO": (r"(?:^|[^a-z])(?:cpo|simpo)",
                                      {"objectives/cpo.py", "objectives/pairs.py", "objectives/base.py"}),
-                   "ORPO": (r"(?:^|[^a-z])orpo", {"objectives/orpo.py", "objectives/pairs.py", "objectives/base.py"})}
+                   "ORPO": (r"(?:^|[^a-z])orpo", {"objectives/orpo.py", "objectives/pairs.py", "objectives/base.py"}),
+                   "reward models": (r"objective[ =]+[\"']?reward|reward[_-]center",
+                                     {"objectives/reward.py", "objectives/base.py", "model/heads.py",
+                                      "tools/score_pairs.py"})}
 """Each training objective but SFT (the interface itself), as its code spells it (its name, its flags), and the
 modules that may name it: its own, the interface's one-line refusal of its data, its data kind's reader (KTO's
 unpaired rows; DPO's reference model, which KTO shares), and the config

@@ -1,7 +1,7 @@
 """Hugging Face exports: ``<output-dir>/hf_format/samples_<N>/``.
 
-Each export is a folder that ``AutoModelForCausalLM.from_pretrained`` and
-``AutoTokenizer.from_pretrained`` load as is: safetensors in ``--save-dtype``
+Each export is a folder that ``AutoModelForCausalLM.from_pretrained`` (a reward model's:
+``AutoModelForSequenceClassification``, ``model/heads.py``) and ``AutoTokenizer.from_pretrained`` load as is: safetensors in ``--save-dtype``
 (``export_dtype``; bf16 by default) sharded at
 5 GB (``model-0000x-of-0000y.safetensors`` plus ``model.safetensors.index.json``
 when there is more than one shard), ``config.json`` (its ``dtype`` says which),
@@ -38,6 +38,7 @@ from minitrainer.checkpoint.full_state import complete_checkpoints, tmp_folder
 from minitrainer.common import fault_injection
 from minitrainer.common.distributed import first_error
 from minitrainer.common.log import logger
+from minitrainer.model.heads import sequence_classification_class
 from minitrainer.model.loss import CausalLMWithLoss
 from minitrainer.model.multimodal import PROCESSOR_FILES
 
@@ -133,6 +134,12 @@ def _write_export(wrapper: CausalLMWithLoss, state: dict, final: Path, *, tokeni
             if name != tied_key
         }
         config = model.config
+        if sequence_classification_class(config) is not None:
+            generation_config = None  # a sequence classifier generates nothing
+        if sequence_classification_class(config) is not None and config.pad_token_id is None:
+            # transformers pools a sequence classifier's score at the last non-pad token: batches need the id.
+            config = copy.deepcopy(config)
+            config.pad_token_id = tokenizer.pad_token_id
         if multimodal is not None:
             # Whole: the frozen towers beside the trained language model, bit for bit as loaded; or text-only.
             config = multimodal.config

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from minitrainer.common.translations import BF16, FINAL_EXPORT, FLOAT32_STATE, NO_FP16, NO_TF32, NO_TOKEN_STOP, PACKED
 
 TRL = "TRL"
-"""SFTConfig, DPOConfig and a ``trl sft --config`` file's ScriptArguments and ModelConfig keys."""
+"""SFTConfig, DPOConfig, RewardConfig and a ``trl sft --config`` file's ScriptArguments and ModelConfig keys."""
 OLD_TRL = "older TRL"
 """TRL before 0.20 on transformers 4 (``max_seq_length``, ``warmup_ratio``): the configs written then."""
 HF = "Hugging Face"
@@ -137,6 +137,8 @@ FOREIGN_NAMES: dict[str, Foreign] = {
     "precompute_ref_log_probs": _f(TRL, note="always: before step 1, stored beside the data and reused"),
     "label_smoothing": _f(TRL, "dpo_label_smoothing", "conservative DPO on the sigmoid loss"),
     "sync_ref_model": _f(TRL, note="the reference is fixed (TR-DPO's moving reference is not offered)"),
+    # ---- TRL's RewardConfig
+    "center_rewards_coefficient": _f(TRL, "reward_center_coefficient", "0 (not None) leaves the term out"),
     "rpo_alpha": _f((OLD_TRL, AXOLOTL), "dpo_sft_weight", "RPO's alpha; TRL 1.16 writes it as loss_type [sigmoid, sft]"),
     # ---- TRL's ScriptArguments (the dataset of a `trl sft --config` file)
     "dataset_name": _f(TRL, ("data_path", "input_file")),

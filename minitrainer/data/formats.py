@@ -33,6 +33,8 @@ cut off (``_cut_off``), not in json's words. The formats (docs/data.md has an ex
                                                        row of the prompt and that side
     preference_implicit  chosen, rejected              a pair; the prompt is the sides' shared whole turns
                                                        (``implicit_prompt``, ``turn_prefix``)
+    (either)           margin (optional)               the pair's ``margin`` (``read_pair(margins=True)``),
+                                                       when the file's first pair has one
 
 A row with ``chosen`` and ``rejected`` is a pair whatever else it carries (UltraFeedback binarized's
 ``messages`` beside them is not read); else a row with ``messages`` is read so whatever else it carries,
@@ -43,12 +45,17 @@ Pairs and SFT rows never share a file: ``read_row`` refuses a pair (``preference
 any other row (``not_a_pair``). ``_pair`` says where a pair's prompt comes from (docs/preference.md).
 A file of unpaired feedback rows (KTO's) reads each with ``read_unpaired``, which refuses a row of
 another format (``not_unpaired``) or without a bool ``label`` (``missing_label``, ``label_not_bool``).
+A pair file whose first pair has a ``margin`` (TRL's RewardTrainer's per-pair margin) reads every pair's with
+it, refusing a pair without one (``missing_margin``) or whose margin is no finite number (``invalid_margin``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
+import numbers
 import os
 import re
 from collections import Counter
@@ -57,6 +64,7 @@ from typing import Any, NamedTuple
 from minitrainer.data.chat_masking import LEARNING_MARKS, ChatRow, SampleError, json_field, load_row
 from minitrainer.data.sources import BadRow
 
+MARGIN_COLUMN = "margin"  # a pair's reward margin (TRL's RewardTrainer), read in and written out under this name
 FORMATS = ("messages", "sharegpt", "prompt_completion", "text", "alpaca", "preference", "preference_implicit")
 PAIR_FORMATS = ("preference", "preference_implicit")  # rows read by read_pair, never by read_row
 INPUT_FORMATS = ("auto",) + FORMATS
@@ -67,7 +75,7 @@ SHAPES = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_com
           "preference_implicit": ("chosen", "rejected")}
 # The column names --columns may map to.
 COLUMNS = ("messages", "conversations", "prompt", "completion", "text", "instruction", "input", "output", "system",
-           "tools", "chosen", "rejected")
+           "tools", "chosen", "rejected", MARGIN_COLUMN)
 ACCEPTED = "; ".join(f"{name} ({' + '.join(keys)})" for name, keys in SHAPES.items())
 
 # The column holding a format's conversation, which is never a string of text (a prompt may be).
@@ -194,30 +202,37 @@ def read_row(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | 
 
 
 class Pair(NamedTuple):
-    """One preference row read (``read_pair``): its two sides and the columns it does not read."""
+    """One preference row read (``read_pair``): its two sides, the columns it does not read and its margin."""
 
     format: str  # "preference" (a prompt given) or "preference_implicit" (the sides' shared turns)
     chosen: ChatRow
     rejected: ChatRow
     not_read: tuple[str, ...]  # the row's columns no side uses (ratings, ids, UltraFeedback's 'messages'), by name
+    margin: float | None = None  # read only in a file of pairs with margins (read_pair's margins)
 
 
 def read_pair(raw: Any, *, input_format: str = "auto", columns: dict[str, str] | None = None,
-              from_table: bool = False) -> Pair:
+              from_table: bool = False, margins: bool = False) -> Pair:
     """Convert one preference row (TRL's explicit ``prompt``/``chosen``/``rejected`` or implicit
     ``chosen``/``rejected``, conversational or plain strings, and the layouts of docs/preference.md)
     into its two sides.
 
     Each side is the prompt/completion row of the prompt and that side (``_prompt_completion``), so
-    what a side learns is exactly what SFT learns of that row. Arguments as ``read_row``'s.
+    what a side learns is exactly what SFT learns of that row. Arguments as ``read_row``'s, and:
+
+    Args:
+        margins: the row is of a file of pairs with margins (its first pair has a ``margin``): the
+            row's ``margin`` is read, and must be a finite number (``_margin``); else it is a column
+            not read, as any other.
 
     Returns:
         The ``Pair``: its format, the chosen and the rejected side, the columns it does not read (by the
-        names the input gives them).
+        names the input gives them), its margin (None unless ``margins``).
 
     Raises:
-        SampleError: not a preference row (``not_a_pair``), no prompt found (``no_shared_prompt``), an empty
-            side (``empty_side``), or a side that is not a valid prompt/completion row.
+        SampleError: not a preference row (``not_a_pair``), no margin (``missing_margin``) or one that is
+            no finite number (``invalid_margin``) with ``margins``, no prompt found (``no_shared_prompt``),
+            an empty side (``empty_side``), or a side that is not a valid prompt/completion row.
     """
     loaded = _loaded(raw)
     row, fmt = _row_and_format(loaded, input_format=input_format, columns=columns)
@@ -233,13 +248,44 @@ def read_pair(raw: Any, *, input_format: str = "auto", columns: dict[str, str] |
                                      for key, value in row.items()})
     source = {name: column for column, name in (columns or {}).items()}  # accepted name -> the input's column
     try:
+        margin = _margin(row, source.get(MARGIN_COLUMN, MARGIN_COLUMN), from_table=from_table) if margins else None
         # A prompt --columns names from another column is a question (Intel/orca_dpo_pairs' prompt=question).
         named = source.get("prompt", "prompt") in loaded.keys() - {"prompt"}
         found, chosen, rejected, read = _pair(fmt, row, prompt_named=named)
     except SampleError as err:
         err.row_format = fmt
         raise
-    return Pair(found, chosen, rejected, tuple(source.get(key, key) for key in row if key not in read))
+    read |= {MARGIN_COLUMN} if margins else set()
+    return Pair(found, chosen, rejected, tuple(source.get(key, key) for key in row if key not in read), margin)
+
+
+_MARGIN_FILE = "a file of pairs with margins (its first pair has one)"
+
+
+def _margin(row: dict[str, Any], name: str, *, from_table: bool) -> float:
+    """The pair's margin as a float, or why it has none: ``missing_margin`` (absent, null, an empty CSV
+    cell), ``invalid_margin`` (a bool, a list, text that is no number, NaN or an infinity). ``name`` is the
+    input's column, as the error says it."""
+    value = row.get(MARGIN_COLUMN)
+    if value is None or from_table and isinstance(value, str) and not value.strip():
+        got = "is null" if MARGIN_COLUMN in row else "is missing"
+        raise SampleError("missing_margin", f"'{name}' {got} in {_MARGIN_FILE}: give every pair a number")
+    number = None
+    # A CSV cell is text: its number is read as float() reads it. A JSON string is refused, as a bool is: such
+    # a file was written wrong, and a guess would train on it.
+    if from_table and isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            number = float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int beyond float64's range
+            number = float(value)
+    if number is None or not math.isfinite(number):
+        kind = {bool: "a bool", **_JSON_TYPES}.get(type(value), type(value).__name__) if number is None \
+            else "not finite"
+        raise SampleError("invalid_margin", f"'{name}' is {_cut_value(value)}{f' ({kind})' if kind else ''}, not a "
+                                            "finite number: a pair's margin is how much more the chosen reply "
+                                            "should be preferred")
+    return number
 
 
 def read_unpaired(raw: Any, *, columns: dict[str, str] | None = None,

@@ -39,6 +39,8 @@ class RowSubset:
         if is_pairs(base):  # preference pairs: the per-side columns the sampler and objective read
             self.side_lengths = base.side_lengths[self.rows]
             self.side_loss_tokens = base.side_loss_tokens[self.rows]
+            margins = getattr(base, "margins", None)  # a reward model's pairs: each pair's margin
+            self.margins = None if margins is None else margins[self.rows]
         if getattr(base, "desirable", None) is not None:  # unpaired feedback: each unit's label
             self.desirable = base.desirable[self.rows]
 

@@ -3,7 +3,9 @@
 A pair is one unit of the sampler and the packer: its length is both sides' tokens, and both sides go into
 the same packed minibatch on the same rank, chosen first (``sequences``). Each side is read as a
 ``sampler.TokenizedDataset`` of its own over the same memory-mapped table (the sampler opens the file and
-hands the sides' reader in), so a side is validated and counted exactly as an SFT row is.
+hands the sides' reader in), so a side is validated and counted exactly as an SFT row is. A pair's
+``margin`` (TRL's RewardTrainer's, in ``-logsigmoid(r_chosen - r_rejected - margin)``), when the file has
+the column, is read as float64, one per pair.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 SIDES = ("chosen", "rejected")
+MARGIN_COLUMN = "margin"  # as process_data.py writes it (formats.MARGIN_COLUMN)
 
 
 def is_preference_table(table: pa.Table) -> bool:
@@ -28,6 +31,7 @@ class PreferenceDataset:
         num_loss_counted_tokens: int64 ``[N]``, shifted targets of both sides.
         side_loss_tokens: int64 ``[N, 2]``, shifted targets of the chosen and the rejected side: a side's
             log-probability is a sum over these, and the chosen count is the SFT term's denominator.
+        margins: float64 ``[N]``, each pair's ``margin``; None when the file has no such column.
     """
 
     sequences_per_unit = 2  # data/rows.py: PairRows
@@ -40,6 +44,7 @@ class PreferenceDataset:
         self.side_loss_tokens = np.stack([side.num_loss_counted_tokens for side in self._sides], axis=1)
         self.lengths = self.side_lengths.sum(axis=1)
         self.num_loss_counted_tokens = self.side_loss_tokens.sum(axis=1)
+        self.margins = _margins(path, table) if MARGIN_COLUMN in table.column_names else None
         self._digest: str | None = None
 
     def __len__(self) -> int:
@@ -53,8 +58,10 @@ class PreferenceDataset:
         if self._digest is None:
             import xxhash
 
-            self._digest = xxhash.xxh3_128("|".join(
-                f"{name}:{side.content_digest()}" for name, side in zip(SIDES, self._sides)).encode()).hexdigest()
+            parts = [f"{name}:{side.content_digest()}" for name, side in zip(SIDES, self._sides)]
+            if self.margins is not None:  # other margins are other data; a file without any keeps its old digest
+                parts.append(f"{MARGIN_COLUMN}:{xxhash.xxh3_128(self.margins.tobytes()).hexdigest()}")
+            self._digest = xxhash.xxh3_128("|".join(parts).encode()).hexdigest()
         return self._digest
 
     def max_token_id(self) -> int | None:
@@ -94,6 +101,26 @@ class SideRows:
 
     def content_digest(self) -> str:
         return self.pairs.content_digest()  # the same rows, seen side by side
+
+
+def _margins(path: str, table: pa.Table) -> np.ndarray:
+    """The ``margin`` column as float64 ``[N]``, read from the arrow buffers (no Python object per row); the
+    first row without a finite number is named."""
+    import pyarrow.compute as pc
+
+    column = table.column(MARGIN_COLUMN)
+    if not (pa.types.is_floating(column.type) or pa.types.is_integer(column.type)) or column.null_count:
+        values = column.to_pylist()
+        row = next((index for index, value in enumerate(values)
+                    if isinstance(value, bool) or not isinstance(value, (int, float))), 0)
+        raise ValueError(f"{path}:{row + 1}: '{MARGIN_COLUMN}' must be a number (a pair's margin), got "
+                         f"{values[row]!r}")
+    margins = pc.cast(column, pa.float64()).to_numpy()
+    bad = np.flatnonzero(~np.isfinite(margins))
+    if bad.size:
+        raise ValueError(f"{path}:{bad[0] + 1}: '{MARGIN_COLUMN}' must be a finite number (a pair's margin), got "
+                         f"{float(margins[bad[0]])!r}")
+    return margins
 
 
 def _side_dataset(path: str, table: pa.Table, read_side: Callable[[pa.Table], object], side: str):

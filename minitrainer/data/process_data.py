@@ -27,7 +27,9 @@ forms, UltraFeedback binarized, Tulu 3, hh-rlhf, Intel/orca_dpo_pairs; docs/pref
 make a preference file, decided by its first convertible row; each pair becomes one row of
 ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``, ``rejected_labels``, ``len``
 and ``num_loss_counted_tokens`` (both sides'), each side learned as the prompt/completion row
-of its reply; the input's columns no pair reads are named once (``columns_not_read``).
+of its reply, and ``margin`` (a float) when the file's first pair has one (TRL's RewardTrainer's
+per-pair margin; every pair must then have a finite one); the input's columns no pair reads are
+named once (``columns_not_read``).
 
 Unpaired feedback rows (TRL's ``prompt``, ``completion`` and a bool ``label``, KTO's data) make an
 unpaired file, decided the same way; each row is tokenized exactly as its prompt/completion row
@@ -85,8 +87,8 @@ from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.leftovers import remove_dead_leftovers, temporary_name
 from minitrainer.common.log import logger, setup_logging
 from minitrainer.data.chat_masking import ChatEncoder, ChatRow, SampleError
-from minitrainer.data.formats import (ACCEPTED, INPUT_FORMATS, parse_columns, parse_sharegpt_roles, read_pair,
-                                      read_row, read_unpaired, suggest_columns, unread_system)
+from minitrainer.data.formats import (ACCEPTED, INPUT_FORMATS, MARGIN_COLUMN, parse_columns, parse_sharegpt_roles,
+                                      read_pair, read_row, read_unpaired, suggest_columns, unread_system)
 from minitrainer.data.sources import Chunk, Input, open_input
 from minitrainer.data.tokenizing_flags import tokenizing_field, tokenizing_settings
 
@@ -282,12 +284,13 @@ def _cut(text: str) -> str:
 _ENCODER: ChatEncoder | None = None  # one per worker process, set by _init_worker (the Pool initializer pattern)
 _CONFIG: ProcessDataConfig | None = None
 _KIND = "sft"
+_MARGINS = False  # a pair file whose first pair has a margin (_Scan.has_margin)
 KINDS = ("sft", "preference", "unpaired")  # a file's kind: its first convertible row's (_scan)
 
 
 def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_turn_tokens: tuple[str, ...],
-                 kind: str = "sft") -> None:
-    global _ENCODER, _CONFIG, _KIND
+                 kind: str = "sft", margins: bool = False) -> None:
+    global _ENCODER, _CONFIG, _KIND, _MARGINS
     # Pool.terminate ends its workers with SIGTERM and then waits for them. A Python handler inherited from the
     # run (StopBeforeTraining's) runs only between bytecodes; a worker idle in the pool's queue lock was seen
     # under load to outlive it, and the run hung in that wait. The default action ends a worker in the kernel.
@@ -301,6 +304,7 @@ def _init_worker(config: ProcessDataConfig, chat_template: str | None, end_of_tu
     _ENCODER = make_encoder(config, tokenizer, end_of_turn=end_of_turn_tokens)
     _CONFIG = config
     _KIND = kind
+    _MARGINS = margins
 
 
 def make_encoder(config: ProcessDataConfig, tokenizer, *, end_of_turn: str | tuple[str, ...] | None,
@@ -313,14 +317,15 @@ def make_encoder(config: ProcessDataConfig, tokenizer, *, end_of_turn: str | tup
 
 def _process_chunk(chunk: Chunk) -> ChunkResult:
     assert _ENCODER is not None and _CONFIG is not None, "worker not initialised"
-    return encode_chunk(_ENCODER, chunk, config=_CONFIG, kind=_KIND)
+    return encode_chunk(_ENCODER, chunk, config=_CONFIG, kind=_KIND, margins=_MARGINS)
 
 
 def convert_rows(chunk: Chunk, config: ProcessDataConfig, kind: str = "sft", *,
-                 mapped: Counter | None = None) -> list[tuple | SampleError]:
+                 mapped: Counter | None = None, margins: bool = False) -> list[tuple | SampleError]:
     """Each row of the chunk in the ``messages`` format, with the format it was read as, or why it cannot be;
-    for ``kind`` ``"preference"``, its ``formats.Pair``; for ``"unpaired"``, read by ``formats.read_unpaired``.
-    ``mapped`` counts the ShareGPT turns read under a name the format does not define (``formats.read_row``)."""
+    for ``kind`` ``"preference"``, its ``formats.Pair`` (with its margin when ``margins``); for ``"unpaired"``,
+    read by ``formats.read_unpaired``. ``mapped`` counts the ShareGPT turns read under a name the format does
+    not define (``formats.read_row``)."""
     columns = parse_columns(config.columns)
     roles = parse_sharegpt_roles(config.sharegpt_roles)
     converted: list[tuple | SampleError] = []
@@ -328,7 +333,7 @@ def convert_rows(chunk: Chunk, config: ProcessDataConfig, kind: str = "sft", *,
         try:
             if kind == "preference":
                 converted.append(read_pair(raw, input_format=config.input_format, columns=columns,
-                                           from_table=chunk.from_table))
+                                           from_table=chunk.from_table, margins=margins))
             elif kind == "unpaired":
                 converted.append(read_unpaired(raw, columns=columns, from_table=chunk.from_table))
             else:
@@ -339,10 +344,12 @@ def convert_rows(chunk: Chunk, config: ProcessDataConfig, kind: str = "sft", *,
     return converted
 
 
-def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig, kind: str = "sft") -> ChunkResult:
-    """Convert and encode one chunk of rows into output bytes and counts."""
+def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig, kind: str = "sft",
+                 margins: bool = False) -> ChunkResult:
+    """Convert and encode one chunk of rows into output bytes and counts (``margins``: a pair file's, as
+    ``encode_pair_chunk``)."""
     if kind == "preference":
-        return encode_pair_chunk(encoder, chunk, config=config)
+        return encode_pair_chunk(encoder, chunk, config=config, margins=margins)
     data, rejected, row_bytes, lengths, num_loss = [], [], [], [], []
     reasons: Counter = Counter()
     formats: Counter = Counter()
@@ -412,10 +419,12 @@ def encode_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfi
                        num_undesirable=num_undesirable, sharegpt_roles_mapped=mapped)
 
 
-def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig) -> ChunkResult:
-    """``encode_chunk`` for a preference file: one output row per pair (``PairSample``). The audit
-    counts each conversational pair once and both sides' replies; a plain-string pair counts as one plain
-    prompt/completion row. The columns a pair does not read are counted (``not_read``)."""
+def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessDataConfig,
+                      margins: bool = False) -> ChunkResult:
+    """``encode_chunk`` for a preference file: one output row per pair (``PairSample``), ending in its
+    ``margin`` when ``margins`` (the file's first pair has one: a pair without a finite one is rejected). The
+    audit counts each conversational pair once and both sides' replies; a plain-string pair counts as one
+    plain prompt/completion row. The columns a pair does not read are counted (``not_read``)."""
     data, rejected, row_bytes, lengths, num_loss = [], [], [], [], []
     reasons: Counter = Counter()
     formats: Counter = Counter()
@@ -423,7 +432,7 @@ def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessData
     num_plain = num_plain_tokens = num_plain_loss_tokens = 0
     audit, input_errors = ChunkAudit(), ChunkAudit()
     not_read: Counter = Counter()
-    converted = convert_rows(chunk, config, kind="preference")
+    converted = convert_rows(chunk, config, kind="preference", margins=margins)
     encoded = iter(encoder.encode_pairs([(item.chosen, item.rejected) for item in converted
                                          if not isinstance(item, SampleError)]))
     named = chunk.file != config.input_file
@@ -443,6 +452,12 @@ def encode_pair_chunk(encoder: ChatEncoder, chunk: Chunk, *, config: ProcessData
                 first_rejection = _where(chunk, offset, result)
             continue
         line = result.to_json_line(encoder.id_strings)
+        if margins:
+            # The margin is the input's, not the tokens': it joins the row last, so the tokens' fields stay
+            # byte for byte what the pair gives without it. repr is the shortest text that reads back to the
+            # same float64, with a '.' or an exponent, so a JSON reader types the column as float.
+            assert line.endswith(b"}\n"), "a pair's row is one JSON object"
+            line = line[:-2] + b',"' + MARGIN_COLUMN.encode() + b'":' + repr(item.margin).encode() + b"}\n"
         data.append(line)
         row_bytes.append(len(line))
         lengths.append(result.num_tokens)
@@ -496,6 +511,8 @@ class _Scan:
     kind: str | None = None
     first_of_kind: str | None = None  # where the row that made the file a pair or unpaired one stands
     pair_has_messages: bool = False  # the first pair's unread 'messages'
+    # The first pair has a 'margin' (under --columns' name): every pair's is read, and must be a number
+    has_margin: bool = False
     # The first unknown row is of this kind but does not convert (a pair with no prompt found, a label "true")
     unknown_kind: str | None = None
 
@@ -533,6 +550,7 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
                     if scan.kind is None:
                         scan.kind, scan.first_of_kind = "preference", f"{chunk.file} {chunk.unit} {number}"
                         scan.pair_has_messages = "messages" in pair.not_read
+                        scan.has_margin = _has_margin(pair, config)
                     scan.formats[pair.format] += 1
                     for side in (pair.chosen, pair.rejected):
                         _scan_tools(scan, side)
@@ -561,6 +579,15 @@ def _scan(source: Input, config: ProcessDataConfig) -> _Scan:
             if scan.num_rows >= _SCAN_ROWS:
                 break
     return scan
+
+
+def _has_margin(pair, config: ProcessDataConfig) -> bool:
+    """The pair (read without margins, so its margin column is among those not read) has a ``margin``.
+
+    A key present counts, null or not: a table's column is in every row, so its first row's null must
+    be refused (``missing_margin``), not make the whole file one whose margins go unread."""
+    columns = parse_columns(config.columns)  # the input's column -> the accepted name
+    return any(columns.get(name, name) == MARGIN_COLUMN for name in pair.not_read)
 
 
 def _pairs_of(chunk: Chunk, config: ProcessDataConfig, converted: list) -> list:
@@ -716,10 +743,12 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     if kind == "preference":
         logger.info("a preference file: its first convertible row (%s) has 'chosen' and 'rejected', which make a "
                     "row a pair whatever else it holds%s; one row per pair, --max-sample-num-tokens bounds both "
-                    "sides together%s", scan.first_of_kind,
+                    "sides together%s%s", scan.first_of_kind,
                     " (its 'messages' column is not read; --input-format messages reads the file as SFT rows)"
                     if scan.pair_has_messages else "",
-                    "; --split-long-text does not apply to pairs" if config.split_long_text else "")
+                    "; --split-long-text does not apply to pairs" if config.split_long_text else "",
+                    "; it has a 'margin', so every pair keeps its own (a reward model's Bradley-Terry margin) and "
+                    "a pair without a finite one is rejected" if scan.has_margin else "")
     elif kind == "unpaired":
         logger.info("an unpaired feedback file (KTO's data): its first convertible row (%s) has 'prompt', "
                     "'completion' and 'label'; each row is tokenized as its prompt/completion row and gains "
@@ -742,14 +771,16 @@ def process_data(config: ProcessDataConfig) -> dict[str, Any]:
     try:
         # closing(): on --strict's early exit the worker pool is shut down at once, not at garbage collection.
         with open(tmp[paths.data], "wb") as data_f, open(tmp[paths.rejected], "wb") as rejected_f, \
-                contextlib.closing(_run_chunks(config, encoder, source, num_proc, num_rows, kind)) as chunks:
+                contextlib.closing(_run_chunks(config, encoder, source, num_proc, num_rows, kind,
+                                               scan.has_margin)) as chunks:
             for chunk in chunks:
                 if config.strict and chunk.first_rejection is not None:
                     raise ValueError(chunk.first_rejection)
                 data_f.write(chunk.data)
                 rejected_f.write(chunk.rejected)
                 totals.add(chunk)
-        summary = _summary(config, tokenizer, encoder, paths, totals, source, time.perf_counter() - start, kind)
+        summary = _summary(config, tokenizer, encoder, paths, totals, source, time.perf_counter() - start, kind,
+                           has_margin=scan.has_margin)
         if summary["num_written"]:
             tmp[paths.summary].write_text(json.dumps(summary, indent=2) + "\n")
             for path in paths.all():
@@ -797,7 +828,7 @@ def _counts(counter: Counter) -> str:
 
 
 def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, source: Input, num_proc: int, num_rows: int | None,
-                kind: str = "sft"):
+                kind: str = "sft", margins: bool = False):
     """Yield ChunkResults in input order, with a progress bar and a bounded number of chunks in flight."""
     from tqdm import tqdm
 
@@ -806,13 +837,14 @@ def _run_chunks(config: ProcessDataConfig, encoder: ChatEncoder, source: Input, 
             contextlib.closing(chunks):
         if num_proc == 1:
             for chunk in chunks:
-                yield encode_chunk(encoder, chunk, config=config, kind=kind)
+                yield encode_chunk(encoder, chunk, config=config, kind=kind, margins=margins)
                 progress.update(len(chunk.rows))
             return
         # fork: workers inherit the imported modules instead of importing transformers again.
         context = multiprocessing.get_context("fork")
         with context.Pool(num_proc, initializer=_init_worker,
-                          initargs=(config, encoder.chat_template, encoder.end_of_turn_tokens, kind)) as pool:
+                          initargs=(config, encoder.chat_template, encoder.end_of_turn_tokens, kind,
+                                    margins)) as pool:
             in_flight: deque = deque()
             for chunk in chunks:
                 in_flight.append((len(chunk.rows), pool.apply_async(_process_chunk, (chunk,))))
@@ -886,7 +918,8 @@ def _stats(values: array.array) -> dict[str, float]:
             "p99": float(p99), "max": int(arr.max()), "sum": int(arr.sum())}
 
 
-def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed, kind: str = "sft") -> dict[str, Any]:
+def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed, kind: str = "sft", *,
+             has_margin: bool = False) -> dict[str, Any]:
     import tokenizers
     import transformers
 
@@ -898,6 +931,8 @@ def _summary(config, tokenizer, encoder, paths, totals, source: Input, elapsed, 
         "num_lines": totals.num_rows,
         "num_written": num_written,
         "num_pairs": num_written if kind == "preference" else 0,
+        # A pair file whose first pair has a 'margin': each pair row keeps it (false in other files).
+        "has_margin": has_margin,
         # An unpaired file's rows by their label (0 in other kinds).
         "num_desirable": totals.num_desirable,
         "num_undesirable": totals.num_undesirable,
@@ -1105,6 +1140,8 @@ def _print_samples(config: ProcessDataConfig, tokenizer, data_path: Path, totals
                 row = json.loads(f.readline())
                 for side in ("chosen_", "rejected_") if kind == "preference" else ("",):
                     what = f"pair {index} {side[:-1]}" if side else f"sample {index}"
+                    if MARGIN_COLUMN in row and kind == "preference":
+                        what += f" (margin {row[MARGIN_COLUMN]:g})"
                     if kind == "unpaired":
                         what += " (desirable)" if row["desirable"] else " (undesirable)"
                     logger.info("%s input:\n%s", what, tokenizer.decode(row[side + "input_ids"]))

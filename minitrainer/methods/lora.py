@@ -44,6 +44,8 @@ ADAPTER_NAME = "default"
 ALL_LINEAR = "all-linear"
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\." + ADAPTER_NAME + r"\.weight$")
 _BASE_LAYER = ".base_layer."
+_SAVED_KEY = re.compile(r"^(?P<module>.+)\.modules_to_save\." + ADAPTER_NAME + r"\.(?P<tensor>[^.]+)$")
+_ORIGINAL_MODULE = ".original_module."
 
 
 @dataclass(frozen=True)
@@ -66,17 +68,22 @@ class LoraSettings:
         """
         from peft import LoraConfig
 
+        from minitrainer.model.heads import output_head, score_head_name, sequence_classification_class
+
         targets = self.target_modules
         if targets != ALL_LINEAR:
             targets = comma_list(targets)
         elif model is not None:
-            head = model.get_output_embeddings()
+            head = output_head(model)
             targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                               if _is_projection(module) and module is not head})
         # GPT-2-style Conv1D stores its weight as [in, out]: peft must know, and so must the merged export.
         fan_in_fan_out = model is not None and _targets_are_conv1d(model, targets)
+        # A reward model's score head is new: it trains whole beside the adapters, and peft saves it with them.
+        scoring = model is not None and sequence_classification_class(model.config) is not None
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
-                          use_rslora=self.use_rslora, bias="none", task_type="CAUSAL_LM",
+                          use_rslora=self.use_rslora, bias="none", task_type="SEQ_CLS" if scoring else "CAUSAL_LM",
+                          modules_to_save=[score_head_name(model)] if scoring else None,
                           fan_in_fan_out=fan_in_fan_out)
 
 
@@ -115,6 +122,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
     """
     from peft import get_peft_model
 
+    from minitrainer.model.heads import output_head
+
     try:
         peft_model = get_peft_model(model, settings.peft_config(model))
     except (ValueError, TypeError, NotImplementedError) as err:
@@ -135,7 +144,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
         # One adapter config holds one weight layout, which the merged export follows.
         raise ValueError(f"--lora-target-modules {settings.target_modules} matches both nn.Linear and Conv1D "
                          "layers; name the modules of one kind")
-    if hasattr(model.get_output_embeddings(), "lora_A"):
+    if hasattr(output_head(model), "lora_A"):
         # The loss multiplies the hidden states by the head's weight itself (chunked or Liger
         # cross-entropy), so an adapter on the head would be silently left out of every step.
         raise ValueError(f"--lora-target-modules {settings.target_modules} adapts the LM head, which the "
@@ -196,12 +205,20 @@ def export_states(state: dict[str, torch.Tensor], *, scaling: float,
         ``merged``: the original model's key names, every adapted weight
         replaced by ``W + scaling * B @ A`` computed in fp32; ``adapter``:
         peft's ``adapter_model.safetensors`` keys
-        (``base_model.model.<module>.lora_A.weight``).
+        (``base_model.model.<module>.lora_A.weight``; a module peft trains whole, ``modules_to_save``, as
+        ``base_model.model.<module>.weight``, its trained copy also in ``merged``).
     """
     factors: dict[str, dict[str, torch.Tensor]] = {}
     merged: dict[str, torch.Tensor] = {}
     adapter: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
+        saved = _SAVED_KEY.match(key)
+        if saved:  # a module trained whole (a reward model's score head): its trained copy, in both files
+            merged[f"{saved['module']}.{saved['tensor']}"] = tensor
+            adapter[f"base_model.model.{saved['module']}.{saved['tensor']}"] = tensor
+            continue
+        if _ORIGINAL_MODULE in key:  # the untrained copy peft keeps beside it
+            continue
         match = _LORA_KEY.match(key)
         if match:
             factors.setdefault(match["module"], {})[match["which"]] = tensor

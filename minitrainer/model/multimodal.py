@@ -47,10 +47,15 @@ def is_multimodal(config) -> bool:
 
 
 def auto_model_class(config):
-    """The auto class that builds the checkpoint whole: image-text-to-text, else causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    """The auto class that builds the checkpoint whole: image-text-to-text, a sequence classifier where the
+    config names one (``heads.scoring_config``: a reward model), else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
-    return AutoModelForImageTextToText if is_multimodal(config) else AutoModelForCausalLM
+    from minitrainer.model.heads import sequence_classification_class
+
+    if is_multimodal(config):
+        return AutoModelForImageTextToText
+    return AutoModelForSequenceClassification if sequence_classification_class(config) else AutoModelForCausalLM
 
 
 def text_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:

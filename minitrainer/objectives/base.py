@@ -9,11 +9,13 @@ The other objectives are one module each, a subclass overriding the hooks it nee
     cpo.py    CPOObjective   pairs, reference-free: CPO (sigmoid, hinge, IPO) and SimPO
     orpo.py   ORPOObjective  pairs, reference-free: the chosen sequences' NLL plus an odds-ratio term
     kto.py    KTOObjective   unpaired feedback: each row's log-ratio against a KL baseline from mismatched rows
+    reward.py RewardObjective pairs, on a score head: a Bradley-Terry reward model
 
 ``TrainConfig.training_objective`` is the one place that picks an objective from the flags. Where each hook
 runs::
 
-    setup/run.py         preflight (rank 0, before anything loads), run_params (what a resume compares),
+    setup/run.py         preflight (rank 0, before anything loads), head_error and head_config (the model's
+                         head, from its config), run_params (what a resume compares),
                          training_rows (the units trained, from the rows a file holds), data_error,
                          model_error, prepare (before the resume, with the run's ``RunContext``)
     loop/step.py         begin_step (before a step's minibatches), minibatch_loss (every minibatch), record
@@ -41,6 +43,7 @@ from minitrainer.data.rows import Rows, is_pairs
 from minitrainer.data.sampler import Minibatch, StepBatch, collate_minibatch
 from minitrainer.data.unpaired import is_unpaired
 from minitrainer.model.attention import model_inputs
+from minitrainer.model.heads import head_refusal
 from minitrainer.model.loss_terms import router_aux_weight
 
 
@@ -102,6 +105,17 @@ class TrainingObjective:
     def preflight(self) -> str | None:
         """Rank 0, before anything loads: why this objective's own settings cannot run (one line), or None."""
         return None
+
+    def head_error(self, model_config, path: str) -> str | None:
+        """Rank 0, before the model is built: why the checkpoint at ``path`` has no head this objective can
+        train (one line), or None. Every objective but ``reward`` trains the causal LM's own LM head, so a
+        sequence-classification checkpoint is refused (``model/heads.py``)."""
+        return head_refusal(model_config, path)
+
+    def head_config(self, model_config):
+        """The head seam: the config the run builds, loads and exports the model by (``model/heads.py``: its
+        ``architectures`` pick the class). SFT and the preference objectives train the checkpoint as it is."""
+        return model_config
 
     def run_params(self) -> dict:
         """Fields of the resume comparison (``resume_policy.run_params``): none for SFT, so every full state

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from minitrainer.common.log import log_rank_0
+from minitrainer.model.heads import output_head
 from minitrainer.model.loss import find_decoder_blocks
 
 KINDS = ("attention", "mlp", "embeddings", "head", "norms", "other")
@@ -60,7 +61,7 @@ def parameter_kinds(model: nn.Module) -> dict[str, str]:
         if _is_norm(module):
             for param in module.parameters(recurse=False):
                 kinds[id(param)] = "norms"
-    for kind, module in (("head", _embeddings(model, "get_output_embeddings")),
+    for kind, module in (("head", output_head(model) if hasattr(model, "get_output_embeddings") else None),
                          ("embeddings", _embeddings(model, "get_input_embeddings"))):
         for param in module.parameters() if module is not None else ():
             kinds[id(param)] = kind

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from minitrainer.model.heads import output_head
 from minitrainer.optim.base import OptimizerChoice, OptimizerSetting
 
 NOTHING_TO_ORTHOGONALIZE = (
@@ -89,7 +90,7 @@ class Muon(OptimizerChoice):
             raise ValueError("--optimizer muon needs the model to tell its embeddings and output head from the "
                              "hidden matrices (OptimizerSetting.model)")
         embeddings = _weight(setting.model.get_input_embeddings())
-        head = _weight(setting.model.get_output_embeddings())
+        head = _weight(output_head(setting.model))
         muon_groups, adamw_groups, kinds = [], [], set()
         for group in param_groups:
             options = {key: value for key, value in group.items() if key != "params"}
@@ -116,7 +117,7 @@ class Muon(OptimizerChoice):
 
     def planned_state_bytes(self, model) -> float:
         """4 bytes for each hidden matrix's parameter, 8 (AdamW's) for the rest, averaged over the trainable."""
-        embeddings, head = _weight(model.get_input_embeddings()), _weight(model.get_output_embeddings())
+        embeddings, head = _weight(model.get_input_embeddings()), _weight(output_head(model))
         trainable = {id(p): p for p in model.parameters() if p.requires_grad}.values()
         matrices = sum(p.numel() for p in trainable if _is_matrix(p, embeddings, head))
         total = sum(p.numel() for p in trainable)

@@ -181,7 +181,7 @@ def make_trial_step(model: torch.nn.Module, dataset, *, model_inputs: Callable) 
         injected = fault_injection.probe_failure(
             model, num_tokens, [m for m in model.modules() if isinstance(m, FSDPModule)][1:])
         try:
-            model(**model_inputs(minibatch)).backward()
+            model(**model_inputs(minibatch)).sum().backward()  # a reward model returns a score per sequence
         finally:
             if injected is not None:
                 injected.remove()

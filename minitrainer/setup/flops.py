@@ -127,10 +127,17 @@ def model_flops(config: Any) -> ModelFlops:
     ple = hidden * num_layers * per_layer_input + num_layers * 2 * hidden * per_layer_input
     total += ple
     active += ple
-    head = hidden * config.vocab_size  # the LM head's matmul runs even when tied to the embedding
+    head = hidden * _head_outputs(config)  # the LM head's matmul runs even when tied to the embedding
     return ModelFlops(num_matmul_params=total + head, num_active_matmul_params=active + head,
                       attention_dims=tuple(attention_dims),
                       attention_windows=_attention_windows(config, layers))
+
+
+def _head_outputs(config: Any) -> int:
+    """The head's outputs: the vocabulary, or a sequence classifier's labels (a reward model's score head)."""
+    from minitrainer.model.heads import sequence_classification_class
+
+    return config.num_labels if sequence_classification_class(config) is not None else config.vocab_size
 
 
 def _num_experts(config: Any) -> int:
@@ -164,7 +171,9 @@ def matmul_params_of(model: Any, method: FineTuningMethod | None = None) -> int:
     factors as the dense weight they stand for). Sharded parameters (DTensor) report their global size."""
     from torch import nn  # torch: only where a model exists (the shape tables need none)
 
-    head = model.get_output_embeddings().weight
+    from minitrainer.model.heads import output_head
+
+    head = output_head(model).weight
     lookups = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
     lookups.add(id(model.get_input_embeddings().weight))
     added, stands_for = method.added_matrices(model) if method is not None else (set(), 0)

@@ -24,6 +24,7 @@ The full model is never moved to one GPU before sharding.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass
@@ -43,10 +44,12 @@ from minitrainer.methods.base import FineTuningMethod, ModelBuild, count_paramet
 from minitrainer.model import recomputation
 from minitrainer.model.attention import CONTEXT_PARALLEL, attention_needs, resolve_attn_implementation
 from minitrainer.model.context_parallel import inner_backend, register_context_parallel_backend
+from minitrainer.model.heads import sequence_classification_class
 from minitrainer.model.loss import CausalLMWithLoss, decoder_of, find_decoder_blocks
 from minitrainer.model.multimodal import (MultimodalExport, auto_model_class, detach_non_text, is_multimodal,
                                           stored_dtypes, text_only_export, whole_export)
 from minitrainer.model.recurrent import run_mixers_per_sample
+from minitrainer.model.score_head import SequenceScorer
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -256,7 +259,8 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     full_state, real_buffers = (_load_on_rank_0(config, build, method, trust_remote_code=trust_remote_code)
                                 if dist_info.rank == 0 else ({}, {}))
     method.convert(model, build)
-    model.generation_config.use_cache = False
+    if getattr(model, "generation_config", None) is not None:  # a sequence classifier generates nothing
+        model.generation_config.use_cache = False
     if use_liger_kernels:
         apply_liger_kernels(model, device_type=device.type, compile=compile)
     _run_mixers_per_sample(model)
@@ -264,8 +268,10 @@ def setup_model(*, model_name_or_path: str, model_config: PretrainedConfig | Non
     blocks = find_decoder_blocks(model)
     if compile:
         compile_blocks(blocks, device_type=device.type)
-    wrapper = CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels,
-                               head_learned_positions_only=head_learned_positions_only)
+    # The head follows the config (model/heads.py): a sequence classifier's score head, else the LM head.
+    wrapper = (SequenceScorer(model) if sequence_classification_class(config) is not None
+               else CausalLMWithLoss(model, use_liger_kernels=use_liger_kernels,
+                                     head_learned_positions_only=head_learned_positions_only))
     wrapper.method, wrapper.multimodal_export = method, export
     num_trainable, num_params = count_parameters(model)
     _shard(wrapper, blocks, mesh=mesh, param_dtype=param_dtype, sharding_strategy=sharding_strategy,
@@ -386,13 +392,35 @@ def _load_on_rank_0(config, build: ModelBuild, method: FineTuningMethod, *,
     """Rank 0 alone reads the checkpoint, in its stored dtype (bf16 for most): one copy of the weights in host
     memory, at its smallest, changed as the method changed the meta model. Returns ``(state dict, buffers)``;
     the loaded module is dropped, its tensors live on in them until the broadcast."""
-    loaded = auto_model_class(config).from_pretrained(build.model_name_or_path, config=copy.deepcopy(config),
-                                                      dtype="auto", attn_implementation="eager",
-                                                      trust_remote_code=trust_remote_code)
+    scoring = sequence_classification_class(config) is not None
+    with _load_report_quiet() if scoring else contextlib.nullcontext():
+        loaded, info = auto_model_class(config).from_pretrained(
+            build.model_name_or_path, config=copy.deepcopy(config), dtype="auto", attn_implementation="eager",
+            trust_remote_code=trust_remote_code, output_loading_info=True)
+    if scoring and info["missing_keys"]:
+        # A causal LM read as its sequence classifier: transformers' multi-line load report, said in one line.
+        unused = sorted(info["unexpected_keys"])
+        log_rank_0(f"{build.model_name_or_path}: a fresh score head ({', '.join(sorted(info['missing_keys']))}, "
+                   f"initialised from --seed) on its decoder"
+                   + (f"; {', '.join(unused)} not loaded (the causal LM's head)" if unused else ""))
     if build.multimodal_export is not None:
         _keep_non_text(loaded, build.multimodal_export, build.model_name_or_path)
     method.convert_loaded(loaded, build)
     return loaded.state_dict(), dict(loaded.named_buffers())
+
+
+@contextlib.contextmanager
+def _load_report_quiet():
+    """transformers' load report at error level only, while a causal LM loads as its sequence classifier (its
+    missing score head and unused LM head are expected, and said in one line instead)."""
+    from transformers.utils import logging as transformers_logging
+
+    level = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(level)
 
 
 def _keep_non_text(loaded: nn.Module, export: MultimodalExport, model_name_or_path: str) -> None:

@@ -54,15 +54,16 @@ from minitrainer.data.sampler import StepBatch
 from minitrainer.methods.base import FineTuningMethod
 from minitrainer.model import context_parallel
 from minitrainer.model.attention import attention_needs, explicit_attention_refusal, model_inputs
-from minitrainer.model.heads import head_refusal
+from minitrainer.model.heads import sequence_classification_class
 from minitrainer.model.loss import CausalLMWithLoss, find_decoder_blocks
 from minitrainer.model.multimodal import multimodal_preflight
 from minitrainer.model.paths import model_path_error
 from minitrainer.model.recurrent import recurrent_mixers
+from minitrainer.model.score_head import SequenceScorer
 from minitrainer.objectives.base import RunContext, TrainingObjective
 from minitrainer.optim.base import OptimizerSetting
 from minitrainer.optim.diagnostics import Diagnostics, build_diagnostics
-from minitrainer.setup.selfcheck import audit_refusal, check_data_fits_model, check_loss_terms
+from minitrainer.setup.selfcheck import audit_refusal, check_data_fits_model, check_loss_terms, check_scores
 from minitrainer.setup.model import ModelSetup, meta_model, setup_model, shard_group_size
 from minitrainer.report.trackers import NullTracker, Tracker, make_tracker
 from minitrainer.train_config import SCHEDULERS_WITHOUT_TOTAL, TrainConfig
@@ -124,6 +125,8 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     if dist_info.is_main:  # the folder is this run's now: the status of the run before it is gone
         write_run_status(config.output_dir, None)
     model_config = _load_model_config(config)
+    fail_together(objective.head_error(model_config, config.model_name_or_path) if dist_info.is_main else None)
+    model_config = objective.head_config(model_config)
     fail_together(_model_preflight(config, model_config, method) if dist_info.is_main else None)
     if dist_info.is_main:
         for leftover in remove_leftover_tmp(config.output_dir):
@@ -160,8 +163,9 @@ def setup_run(config: TrainConfig, dist_info: DistInfo) -> Run:
     peak_tflops, peak_reason = flops.device_peak_tflops(dist_info.device)
     log_rank_0("MFU denominator: %s", peak_reason)
     if not config.skip_objective_check:
-        check_loss_terms(model, _sequences(dataset), attn_implementation=resolved.attn_implementation,
-                        compute_dtype=resolved.param_dtype, device=dist_info.device)
+        check = check_scores if isinstance(model, SequenceScorer) else check_loss_terms
+        check(model, _sequences(dataset), attn_implementation=resolved.attn_implementation,
+              compute_dtype=resolved.param_dtype, device=dist_info.device)
     max_tokens_per_gpu = config.max_tokens_per_gpu
     if max_tokens_per_gpu == "auto":
         max_tokens_per_gpu = probe_token_budget(
@@ -268,6 +272,9 @@ class _OtherModels:
 
     def load(self, path: str, *, flag: str) -> torch.nn.Module:
         model_config = _load_model_config(self.config, path, flag=flag)
+        found = sequence_classification_class(model_config)
+        fail_together(f"{flag} {path} is a sequence-classification checkpoint ({found}): it has no LM head to give "
+                      "log-probabilities; name the causal LM" if found and self.dist_info.is_main else None)
         return _setup_model(self.config, model_config, self.dist_info, FineTuningMethod(), path)[0]
 
 
@@ -336,11 +343,10 @@ def _load_model_config(config: TrainConfig, path: str | None = None, *,
 
 
 def _model_preflight(config: TrainConfig, model_config: PretrainedConfig, method: FineTuningMethod) -> str | None:
-    """Rank 0, before heavy work: a sequence-classification checkpoint (``model/heads.py``), a multimodal
-    checkpoint whose language model cannot be trained alone (or
+    """Rank 0, before heavy work: a multimodal checkpoint whose language model cannot be trained alone (or
     exported alone, with --export-text-only), an explicit attention backend, context parallelism or a
     fine-tuning method this model refuses."""
-    error = head_refusal(model_config, config.model_name_or_path) or multimodal_preflight(
+    error = multimodal_preflight(
         model_config, trust_remote_code=config.trust_remote_code, export_text_only=config.export_text_only)
     if error is not None:
         return error

@@ -24,6 +24,11 @@
   BERT-style encoders transformers also registers as causal LMs) is stopped
   with that reason, read from what its own forward fed the head
   (``head_input``), not with a shape error or an unexplained loss gap.
+* ``check_scores`` (every rank, before the first step, in place of ``check_loss_terms`` for a reward model,
+  ``model/score_head.py``): on a few real sequences, each cut right after its last learned token, the trainer's
+  score (the decoder, then the score head at that token) equals the Hugging Face sequence classifier's own pooled
+  score, each alone and packed into one row. A pad token that is also the sequences' last learned token is named:
+  transformers' pooling would read the token before it, so the export would score differently from training.
 """
 
 from __future__ import annotations
@@ -400,3 +405,93 @@ def _relative_error(ours: float, reference: float) -> float:
     if not (math.isfinite(ours) and math.isfinite(reference)):
         return math.inf
     return abs(ours - reference) / max(abs(reference), 1e-6)
+
+
+# ----------------------------------------------------------------------------
+# A reward model's scores against the model's own forward
+
+
+def _scored_rows(dataset, *, num_rows: int = NUM_ROWS, max_tokens: int = MAX_ROW_TOKENS,
+                 max_scanned: int = 1000) -> list[np.ndarray]:
+    """The input ids of the shortest sequences (of the ``max_scanned`` shortest), each cut right after its last
+    learned token, where a score head reads it (``model/score_head.py``)."""
+    picked = []
+    for index in np.argsort(dataset.lengths, kind="stable")[:max_scanned]:
+        if len(picked) == num_rows:
+            break
+        ids, labels = dataset.sample_arrays(int(index))
+        learned = np.flatnonzero(labels != IGNORE_INDEX)
+        if len(learned) and learned[-1] + 1 <= max_tokens:
+            picked.append(ids[:learned[-1] + 1])
+    return picked
+
+
+@torch.no_grad()
+def compare_scores(wrapper, rows: list[np.ndarray], *, attn_implementation: str,
+                   device: torch.device) -> tuple[list[float], list[float], list[float]]:
+    """``(trainer's scores alone, the same rows packed into one, the model's own forward's)``, one per row."""
+    was_training = wrapper.training
+    wrapper.eval()
+    alone, own, pieces = [], [], []
+    try:
+        for ids in rows:
+            input_ids = torch.tensor(ids.tolist(), dtype=torch.long, device=device).unsqueeze(0)
+            position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)
+            row = SimpleNamespace(cu_seqlens=torch.tensor([0, input_ids.shape[1]], dtype=torch.int32),
+                                  max_seqlen=input_ids.shape[1], position_ids=position_ids)
+            boundaries = attention_inputs(row, attn_implementation, device)
+            last = torch.tensor([input_ids.shape[1] - 1], device=device)
+            alone.append(float(wrapper(input_ids, position_ids, input_ids, score_positions=last, **boundaries)[0]))
+            own.append(float(wrapper(input_ids, position_ids, input_ids, own_forward=True, **boundaries)[0]))
+            pieces.append((input_ids, position_ids))
+        input_ids = torch.cat([p[0] for p in pieces], dim=1)
+        position_ids = torch.cat([p[1] for p in pieces], dim=1)
+        lengths = torch.tensor([p[0].shape[1] for p in pieces], device=device)
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        row = SimpleNamespace(cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()), position_ids=position_ids)
+        packed = wrapper(input_ids, position_ids, input_ids, score_positions=(cu_seqlens[1:] - 1).long(),
+                         **attention_inputs(row, attn_implementation, device)).tolist()
+    finally:
+        wrapper.train(was_training)
+        reshard(wrapper)
+    return alone, packed, own
+
+
+def check_scores(wrapper, dataset, *, attn_implementation: str, compute_dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """A reward model's ``check_loss_terms``: on a few real sequences, each cut after its last learned token,
+    the trainer's score (decoder, then the score head at that token) equals the Hugging Face model's own pooled
+    score, alone and packed. Stops every rank (SystemExit) when it does not; logs the outcome."""
+    began = time.perf_counter()
+    model = wrapper.model
+    name = f"{type(model).__name__} (model_type {model.config.model_type!r})"
+    rows = _scored_rows(dataset)
+    if not rows:
+        log_rank_0(f"objective self-check skipped: no sequence ends its learned tokens within {MAX_ROW_TOKENS} "
+                   "tokens", level=logging.WARNING)
+        return
+    tolerance = RELATIVE_TOLERANCE.get(compute_dtype, 2e-2)
+    alone, packed, own = compare_scores(wrapper, rows, attn_implementation=attn_implementation, device=device)
+    scale = max(1.0, *(abs(value) for value in own))  # scores sit near 0: relative to the largest, or to 1
+    worst = max(range(len(rows)), key=lambda i: abs(alone[i] - own[i]))
+    error = abs(alone[worst] - own[worst]) / scale
+    if not math.isfinite(error) or error > tolerance:
+        pad = getattr(model.config, "pad_token_id", None)
+        why = (f" Its last token is the pad token ({pad}), and transformers pools a sequence classifier's score at "
+               "the last token that is not the pad token: give the tokenizer a pad token of its own."
+               if pad is not None and int(rows[worst][-1]) == pad else
+               " The score head is not applied to the decoder's output as the model's own forward applies it; "
+               "please report it with the model's config.json.")
+        log_rank_0(f"objective self-check failed for {name}: on a {len(rows[worst])}-token sequence the trainer's "
+                   f"score is {alone[worst]:.6f} but the model's own forward gives {own[worst]:.6f} (error "
+                   f"{error:.1e} > {tolerance:.0e}).{why} --skip-objective-check trains anyway.", level=logging.ERROR)
+        raise SystemExit(1)
+    packing_error = max(abs(a - b) for a, b in zip(packed, alone)) / scale
+    if not math.isfinite(packing_error) or packing_error > tolerance:
+        log_rank_0(f"objective self-check failed for {name}: {len(rows)} sequences packed into one row score "
+                   f"{[round(v, 6) for v in packed]} but {[round(v, 6) for v in alone]} each alone: "
+                   + _packing_leak(model, attn_implementation), level=logging.ERROR)
+        raise SystemExit(1)
+    log_rank_0(f"objective self-check: the trainer's scores equal {name}'s own forward on {len(rows)} sequences, "
+               f"alone and packed (max error {max(error, packing_error):.1e} of the largest score or 1, tolerance "
+               f"{tolerance:.0e}, {time.perf_counter() - began:.2f}s)")

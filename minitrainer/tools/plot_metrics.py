@@ -18,7 +18,8 @@ Reads every ``training_metrics_*.jsonl`` in the output folder (rank 0 writes
                            reward accuracy and the reward margin per step, with the
                            validation passes' as points; a KTO run's (``num_examples``):
                            the desirable and undesirable rows' rewards, the KL baseline
-                           and the margin
+                           and the margin; a reward model's (``mean_reward``): the batch's
+                           highest and lowest scores, the accuracy and the margin
 
 A preference run's loss is the mean over each batch's pairs, and its samples are pairs (a KTO
 run's: examples): the titles and axes say so. Needs matplotlib, an optional dependency:
@@ -59,6 +60,15 @@ UNPAIRED_PANELS = (
     (("rewards/margins",), "reward margin (desirable - undesirable)"),
 )
 """``rewards.png``'s panels for a KTO run (unpaired feedback: its objective's metrics)."""
+
+SCORE_PANELS = (
+    (("max_reward", "min_reward"), "highest and lowest score of the batch"),
+    (("accuracy",), "accuracy (share of pairs whose chosen side scores higher)"),
+    (("margin",), "margin (chosen - rejected score, mean over pairs)"),
+)
+"""``rewards.png``'s panels for a reward model's run (``--objective reward``: TRL's RewardTrainer names)."""
+SCORE_FIELDS = ("mean_reward",)
+"""A step line with any of these is a reward model's: its rewards are the score head's outputs."""
 
 PREFERENCE_FIELDS = ("rewards/accuracies", "num_pairs")
 """A step line with any of these is a preference run's (``objectives/pairs.py``'s metrics)."""
@@ -235,9 +245,13 @@ def figures(output_dir: str | Path, *, smoothing: float = 0.6) -> dict:
         fig.tight_layout()
 
     if unit:
-        drawn["rewards.png"] = _rewards_figure(runs, val_runs, REWARD_PANELS if preference else UNPAIRED_PANELS,
+        scores = any(field in record for records in runs.values() for record in records for field in SCORE_FIELDS)
+        panels = SCORE_PANELS if scores else REWARD_PANELS if preference else UNPAIRED_PANELS
+        drawn["rewards.png"] = _rewards_figure(runs, val_runs, panels,
                                                label_ranks=label_ranks,
-                                               title=f"{output_dir.resolve().name}: preference rewards by step")
+                                               title=f"{output_dir.resolve().name}: "
+                                                     + ("reward model scores by step" if scores
+                                                        else "preference rewards by step"))
     return drawn
 
 
@@ -262,7 +276,7 @@ def _rewards_figure(runs: dict, val_runs: dict, panels: tuple, *, label_ranks: b
                             linestyle="--", linewidth=1, markerfacecolor="white", label=f"val_{key}" + suffix)
         if not ax.lines:
             _not_available(ax)
-        if keys == ("rewards/accuracies",):
+        if keys in (("rewards/accuracies",), ("accuracy",)):
             ax.set_ylim(-0.05, 1.05)
         ax.set_title(panel_title)
         ax.set_xlabel("optimizer step")
