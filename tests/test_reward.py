@@ -146,6 +146,19 @@ def plain_reward_model(model_dir, data, *, steps: int, cache_dir: str) -> list[d
     return results
 
 
+def write_raw_pairs(path, num_pairs: int = 40):
+    """TRL's conversational preference rows, as a user downloads them: prompt, chosen, rejected."""
+    rng = np.random.default_rng(4)
+    words = "the sky is blue green red sea sun moon bright dark".split()
+    with path.open("w") as file:
+        for _ in range(num_pairs):
+            question, *answers = (" ".join(rng.choice(words, size=int(rng.integers(1, 6)))) for _ in range(3))
+            file.write(json.dumps({"prompt": [{"role": "user", "content": f"Say {question}?"}],
+                                   "chosen": [{"role": "assistant", "content": answers[0]}],
+                                   "rejected": [{"role": "assistant", "content": answers[1]}]}) + "\n")
+    return path
+
+
 ARGS = ["--objective", "reward", "--batch-size", str(BATCH), "--max-tokens-per-gpu", "64", "--lr-scheduler",
         "constant", "--num-warmup-steps", "0", "--learning-rate", str(LR), "--seed", str(SEED),
         "--num-data-workers", "0", "--save-dtype", "float32"]
@@ -154,31 +167,33 @@ ARGS = ["--objective", "reward", "--batch-size", str(BATCH), "--max-tokens-per-g
 @pytest.fixture(scope="module")
 def reward_runs(tmp_path_factory, chatml_model):
     """The warm runs the tests below read: a sequence classifier with margins, centring and a held-out file, whole
-    and stopped after 2 steps then resumed; LoRA, QLoRA and OSFT on a causal LM given a fresh score head."""
+    and stopped after 2 steps then resumed; LoRA (on a raw file of pairs, tokenized by the run), QLoRA and OSFT on a
+    causal LM given a fresh score head."""
     root = tmp_path_factory.mktemp("reward")
     vocab = model_vocab_size(chatml_model)
     classifier = sequence_classifier(chatml_model, root / "classifier")
     data = with_margins(write_tokenized_pairs(root / "pairs", num_pairs=40, vocab_size=vocab), root / "margins")
     held_out = write_tokenized_pairs(root / "held_out", num_pairs=10, vocab_size=vocab, seed=5)
+    raw = write_raw_pairs(root / "raw_pairs.jsonl")
     wide = build_tiny_model("chatml", root / "wide", hidden_size=256, intermediate_size=512, num_heads=4,
                             num_kv_heads=2)
     runs = {}
-    for name, model, extra, steps in [
-        ("whole", classifier, ["--reward-center-coefficient", str(CENTER), "--validation-data-path", str(held_out),
-                               "--validation-every-n-steps", "2"], [STEPS]),
-        ("resumed", classifier, ["--reward-center-coefficient", str(CENTER), "--min-samples-per-checkpoint", "16"],
-         [2, STEPS]),
-        ("lora", chatml_model, ["--lora-rank", "4", "--no-lora-merge-on-export", "--validation-split", "0.2",
-                                "--validation-every-n-steps", "1"], [2]),
-        ("lora_merged", chatml_model, ["--lora-rank", "4"], [2]),
-        ("osft", chatml_model, ["--osft", "--osft-unfreeze-rank-ratio", "0.5"], [2]),
-        ("qlora", wide, ["--lora-rank", "4", "--lora-quantize-data-type", "nf4"], [2]),
+    for name, model, source, extra, steps in [
+        ("whole", classifier, data, ["--reward-center-coefficient", str(CENTER), "--validation-data-path",
+                                     str(held_out), "--validation-every-n-steps", "2"], [STEPS]),
+        ("resumed", classifier, data, ["--reward-center-coefficient", str(CENTER), "--min-samples-per-checkpoint",
+                                       "16"], [2, STEPS]),
+        ("lora", chatml_model, raw, ["--lora-rank", "4", "--no-lora-merge-on-export", "--validation-split", "0.2",
+                                     "--validation-every-n-steps", "1", "--max-tokens-per-gpu", "256"], [2]),
+        ("lora_merged", chatml_model, data, ["--lora-rank", "4"], [2]),
+        ("osft", chatml_model, data, ["--osft", "--osft-unfreeze-rank-ratio", "0.5"], [2]),
+        ("qlora", wide, data, ["--lora-rank", "4", "--lora-quantize-data-type", "nf4"], [2]),
     ]:
         if name == "qlora" and importlib.util.find_spec("torchao") is None:
             continue
         out = root / name
         cadence = [] if "--min-samples-per-checkpoint" in extra else ["--min-samples-per-checkpoint", "1000"]
-        runs[name] = (out, [torchrun(["--model-name-or-path", str(model), "--data-path", str(data), *ARGS, *extra,
+        runs[name] = (out, [torchrun(["--model-name-or-path", str(model), "--data-path", str(source), *ARGS, *extra,
                                       *cadence, "--output-dir", str(out), "--max-steps", str(n)], warm=True)
                             for n in steps])
     return root, classifier, data, held_out, runs
@@ -258,6 +273,8 @@ def test_every_method_trains_a_fresh_score_head_on_a_causal_lm_and_exports_a_cla
     validations = [json.loads(line) for line in (lora_out / "training_metrics_0.jsonl").read_text().splitlines()
                    if "val_loss" in line]
     assert len(validations) == 2 and all("val_accuracy" in v and "val_margin" in v for v in validations)
+    assert "a fresh score head (score.weight, initialised from --seed) on its decoder" in lora.stderr
+    assert validations[0]["val_num_samples"] == 8  # 40 raw pairs, a fifth held out
     # The adapter alone (LoRA with the score head peft trains whole) loads onto the causal LM it was trained from.
     adapter = lora_out / "hf_format" / "samples_16"
     saved = json.loads((adapter / "adapter_config.json").read_text())

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.e2e import assert_ok, model_vocab_size, peer_comparison_args, read_metrics, torchrun, write_tokenized_pairs
+from fixtures.e2e import (assert_ok, model_vocab_size, peer_comparison_args, read_metrics, torchrun,
+                          write_tokenized_pairs)
 from fixtures.peer_venv import require
 from fixtures.trl_reward import run_trl_reward
 from fixtures.trl_venv import trl_python
