@@ -17,7 +17,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fixtures.e2e import IGNORE_INDEX, assert_ok, model_vocab_size, read_metrics, torchrun, write_tokenized_pairs
 from minitrainer.data.sampler import InfiniteSampler, collate_units, load_tokenized_dataset
