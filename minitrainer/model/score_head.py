@@ -18,6 +18,7 @@ so the score is the one the exported model computes on the sequence cut right af
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -25,6 +26,14 @@ from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.model.attention import cu_seqlens_from_position_ids
 from minitrainer.model.heads import score_head_name
 from minitrainer.model.loss import CausalLMWithLoss
+
+
+def last_learned_index(labels: np.ndarray) -> int | None:
+    """The index of one sequence's last learned token, from its UNshifted labels (past position 0, as the shifted
+    targets count them: a first token is no target), or None when it learns none: where ``last_learned_positions``
+    reads its score, and where a sequence is cut to be scored alone. Pure."""
+    learned = np.flatnonzero(np.asarray(labels)[1:] != IGNORE_INDEX)
+    return int(learned[-1]) + 1 if learned.size else None
 
 
 def last_learned_positions(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ from minitrainer.common.log import log_rank_0
 from minitrainer.model.attention import attention_inputs
 from minitrainer.model.loss import decoder_of
 from minitrainer.model.loss_terms import router_aux_weight
+from minitrainer.model.score_head import last_learned_index
 
 NUM_ROWS = 3
 MAX_ROW_TOKENS = 256
@@ -420,9 +421,9 @@ def _scored_rows(dataset, *, num_rows: int = NUM_ROWS, max_tokens: int = MAX_ROW
         if len(picked) == num_rows:
             break
         ids, labels = dataset.sample_arrays(int(index))
-        learned = np.flatnonzero(labels != IGNORE_INDEX)
-        if len(learned) and learned[-1] + 1 <= max_tokens:
-            picked.append(ids[:learned[-1] + 1])
+        last = last_learned_index(labels)
+        if last is not None and last + 1 <= max_tokens:
+            picked.append(ids[:last + 1])
     return picked
 
 

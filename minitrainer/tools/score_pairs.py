@@ -49,7 +49,6 @@ from types import SimpleNamespace
 import numpy as np
 
 from minitrainer.common.cli import config_field, parse_config
-from minitrainer.common.labels import IGNORE_INDEX
 from minitrainer.common.log import logger, setup_logging
 from minitrainer.common.refusals import collect_errors
 from minitrainer.data.tokenizing_flags import tokenizing_field
@@ -326,10 +325,10 @@ def load_pairs(config: ScorePairsConfig, tokenizer: str):
 def scored_part(input_ids: np.ndarray, labels: np.ndarray) -> np.ndarray | None:
     """A side cut right after its last learned token (labels unshifted: the last index past the first whose label
     is not -100, as the trainer's shifted targets count them); None when it learns no token."""
-    learned = np.flatnonzero(labels[1:] != IGNORE_INDEX)
-    if learned.size == 0:
-        return None
-    return input_ids[: int(learned[-1]) + 2]
+    from minitrainer.model.score_head import last_learned_index
+
+    last = last_learned_index(labels)
+    return None if last is None else input_ids[:last + 1]
 
 
 # ---------------------------------------------------------------------------------------------------
